@@ -1,0 +1,235 @@
+"""Collectives as autograd functions over an explicit process group.
+
+Each public function names its layout change and its conjugate: ``forward: AG dim 0, backward: RS
+dim 0``. The group is always an argument and is kept on ``ctx``, because pipeline schedules run the
+backward of one micro-batch after the forward of the next. A group of one rank is the identity.
+Outputs are fresh buffers allocated on the input's device: no collective ever writes into its input
+or into a parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "RingComm",
+    "all_gather_seq",
+    "all_to_all_heads_to_seq",
+    "all_to_all_seq_to_heads",
+    "gather_weight",
+    "reduce_scatter_seq",
+]
+
+
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_dim0(x: Tensor, group: ProcessGroup) -> Tensor:
+    out = x.new_empty((group.size() * x.shape[0], *x.shape[1:]))
+    _all_gather_single(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter_dim0(x: Tensor, group: ProcessGroup) -> Tensor:
+    if x.shape[0] % group.size():
+        raise ValueError(f"dim 0 ({x.shape[0]}) is not divisible by the group size {group.size()}")
+    out = x.new_empty((x.shape[0] // group.size(), *x.shape[1:]))
+    _reduce_scatter_single(out, x.contiguous(), group=group)
+    return out
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    """forward: all-gather dim 0; backward: reduce-scatter dim 0."""
+
+    @staticmethod
+    def forward(ctx, x_local: Tensor, group: ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _all_gather_dim0(x_local, group)
+
+    @staticmethod
+    def backward(ctx, grad_full: Tensor):
+        return _reduce_scatter_dim0(grad_full, ctx.group), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """forward: reduce-scatter dim 0; backward: all-gather dim 0."""
+
+    @staticmethod
+    def forward(ctx, x_full: Tensor, group: ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _reduce_scatter_dim0(x_full, group)
+
+    @staticmethod
+    def backward(ctx, grad_local: Tensor):
+        return _all_gather_dim0(grad_local, ctx.group), None
+
+
+def all_gather_seq(x_local: Tensor, group: ProcessGroup) -> Tensor:
+    """``[s/p, ...] -> [s, ...]``. forward: AG dim 0, backward: RS dim 0."""
+    if group.size() == 1:
+        return x_local
+    return _AllGatherSeq.apply(x_local, group)
+
+
+def reduce_scatter_seq(x_full: Tensor, group: ProcessGroup) -> Tensor:
+    """``[s, ...]`` partial sums -> ``[s/p, ...]`` reduced. forward: RS dim 0, backward: AG dim 0."""
+    if group.size() == 1:
+        return x_full
+    return _ReduceScatterSeq.apply(x_full, group)
+
+
+def _seq_to_heads(x: Tensor, group: ProcessGroup) -> Tensor:
+    p = group.size()
+    s_local, b, width = x.shape
+    # [s/p, b, p*w] -> [p, s/p, b, w]: chunk j of the last dim goes to rank j.
+    send = x.view(s_local, b, p, width // p).permute(2, 0, 1, 3).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    # [p, s/p, b, w]: block j holds rank j's tokens, which come j-th in canonical order.
+    return recv.view(p * s_local, b, width // p)
+
+
+def _heads_to_seq(x: Tensor, group: ProcessGroup) -> Tensor:
+    p = group.size()
+    s, b, width = x.shape
+    # [s, b, w] -> [p, s/p, b, w]: tokens of rank j go to rank j.
+    send = x.contiguous().view(p, s // p, b, width)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    # [p, s/p, b, w] -> [s/p, b, p*w]: block j holds head chunk j.
+    return recv.permute(1, 2, 0, 3).reshape(s // p, b, p * width)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """forward: all-to-all sequence -> heads; backward: heads -> sequence."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _heads_to_seq(grad, ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    """forward: all-to-all heads -> sequence; backward: sequence -> heads."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _heads_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _seq_to_heads(grad, ctx.group), None
+
+
+def all_to_all_seq_to_heads(x_local: Tensor, group: ProcessGroup) -> Tensor:
+    """``[s/p, b, p*w] -> [s, b, w]``: gather the sequence, keep the j-th chunk of the last dim on rank j.
+
+    forward: A2A seq->heads, backward: A2A heads->seq.
+    """
+    if x_local.dim() != 3 or x_local.shape[-1] % group.size():
+        raise ValueError(
+            f"expected [s/p, b, w] with w divisible by p={group.size()}, got {tuple(x_local.shape)}"
+        )
+    if group.size() == 1:
+        return x_local
+    return _SeqToHeads.apply(x_local, group)
+
+
+def all_to_all_heads_to_seq(x_full: Tensor, group: ProcessGroup) -> Tensor:
+    """``[s, b, w] -> [s/p, b, p*w]``: the inverse of :func:`all_to_all_seq_to_heads`.
+
+    forward: A2A heads->seq, backward: A2A seq->heads.
+    """
+    if x_full.dim() != 3 or x_full.shape[0] % group.size():
+        raise ValueError(
+            f"expected [s, b, w] with s divisible by p={group.size()}, got {tuple(x_full.shape)}"
+        )
+    if group.size() == 1:
+        return x_full
+    return _HeadsToSeq.apply(x_full, group)
+
+
+class _GatherWeight(torch.autograd.Function):
+    """forward: all-gather a weight shard along ``dim``; backward: reduce-scatter its gradient.
+
+    ZeRO-3 semantics: every rank multiplies its own tokens by the full weight, so the summed
+    (reduce-scattered) gradient is the full-loss gradient of each rank's shard.
+    """
+
+    @staticmethod
+    def forward(ctx, shard: Tensor, group: ProcessGroup, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        p = group.size()
+        if dim == 0:
+            return _all_gather_dim0(shard, group)
+        # Row-parallel shards [out, in/p] concatenate along dim 1: gather as [p, out, in/p].
+        gathered = _all_gather_dim0(shard, group).view(p, *shard.shape)
+        return gathered.permute(1, 0, 2).reshape(shard.shape[0], p * shard.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_full: Tensor):
+        group, p = ctx.group, ctx.group.size()
+        if ctx.dim == 1:
+            out_features, in_features = grad_full.shape
+            grad_full = grad_full.view(out_features, p, in_features // p).permute(1, 0, 2)
+            grad_full = grad_full.reshape(p * out_features, in_features // p)
+        return _reduce_scatter_dim0(grad_full, group), None, None
+
+
+def gather_weight(shard: Tensor, group: ProcessGroup, dim: int = 0) -> Tensor:
+    """The full weight from Megatron TP shards split along ``dim`` (0: column-, 1: row-parallel).
+
+    forward: AG along ``dim``, backward: RS along ``dim``.
+    """
+    if dim not in (0, 1) or (dim == 1 and shard.dim() != 2):
+        raise ValueError(f"gather_weight splits dim 0 (any rank) or dim 1 (2-D), got dim={dim}")
+    if group.size() == 1:
+        return shard
+    return _GatherWeight.apply(shard, group, dim)
+
+
+class RingComm:
+    """Asynchronous exchange with the ring neighbours of a group: send to next, receive from previous.
+
+    Used inside autograd functions that carry blocks around the ring (ring attention). One transfer
+    may be in flight at a time; :meth:`wait` completes it.
+    """
+
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+        self.size = group.size()
+        rank = group.rank()
+        self.next = dist.get_global_rank(group, (rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (rank - 1) % self.size)
+        self._in_flight: tuple | None = None
+
+    def send_recv(self, send: Tensor) -> Tensor:
+        """Start sending ``send`` to the next rank; return the buffer the previous rank's block lands in."""
+        if self._in_flight is not None:
+            raise RuntimeError("RingComm.send_recv called while a transfer is in flight; wait() first")
+        send = send.contiguous()
+        recv = torch.empty_like(send)
+        ops = [
+            dist.P2POp(dist.isend, send, self.next, self.group),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group),
+        ]
+        # Keep ``send`` referenced until the transfer completes.
+        self._in_flight = (dist.batch_isend_irecv(ops), send)
+        return recv
+
+    def wait(self) -> None:
+        if self._in_flight is None:
+            raise RuntimeError("RingComm.wait called with no transfer in flight")
+        for request in self._in_flight[0]:
+            request.wait()
+        self._in_flight = None

@@ -1,0 +1,121 @@
+"""Run a function on ``world_size`` local processes joined by one process group (gloo on CPU).
+
+Used by the tests and the CPU benchmarks. The first failure is re-raised with its rank and
+traceback; a rank that dies without reporting, or a run that outlives ``timeout_s``, kills every
+process instead of leaving the caller waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankFailure", "run_on_ranks"]
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or timed out; the message holds its rank and traceback."""
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: tuple = (),
+    timeout_s: float = 600.0,
+    backend: str = "gloo",
+    collective_timeout_s: float = 120.0,
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on each of ``world_size`` spawned processes.
+
+    ``fn`` must be importable (a module-level function) and return something ``torch.save`` can
+    write. Returns the results in rank order.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results: dict[int, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="paradyse-ranks-") as tmp:
+        reports = ctx.Queue()
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(fn, rank, world_size, args, os.path.join(tmp, "store"), backend,
+                      collective_timeout_s, threads_per_rank, reports),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        try:
+            deadline = time.monotonic() + timeout_s
+            while len(results) < world_size:
+                missing = [r for r in range(world_size) if r not in results]
+                if time.monotonic() > deadline:
+                    raise RankFailure(f"ranks {missing} did not finish within {timeout_s:.0f} s")
+                try:
+                    rank, ok, payload = reports.get(timeout=1.0)
+                except queue.Empty:
+                    dead = [r for r in missing if not procs[r].is_alive()]
+                    if dead and not _drained(reports, results):
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise RankFailure(f"ranks {dead} exited without a result (exit codes {codes})") from None
+                    continue
+                _record(rank, ok, payload, results)
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                proc.join()
+    return [results[r] for r in range(world_size)]
+
+
+def _record(rank: int, ok: bool, payload: bytes | str, results: dict[int, Any]) -> None:
+    if not ok:
+        raise RankFailure(f"rank {rank} failed:\n{payload}")
+    results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+
+
+def _drained(reports, results: dict[int, Any]) -> bool:
+    """Read reports a dead rank may have left behind; True if any arrived."""
+    arrived = False
+    while True:
+        try:
+            rank, ok, payload = reports.get(timeout=0.5)
+        except queue.Empty:
+            return arrived
+        _record(rank, ok, payload, results)
+        arrived = True
+
+
+def _worker(fn, rank, world_size, args, store_path, backend, collective_timeout_s, threads, reports) -> None:
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+        )
+        result = fn(rank, world_size, *args)
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        reports.put((rank, True, buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent with its traceback
+        reports.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

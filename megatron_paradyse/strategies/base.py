@@ -1,0 +1,185 @@
+"""What every strategy takes and returns.
+
+A strategy is a function ``(x_local [s/p, b, h], weights, ctx) -> y_local [s/p, b, h]`` for one
+sublayer. ``weights`` are Megatron's TP shards for ``tensor_model_parallel_size = p``, read and never
+written; ``ctx`` carries the process group, the micro-batch's :class:`SequenceLayout` and the model's
+shape. Strategies keep nothing between calls, so a layer may run a different one on every call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Literal, Protocol
+
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from megatron_paradyse.attention.kernels import AttentionKernel
+from megatron_paradyse.layout import SequenceLayout
+
+__all__ = [
+    "AttentionContext",
+    "AttentionWeights",
+    "MLPContext",
+    "MLPWeights",
+    "ModelShape",
+    "QKTransform",
+    "Strategy",
+    "Sublayer",
+]
+
+Sublayer = Literal["attention", "mlp"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The dimensions of one transformer layer that strategies and cost models need."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    """Key/value heads (GQA); equal to ``num_attention_heads`` for MHA."""
+    kv_channels: int
+    """Head dimension."""
+    ffn_hidden_size: int
+    gated_mlp: bool = False
+    """SwiGLU-style MLP: ``linear_fc1`` produces gate and up projections."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type == "int" and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"ModelShape.{field.name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_query_groups={self.num_query_groups}"
+            )
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    def qkv_rows(self, p: int) -> int:
+        """Rows of the ``linear_qkv`` shard: ``ng/p * (np/ng + 2) * hn``."""
+        return self.num_query_groups // p * (self.heads_per_group + 2) * self.kv_channels
+
+    def fc1_rows(self, p: int) -> int:
+        return (2 if self.gated_mlp else 1) * self.ffn_hidden_size // p
+
+    def shard_problems(self, p: int) -> list[str]:
+        """Why Megatron's TP shards for ``p`` ranks do not split cleanly by head and unit (empty: they do)."""
+        problems = []
+        if self.num_attention_heads % p:
+            problems.append(f"num_attention_heads={self.num_attention_heads} is not divisible by p={p}")
+        if self.num_query_groups % p:
+            problems.append(
+                f"num_query_groups={self.num_query_groups} is not divisible by p={p} (Megatron would split "
+                f"a key/value head across ranks)"
+            )
+        if self.ffn_hidden_size % p:
+            problems.append(f"ffn_hidden_size={self.ffn_hidden_size} is not divisible by p={p}")
+        return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionWeights:
+    """Megatron's TP shards of one self-attention sublayer."""
+
+    qkv: Tensor
+    """``linear_qkv`` column shard ``[ng/p * (np/ng + 2) * hn, h]``: per key/value group, its query heads, then k, then v."""
+    proj: Tensor
+    """``linear_proj`` row shard ``[h, np/p * hn]``."""
+    qkv_bias: Tensor | None = None
+    """``[ng/p * (np/ng + 2) * hn]``, sharded like ``qkv``."""
+    proj_bias: Tensor | None = None
+    """``[h]``, replicated over the group."""
+
+    def check(self, shape: ModelShape, p: int) -> None:
+        _check_shapes(
+            {
+                "linear_qkv.weight": (self.qkv, (shape.qkv_rows(p), shape.hidden_size)),
+                "linear_proj.weight": (self.proj, (shape.hidden_size, shape.num_attention_heads // p * shape.kv_channels)),
+                "linear_qkv.bias": (self.qkv_bias, (shape.qkv_rows(p),)),
+                "linear_proj.bias": (self.proj_bias, (shape.hidden_size,)),
+            },
+            p,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPWeights:
+    """Megatron's TP shards of one MLP sublayer."""
+
+    fc1: Tensor
+    """``linear_fc1`` column shard ``[ffn/p, h]``, or ``[2*ffn/p, h]`` gated: this rank's gate rows, then its up rows."""
+    fc2: Tensor
+    """``linear_fc2`` row shard ``[h, ffn/p]``."""
+    fc1_bias: Tensor | None = None
+    fc2_bias: Tensor | None = None
+    """``[h]``, replicated over the group."""
+
+    def check(self, shape: ModelShape, p: int) -> None:
+        _check_shapes(
+            {
+                "linear_fc1.weight": (self.fc1, (shape.fc1_rows(p), shape.hidden_size)),
+                "linear_fc2.weight": (self.fc2, (shape.hidden_size, shape.ffn_hidden_size // p)),
+                "linear_fc1.bias": (self.fc1_bias, (shape.fc1_rows(p),)),
+                "linear_fc2.bias": (self.fc2_bias, (shape.hidden_size,)),
+            },
+            p,
+        )
+
+
+def _check_shapes(expected: dict[str, tuple[Tensor | None, tuple[int, ...]]], p: int) -> None:
+    for name, (tensor, want) in expected.items():
+        if tensor is not None and tuple(tensor.shape) != want:
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)}, but the model's TP shard for p={p} is {want}"
+            )
+
+
+class QKTransform(Protocol):
+    """Token- and head-local transform of queries and keys after the QKV projection (q/k norm, RoPE).
+
+    ``q`` is ``[s, b, nq, d]``, ``k`` is ``[s, b, nk, d]``; ``position_ids`` ``[s]`` gives each token's
+    rotary position, whatever order the strategy holds the tokens in.
+    """
+
+    def __call__(self, q: Tensor, k: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionContext:
+    """Everything an attention strategy needs besides its input and weights."""
+
+    group: ProcessGroup
+    layout: SequenceLayout
+    shape: ModelShape
+    kernel: AttentionKernel
+    softmax_scale: float
+    qk_transform: QKTransform | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLPContext:
+    """Everything an MLP strategy needs besides its input and weights."""
+
+    group: ProcessGroup
+    shape: ModelShape
+    activation: Callable[[Tensor], Tensor]
+    """Megatron's ``config.activation_func``; applied to the gate half when ``shape.gated_mlp``."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Strategy:
+    """One entry of the strategy library."""
+
+    name: str
+    sublayer: Sublayer
+    forward: Callable[..., Tensor]
+    """``(x_local, weights, ctx) -> y_local``."""
+    summary: str
+    """One line: what it communicates and what it keeps in memory."""
+    unsupported: Callable[[ModelShape, int], str | None] = lambda shape, p: None
+    """Why this strategy cannot run a model on ``p`` ranks beyond the shard layout itself, or None."""

@@ -1,0 +1,72 @@
+"""Pieces shared by several strategies: the QKV split, full-sequence attention, the MLP activation."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from megatron_paradyse.attention import segment_attention
+from megatron_paradyse.comm import gather_weight
+from megatron_paradyse.strategies.base import AttentionContext, ModelShape
+
+__all__ = ["activate", "add_bias", "attend_full_sequence", "gather_bias", "heads_first", "split_qkv"]
+
+
+def split_qkv(mixed: Tensor, shape: ModelShape) -> tuple[Tensor, Tensor, Tensor]:
+    """``[s, b, g*(np/ng + 2)*hn]`` (Megatron's per-group interleave, any number of groups ``g``) ->
+    ``q [s, b, g*np/ng, hn]``, ``k``/``v`` ``[s, b, g, hn]``."""
+    hn, per_group = shape.kv_channels, shape.heads_per_group
+    s, b, width = mixed.shape
+    groups = width // ((per_group + 2) * hn)
+    mixed = mixed.view(s, b, groups, (per_group + 2) * hn)
+    q, k, v = torch.split(mixed, [per_group * hn, hn, hn], dim=3)
+    return q.reshape(s, b, groups * per_group, hn), k, v
+
+
+def heads_first(t: Tensor) -> Tensor:
+    """``[s, b, n, d] -> [b, n, s, d]`` (a view)."""
+    return t.permute(1, 2, 0, 3)
+
+
+def attend_full_sequence(qkv_full: Tensor, ctx: AttentionContext) -> Tensor:
+    """Attention of whole sequences on this rank's heads.
+
+    ``qkv_full`` is ``[s, b, g*(np/ng + 2)*hn]`` in canonical order; the result is ``[s, b, nq*hn]`` in
+    canonical order. Tokens are put in natural order first so each document is one dense block.
+    """
+    layout = ctx.layout
+    q, k, v = split_qkv(qkv_full, ctx.shape)
+    if ctx.qk_transform is not None:
+        q, k = ctx.qk_transform(q, k, layout.position_ids.to(q.device))
+    if not layout.is_identity:
+        to_natural = layout.canonical_index.to(q.device)
+        q, k, v = (t.index_select(0, to_natural) for t in (q, k, v))
+    out = segment_attention(
+        heads_first(q), heads_first(k), heads_first(v), layout.full_segments(), ctx.softmax_scale, ctx.kernel
+    )
+    out = out.permute(2, 0, 1, 3)  # [s, b, nq, hn], natural order
+    if not layout.is_identity:
+        out = out.index_select(0, layout.natural_positions.to(out.device))
+    return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def activate(h: Tensor, shape: ModelShape, activation, blocks: int) -> Tensor:
+    """Apply the MLP activation to ``linear_fc1`` output made of ``blocks`` TP shards.
+
+    Megatron's gated shard is ``[gate | up]`` per rank, so a gathered ``fc1`` output is
+    ``[gate_0 | up_0 | gate_1 | up_1 | ...]``; the result is ``[..., blocks * ffn/p]`` in rank order.
+    """
+    if not shape.gated_mlp:
+        return activation(h)
+    gate_up = h.unflatten(-1, (blocks, 2, -1))
+    return (activation(gate_up[..., 0, :]) * gate_up[..., 1, :]).flatten(-2)
+
+
+def add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
+    return y if bias is None else y + bias
+
+
+def gather_bias(bias: Tensor | None, group: ProcessGroup) -> Tensor | None:
+    """The full bias of a column-parallel linear (ZeRO-3 gather; gradient reduce-scattered)."""
+    return None if bias is None else gather_weight(bias, group, dim=0)

@@ -1,0 +1,101 @@
+"""The strategy library: one table, filled by the strategy modules at import, read-only afterwards."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from megatron_paradyse.strategies.base import (
+    AttentionContext,
+    AttentionWeights,
+    MLPContext,
+    MLPWeights,
+    ModelShape,
+    Strategy,
+    Sublayer,
+)
+
+__all__ = [
+    "available_strategies",
+    "get_strategy",
+    "register",
+    "run_attention",
+    "run_mlp",
+    "strategy_names",
+    "unsupported_reason",
+]
+
+_LIBRARY: dict[tuple[Sublayer, str], Strategy] = {}
+
+
+def register(strategy: Strategy) -> Strategy:
+    key = (strategy.sublayer, strategy.name)
+    if key in _LIBRARY:
+        raise ValueError(f"{strategy.sublayer} strategy {strategy.name!r} is already registered")
+    _LIBRARY[key] = strategy
+    return strategy
+
+
+def strategy_names(sublayer: Sublayer) -> list[str]:
+    return [name for (sub, name) in _LIBRARY if sub == sublayer]
+
+
+def get_strategy(sublayer: Sublayer, name: str) -> Strategy:
+    try:
+        return _LIBRARY[(sublayer, name)]
+    except KeyError:
+        raise ValueError(
+            f"unknown {sublayer} strategy {name!r}; known: {', '.join(strategy_names(sublayer))}"
+        ) from None
+
+
+def unsupported_reason(sublayer: Sublayer, name: str, shape: ModelShape, p: int) -> str | None:
+    """Why strategy ``name`` cannot run ``shape`` on ``p`` ranks, or None when it can."""
+    strategy = get_strategy(sublayer, name)
+    problems = shape.shard_problems(p)
+    if problems:
+        return "; ".join(problems)
+    return strategy.unsupported(shape, p)
+
+
+def available_strategies(sublayer: Sublayer, shape: ModelShape, p: int) -> tuple[list[str], dict[str, str]]:
+    """(strategies that can run, {excluded strategy: reason}) for ``shape`` on ``p`` ranks."""
+    usable, excluded = [], {}
+    for name in strategy_names(sublayer):
+        reason = unsupported_reason(sublayer, name, shape, p)
+        if reason is None:
+            usable.append(name)
+        else:
+            excluded[name] = reason
+    return usable, excluded
+
+
+def _checked(sublayer: Sublayer, name: str, shape: ModelShape, p: int) -> Strategy:
+    strategy = get_strategy(sublayer, name)
+    reason = unsupported_reason(sublayer, name, shape, p)
+    if reason is not None:
+        raise ValueError(f"{sublayer} strategy {name!r} cannot run this model on p={p} ranks: {reason}")
+    return strategy
+
+
+def run_attention(name: str, x_local: Tensor, weights: AttentionWeights, ctx: AttentionContext) -> Tensor:
+    """Run attention strategy ``name`` after checking that it fits the model, layout and input."""
+    p = ctx.group.size()
+    if ctx.layout.p != p:
+        raise ValueError(f"the sequence layout is for p={ctx.layout.p} ranks, but the group has {p}")
+    strategy = _checked("attention", name, ctx.shape, p)
+    ctx.layout.check_local(x_local)
+    weights.check(ctx.shape, p)
+    return strategy.forward(x_local, weights, ctx)
+
+
+def run_mlp(name: str, x_local: Tensor, weights: MLPWeights, ctx: MLPContext) -> Tensor:
+    """Run MLP strategy ``name`` after checking that it fits the model."""
+    p = ctx.group.size()
+    strategy = _checked("mlp", name, ctx.shape, p)
+    weights.check(ctx.shape, p)
+    if x_local.shape[0] * p % (2 * p):
+        raise ValueError(
+            f"x_local has {x_local.shape[0]} tokens; the padded sequence ({x_local.shape[0] * p}) must be a "
+            f"multiple of 2p={2 * p}"
+        )
+    return strategy.forward(x_local, weights, ctx)

@@ -1,0 +1,121 @@
+"""``ring``: context-parallel ring attention with ZeRO-3 weights.
+
+Each rank projects its own ``s/p`` tokens to Q, K, V for *all* heads with the all-gathered QKV
+weight, then passes its K/V block around the ring: at step ``t`` it holds the block of rank
+``r - t`` and attends to the parts the layout marks visible. In zigzag order (causal) every step costs
+every rank the same: the block from an earlier rank is seen by both local chunks' queries against
+its first chunk, the block from a later rank by the second local chunk against both of its chunks.
+Partial results merge by log-sum-exp. The next block is in flight while the current one is computed.
+
+Backward walks the ring again: ``dq`` stays home, each block's ``(dk, dv)`` accumulator travels with
+it and, after ``p`` hops, arrives back at its owner complete. Memory: ``O(s/p)`` activations, two
+K/V blocks and the gathered weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from megatron_paradyse.attention import AttentionKernel, merge_partial, segments_backward, segments_forward
+from megatron_paradyse.comm import RingComm, gather_weight
+from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.strategies.base import AttentionContext, AttentionWeights, Strategy
+from megatron_paradyse.strategies.common import add_bias, gather_bias, heads_first, split_qkv
+from megatron_paradyse.strategies.registry import register
+
+__all__ = ["ring_attention"]
+
+
+class _RingAttention(torch.autograd.Function):
+    """``q [b, nq, s/p, d]``, ``k``/``v`` ``[b, nkv, s/p, d]`` (local tokens) -> ``out [b, nq, s/p, d]``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: SequenceLayout, group: ProcessGroup, kernel: AttentionKernel, scale: float):
+        rank, p = group.rank(), group.size()
+        comm = RingComm(group) if p > 1 else None
+        kv = torch.stack((k, v))  # [2, b, nkv, s/p, d]: one message per step
+        out = q.new_zeros(q.shape, dtype=torch.float32)
+        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
+        for step in range(p):
+            if step + 1 < p:
+                kv_next = comm.send_recv(kv)
+            segments = layout.ring_segments(rank, (rank - step) % p)
+            if segments:
+                part_out, part_lse = segments_forward(q, kv[0], kv[1], segments, scale, kernel)
+                out, lse = merge_partial(out, lse, part_out, part_lse)
+            if step + 1 < p:
+                comm.wait()
+                kv = kv_next
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout, ctx.group, ctx.kernel, ctx.scale = layout, group, kernel, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, group, kernel, scale = ctx.layout, ctx.group, ctx.kernel, ctx.scale
+        rank, p = group.rank(), group.size()
+        kv_comm = RingComm(group) if p > 1 else None
+        dkv_comm = RingComm(group) if p > 1 else None
+        kv = torch.stack((k, v))
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dkv_in = None
+        for step in range(p):
+            src = (rank - step) % p
+            if step + 1 < p:
+                kv_next = kv_comm.send_recv(kv)
+            dkv = torch.zeros_like(kv, dtype=torch.float32)  # this step's gradient of src's block
+            segments = layout.ring_segments(rank, src)
+            if segments:
+                dq_b, dk_b, dv_b = segments_backward(dout, q, kv[0], kv[1], out, lse, segments, scale, kernel)
+                dq += dq_b
+                dkv[0] += dk_b
+                dkv[1] += dv_b
+            if dkv_in is not None:
+                dkv_comm.wait()
+                dkv += dkv_in  # what the ranks before us added to src's block
+            if p == 1:
+                dkv_in = dkv
+                break
+            # Pass src's accumulator on; receive the one of the block we hold next.
+            dkv_in = dkv_comm.send_recv(dkv)
+            if step + 1 < p:
+                kv_comm.wait()
+                kv = kv_next
+        if p > 1:
+            dkv_comm.wait()  # after p hops our own block's accumulator is back, complete
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None, None
+
+
+def ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, group: ProcessGroup, kernel: AttentionKernel, scale: float
+) -> Tensor:
+    """Exact attention of the local queries over the whole sequence's keys, block by block around the ring."""
+    return _RingAttention.apply(q, k, v, layout, group, kernel, scale)
+
+
+def attention(x_local: Tensor, w: AttentionWeights, ctx: AttentionContext) -> Tensor:
+    group, layout = ctx.group, ctx.layout
+    s_local, b, _ = x_local.shape
+    qkv = F.linear(x_local, gather_weight(w.qkv, group, 0), gather_bias(w.qkv_bias, group))
+    q, k, v = split_qkv(qkv, ctx.shape)  # all heads, local tokens
+    if ctx.qk_transform is not None:
+        positions = layout.position_ids[layout.local_slice(group.rank())].to(q.device)
+        q, k = ctx.qk_transform(q, k, positions)
+    out = ring_attention(heads_first(q), heads_first(k), heads_first(v), layout, group, ctx.kernel, ctx.softmax_scale)
+    core = out.permute(2, 0, 1, 3).reshape(s_local, b, -1)  # [s/p, b, np*hn]
+    return add_bias(F.linear(core, gather_weight(w.proj, group, 1)), w.proj_bias)
+
+
+register(
+    Strategy(
+        name="ring",
+        sublayer="attention",
+        forward=attention,
+        summary="ring CP + ZeRO-3: p-1 K/V hops overlapped with compute; all heads on s/p tokens; weights gathered",
+    )
+)

@@ -1,0 +1,37 @@
+"""``ulysses``: DeepSpeed-Ulysses sequence parallelism with ZeRO-3 weights.
+
+QKV of the local tokens with the all-gathered weight; all-to-all from sequence shards to head
+shards (rank ``j`` receives the QKV columns of Megatron's TP shard ``j``: the same heads ``tp_sp``
+gives it); attention over the whole sequence; all-to-all back; projection with the all-gathered
+weight. Activations cross the wire as ``[s/p, b, *]`` blocks (``1/p`` of ``tp_sp``'s traffic), weights
+are gathered per call and their gradients reduce-scattered back to the shards.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron_paradyse.comm import all_to_all_heads_to_seq, all_to_all_seq_to_heads, gather_weight
+from megatron_paradyse.strategies.base import AttentionContext, AttentionWeights, Strategy
+from megatron_paradyse.strategies.common import add_bias, attend_full_sequence, gather_bias
+from megatron_paradyse.strategies.registry import register
+
+
+def attention(x_local: Tensor, w: AttentionWeights, ctx: AttentionContext) -> Tensor:
+    group = ctx.group
+    qkv_local = F.linear(x_local, gather_weight(w.qkv, group, 0), gather_bias(w.qkv_bias, group))
+    qkv_full = all_to_all_seq_to_heads(qkv_local, group)  # [s, b, ng/p*(np/ng+2)*hn]
+    core = attend_full_sequence(qkv_full, ctx)  # [s, b, np/p*hn]
+    core_local = all_to_all_heads_to_seq(core, group)  # [s/p, b, np*hn]
+    return add_bias(F.linear(core_local, gather_weight(w.proj, group, 1)), w.proj_bias)
+
+
+register(
+    Strategy(
+        name="ulysses",
+        sublayer="attention",
+        forward=attention,
+        summary="Ulysses + ZeRO-3: 2 A2A of [s/p,b,*]; local heads over the whole sequence; weights gathered",
+    )
+)

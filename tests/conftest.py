@@ -1,0 +1,1 @@
+"""Test-session setup shared by every test module."""
