@@ -1,0 +1,81 @@
+"""Peak memory allocated by a piece of work, on CUDA and on CPU.
+
+On CUDA it is the caching allocator's own count (``torch.cuda.max_memory_allocated``). CPU has no
+allocator statistics, so :class:`PeakMemory` watches every operator through a dispatch mode and
+counts the storages it creates until they are freed: the same quantity, bytes held by live tensors
+created inside the window, without allocator caching or fragmentation. Memory held before the window
+(weights, optimizer state) is not counted; :attr:`PeakMemory.peak_bytes` is the high-water mark above
+it.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["PeakMemory"]
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Counts bytes of storages created by operators while active, and when each is freed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._known: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if _has_storage(t)}
+        for t in tree_flatten(out)[0]:
+            if not _has_storage(t):
+                continue
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key in inputs or key in self._known:
+                continue  # an in-place result, or a view of a storage already counted
+            self._known.add(key)
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._freed, key, storage.nbytes())
+        return out
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self._known.discard(key)
+        self.live -= nbytes
+
+
+def _has_storage(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type != "meta"
+
+
+class PeakMemory:
+    """``with PeakMemory(device) as m: work()`` then ``m.peak_bytes``: bytes above the start, at peak."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.peak_bytes = 0
+        self._tracker: _StorageTracker | None = None
+        self._start = 0
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        else:
+            self._tracker = _StorageTracker()
+            self._tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+        else:
+            self._tracker.__exit__(*exc)
+            self.peak_bytes = self._tracker.peak
