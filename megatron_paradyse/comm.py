@@ -137,9 +137,7 @@ def all_to_all_seq_to_heads(x_local: Tensor, group: ProcessGroup) -> Tensor:
     forward: A2A seq->heads, backward: A2A heads->seq.
     """
     if x_local.dim() != 3 or x_local.shape[-1] % group.size():
-        raise ValueError(
-            f"expected [s/p, b, w] with w divisible by p={group.size()}, got {tuple(x_local.shape)}"
-        )
+        raise ValueError(f"expected [s/p, b, w] with w divisible by p={group.size()}, got {tuple(x_local.shape)}")
     if group.size() == 1:
         return x_local
     return _SeqToHeads.apply(x_local, group)
@@ -151,9 +149,7 @@ def all_to_all_heads_to_seq(x_full: Tensor, group: ProcessGroup) -> Tensor:
     forward: A2A heads->seq, backward: A2A seq->heads.
     """
     if x_full.dim() != 3 or x_full.shape[0] % group.size():
-        raise ValueError(
-            f"expected [s, b, w] with s divisible by p={group.size()}, got {tuple(x_full.shape)}"
-        )
+        raise ValueError(f"expected [s, b, w] with s divisible by p={group.size()}, got {tuple(x_full.shape)}")
     if group.size() == 1:
         return x_full
     return _HeadsToSeq.apply(x_full, group)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -96,12 +97,10 @@ class SequenceLayout:
             raise ValueError(f"doc_lengths must be positive, got {self.doc_lengths}")
         _check_padded(self.padded_len, self.p)
         if self.padded_len < self.valid_len:
-            raise ValueError(
-                f"padded_len={self.padded_len} is shorter than the {self.valid_len} real tokens"
-            )
+            raise ValueError(f"padded_len={self.padded_len} is shorter than the {self.valid_len} real tokens")
 
     @classmethod
-    def build(cls, doc_lengths: int | Sequence[int], p: int, *, causal: bool) -> "SequenceLayout":
+    def build(cls, doc_lengths: int | Sequence[int], p: int, *, causal: bool) -> SequenceLayout:
         """Layout of documents packed back to back and padded to a multiple of ``2p``."""
         docs = (int(doc_lengths),) if isinstance(doc_lengths, int) else tuple(map(int, doc_lengths))
         return cls(docs, p, causal, padded_length(sum(docs), p))
@@ -175,8 +174,7 @@ class SequenceLayout:
             t = torch.cat([t, t.new_full(pad_shape, pad_value)], dim=dim)
         elif n != self.padded_len:
             raise ValueError(
-                f"expected {self.valid_len} (unpadded) or {self.padded_len} (padded) entries on "
-                f"dim {dim}, got {n}"
+                f"expected {self.valid_len} (unpadded) or {self.padded_len} (padded) entries on dim {dim}, got {n}"
             )
         if self.is_identity:
             return t
@@ -235,9 +233,7 @@ class SequenceLayout:
                 for k in _clip_runs(self.local_runs(k_rank), d_start, d_end):
                     # Blocks of different ranks never share positions: all before, or all after.
                     if not self.causal or k.natural + k.length <= q.natural:
-                        segments.append(
-                            Segment(q.local, q.local + q.length, k.local, k.local + k.length, False)
-                        )
+                        segments.append(Segment(q.local, q.local + q.length, k.local, k.local + k.length, False))
         return _coalesce(segments)
 
     def _self_segments(self, runs: tuple[_Run, ...]) -> tuple[Segment, ...]:

@@ -62,7 +62,7 @@ class PeakMemory:
         self._tracker: _StorageTracker | None = None
         self._start = 0
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

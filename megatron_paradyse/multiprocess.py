@@ -15,7 +15,8 @@ import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,8 +52,17 @@ def run_on_ranks(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, rank, world_size, args, os.path.join(tmp, "store"), backend,
-                      collective_timeout_s, threads_per_rank, reports),
+                args=(
+                    fn,
+                    rank,
+                    world_size,
+                    args,
+                    os.path.join(tmp, "store"),
+                    backend,
+                    collective_timeout_s,
+                    threads_per_rank,
+                    reports,
+                ),
                 daemon=True,
             )
             for rank in range(world_size)

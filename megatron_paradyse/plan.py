@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 __all__ = ["LayerOption", "Plan"]
 
@@ -26,7 +26,7 @@ class LayerOption:
         return f"{self.attention}/{self.mlp}{'+rc' if self.recompute else ''}"
 
     @classmethod
-    def parse(cls, text: str) -> "LayerOption":
+    def parse(cls, text: str) -> LayerOption:
         """Inverse of ``str``: ``"ring/zero3+rc"`` -> ``LayerOption("ring", "zero3", True)``."""
         body, plus, flag = text.strip().partition("+")
         attention, slash, mlp = body.partition("/")
@@ -46,11 +46,11 @@ class Plan:
     """Predicted peak memory of the stage for this micro-batch."""
 
     @classmethod
-    def uniform(cls, option: LayerOption, num_layers: int) -> "Plan":
+    def uniform(cls, option: LayerOption, num_layers: int) -> Plan:
         return cls((option,) * num_layers)
 
     @classmethod
-    def from_options(cls, options: Sequence[LayerOption | str]) -> "Plan":
+    def from_options(cls, options: Sequence[LayerOption | str]) -> Plan:
         return cls(tuple(o if isinstance(o, LayerOption) else LayerOption.parse(o) for o in options))
 
     def __len__(self) -> int:

@@ -6,7 +6,7 @@ micro-batch context (captured by the closure), so every rank reruns the same col
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch.utils.checkpoint
 from torch import Tensor

@@ -59,7 +59,9 @@ def make_params(cfg: StackConfig, seed: int) -> list[dict[str, Tensor]]:
                 "ln1_b": rand(h, scale=0.1),
                 "qkv_w": rand(qkv_rows, h, scale=h**-0.5),
                 "qkv_b": rand(qkv_rows, scale=0.1) if cfg.bias else None,
-                "proj_w": rand(h, s.num_attention_heads * s.kv_channels, scale=(s.num_attention_heads * s.kv_channels) ** -0.5),
+                "proj_w": rand(
+                    h, s.num_attention_heads * s.kv_channels, scale=(s.num_attention_heads * s.kv_channels) ** -0.5
+                ),
                 "proj_b": rand(h, scale=0.1) if cfg.bias else None,
                 "ln2_w": 1 + rand(h, scale=0.1),
                 "ln2_b": rand(h, scale=0.1),
@@ -78,7 +80,9 @@ def _doc_ids_and_positions(doc_lengths: tuple[int, ...]) -> tuple[Tensor, Tensor
     return ids, positions
 
 
-def reference_forward(x: Tensor, layers: list[dict[str, Tensor]], cfg: StackConfig, doc_lengths: tuple[int, ...]) -> Tensor:
+def reference_forward(
+    x: Tensor, layers: list[dict[str, Tensor]], cfg: StackConfig, doc_lengths: tuple[int, ...]
+) -> Tensor:
     """``x [s, b, h]`` in natural order, unpadded -> ``[s, b, h]``."""
     s = cfg.shape
     hn, per_group = s.kv_channels, s.heads_per_group

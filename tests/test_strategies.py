@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from reference_model import StackConfig, make_params, reference_forward, rope_transform, shard_layer
 
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.layout import SequenceLayout
@@ -27,7 +28,6 @@ from megatron_paradyse.strategies import (
     run_attention,
     run_mlp,
 )
-from reference_model import StackConfig, make_params, reference_forward, rope_transform, shard_layer
 
 TOLERANCE = 1e-5
 NUM_LAYERS = 4
@@ -68,7 +68,9 @@ def build_cases(p: int) -> list[Case]:
             docs = (8 * p - 3,)  # needs padding to 8p
             for a in attn:
                 for m in mlp:
-                    cases.append(Case(f"{tag}-{a}+{m}", gqa, causal, docs, ((a, m),) * NUM_LAYERS, rng.randrange(10**6)))
+                    cases.append(
+                        Case(f"{tag}-{a}+{m}", gqa, causal, docs, ((a, m),) * NUM_LAYERS, rng.randrange(10**6))
+                    )
             for i in range(2):
                 plan = tuple((rng.choice(attn), rng.choice(mlp)) for _ in range(NUM_LAYERS))
                 cases.append(Case(f"{tag}-mix{i}", gqa, causal, docs, plan, rng.randrange(10**6)))
@@ -143,8 +145,11 @@ def run_case(case: Case, rank: int, p: int) -> dict:
     for grad in replicated:
         dist.all_reduce(grad, group=group)
 
-    errors = {"loss": rel_err(loss, loss_ref.detach()), "dx": rel_err(x_local.grad, layout.to_canonical(x_ref.grad)[local])}
-    for i, (layer, ref_layer, (aw, mw), norm) in enumerate(zip(layers, ref_layers, shards, norms)):
+    errors = {
+        "loss": rel_err(loss, loss_ref.detach()),
+        "dx": rel_err(x_local.grad, layout.to_canonical(x_ref.grad)[local]),
+    }
+    for i, (ref_layer, (aw, mw), norm) in enumerate(zip(ref_layers, shards, norms)):
         ref_grads = {k: None if v is None else v.grad for k, v in ref_layer.items()}
         ref_aw, ref_mw = shard_layer(ref_grads, cfg.shape, p, rank)
         pairs = [

@@ -9,7 +9,7 @@ and a zero output, which later merges ignore.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -73,8 +73,14 @@ def segments_backward(
         rows = slice(seg.q_start, seg.q_end)
         cols = slice(seg.k_start, seg.k_end)
         dq_s, dk_s, dv_s = kernel.backward(
-            dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
-            out[:, :, rows], lse[:, :, rows].contiguous(), seg.causal, scale,
+            dout[:, :, rows],
+            q[:, :, rows],
+            k[:, :, cols],
+            v[:, :, cols],
+            out[:, :, rows],
+            lse[:, :, rows].contiguous(),
+            seg.causal,
+            scale,
         )
         dq[:, :, rows] += dq_s
         dk[:, :, cols] += dk_s

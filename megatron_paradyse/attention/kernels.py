@@ -72,8 +72,15 @@ class TorchCpuKernel:
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         groups = q.shape[1] // k.shape[1]
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q, _expand_kv(k, groups), _expand_kv(v, groups), out, lse,
-            0.0, causal, scale=scale,
+            dout.contiguous(),
+            q,
+            _expand_kv(k, groups),
+            _expand_kv(v, groups),
+            out,
+            lse,
+            0.0,
+            causal,
+            scale=scale,
         )
         return dq, _reduce_kv(dk, groups), _reduce_kv(dv, groups)
 
@@ -137,7 +144,7 @@ class FlashAttnKernel:
         if dtype not in (torch.float16, torch.bfloat16):
             return f"the '{self.name}' kernel needs fp16 or bf16 (got {dtype}); use 'math' for fp32"
         try:
-            self._api
+            _ = self._api
         except ImportError as e:
             return f"flash-attn is not installed ({e}); pip install 'megatron-paradyse[gpu]'"
         return None
@@ -145,8 +152,17 @@ class FlashAttnKernel:
     def forward(self, q, k, v, causal, scale):
         # flash-attn wants [b, s, n, d]; it supports GQA natively.
         out, lse, *_ = self._api._flash_attn_forward(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, scale, causal,
-            -1, -1, 0.0, None, False,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            0.0,
+            scale,
+            causal,
+            -1,
+            -1,
+            0.0,
+            None,
+            False,
         )
         return out.transpose(1, 2), lse
 
@@ -160,9 +176,7 @@ class FlashAttnKernel:
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-_KERNELS: dict[str, AttentionKernel] = {
-    k.name: k for k in (TorchCpuKernel(), MathKernel(), FlashAttnKernel())
-}
+_KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (TorchCpuKernel(), MathKernel(), FlashAttnKernel())}
 
 
 def kernel_names() -> list[str]:

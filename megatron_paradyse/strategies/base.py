@@ -9,7 +9,8 @@ shape. Strategies keep nothing between calls, so a layer may run a different one
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Literal, Protocol
+from collections.abc import Callable
+from typing import Literal, Protocol
 
 from torch import Tensor
 from torch.distributed import ProcessGroup
@@ -87,7 +88,8 @@ class AttentionWeights:
     """Megatron's TP shards of one self-attention sublayer."""
 
     qkv: Tensor
-    """``linear_qkv`` column shard ``[ng/p * (np/ng + 2) * hn, h]``: per key/value group, its query heads, then k, then v."""
+    """``linear_qkv`` column shard ``[ng/p * (np/ng + 2) * hn, h]``: per key/value group, its query
+    heads, then k, then v."""
     proj: Tensor
     """``linear_proj`` row shard ``[h, np/p * hn]``."""
     qkv_bias: Tensor | None = None
@@ -99,7 +101,10 @@ class AttentionWeights:
         _check_shapes(
             {
                 "linear_qkv.weight": (self.qkv, (shape.qkv_rows(p), shape.hidden_size)),
-                "linear_proj.weight": (self.proj, (shape.hidden_size, shape.num_attention_heads // p * shape.kv_channels)),
+                "linear_proj.weight": (
+                    self.proj,
+                    (shape.hidden_size, shape.num_attention_heads // p * shape.kv_channels),
+                ),
                 "linear_qkv.bias": (self.qkv_bias, (shape.qkv_rows(p),)),
                 "linear_proj.bias": (self.proj_bias, (shape.hidden_size,)),
             },
@@ -112,7 +117,8 @@ class MLPWeights:
     """Megatron's TP shards of one MLP sublayer."""
 
     fc1: Tensor
-    """``linear_fc1`` column shard ``[ffn/p, h]``, or ``[2*ffn/p, h]`` gated: this rank's gate rows, then its up rows."""
+    """``linear_fc1`` column shard ``[ffn/p, h]``, or ``[2*ffn/p, h]`` gated: this rank's gate rows,
+    then its up rows."""
     fc2: Tensor
     """``linear_fc2`` row shard ``[h, ffn/p]``."""
     fc1_bias: Tensor | None = None
@@ -134,9 +140,7 @@ class MLPWeights:
 def _check_shapes(expected: dict[str, tuple[Tensor | None, tuple[int, ...]]], p: int) -> None:
     for name, (tensor, want) in expected.items():
         if tensor is not None and tuple(tensor.shape) != want:
-            raise ValueError(
-                f"{name} has shape {tuple(tensor.shape)}, but the model's TP shard for p={p} is {want}"
-            )
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, but the model's TP shard for p={p} is {want}")
 
 
 class QKTransform(Protocol):
