@@ -6,10 +6,11 @@ from megatron_paradyse.attention.blocks import (
     segments_backward,
     segments_forward,
 )
-from megatron_paradyse.attention.kernels import AttentionKernel, get_kernel, kernel_names
+from megatron_paradyse.attention.kernels import AttentionKernel, accumulation_dtype, get_kernel, kernel_names
 
 __all__ = [
     "AttentionKernel",
+    "accumulation_dtype",
     "get_kernel",
     "kernel_names",
     "merge_partial",

@@ -14,19 +14,19 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from megatron_paradyse.attention.kernels import AttentionKernel
+from megatron_paradyse.attention.kernels import AttentionKernel, accumulation_dtype
 from megatron_paradyse.layout import Segment
 
 __all__ = ["merge_partial", "segment_attention", "segments_backward", "segments_forward"]
 
 
 def merge_partial(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Combine two softmax-normalised partial results over disjoint key sets (fp32)."""
+    """Combine two softmax-normalised partial results over disjoint key sets (in ``out``'s dtype)."""
     new_lse = torch.logaddexp(lse, part_lse)
     shift = torch.where(torch.isfinite(new_lse), new_lse, torch.zeros_like(new_lse))
     w_old = torch.exp(lse - shift).unsqueeze(-1)
     w_new = torch.exp(part_lse - shift).unsqueeze(-1)
-    return out * w_old + part_out.float() * w_new, new_lse
+    return out * w_old + part_out.to(out.dtype) * w_new, new_lse
 
 
 def _covers_all(segments: Sequence[Segment], sq: int, sk: int) -> bool:
@@ -36,13 +36,15 @@ def _covers_all(segments: Sequence[Segment], sq: int, sk: int) -> bool:
 def segments_forward(
     q: Tensor, k: Tensor, v: Tensor, segments: Sequence[Segment], scale: float, kernel: AttentionKernel
 ) -> tuple[Tensor, Tensor]:
-    """fp32 ``(out [b, nq, sq, d], lse [b, nq, sq])`` of queries ``q`` over keys ``k``/``v`` (no grad)."""
+    """``(out [b, nq, sq, d], lse [b, nq, sq])`` of queries ``q`` over keys ``k``/``v``, in the
+    accumulation dtype (no grad)."""
     b, nq, sq, d = q.shape
+    acc = accumulation_dtype(q.dtype)
     if _covers_all(segments, sq, k.shape[2]):
         out, lse = kernel.forward(q, k, v, segments[0].causal, scale)
-        return out.float(), lse
-    out = q.new_zeros((b, nq, sq, d), dtype=torch.float32)
-    lse = q.new_full((b, nq, sq), float("-inf"), dtype=torch.float32)
+        return out.to(acc), lse.to(acc)
+    out = q.new_zeros((b, nq, sq, d), dtype=acc)
+    lse = q.new_full((b, nq, sq), float("-inf"), dtype=acc)
     for seg in segments:
         rows = slice(seg.q_start, seg.q_end)
         cols = slice(seg.k_start, seg.k_end)
@@ -62,13 +64,14 @@ def segments_backward(
     scale: float,
     kernel: AttentionKernel,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of one key block, given the *final* ``out``/``lse`` of the queries (fp32 sums)."""
+    """Gradients of one key block, given the *final* ``out``/``lse`` of the queries (accumulation dtype)."""
+    acc = accumulation_dtype(q.dtype)
     if _covers_all(segments, q.shape[2], k.shape[2]):
         grads = kernel.backward(dout, q, k, v, out, lse, segments[0].causal, scale)
-        return tuple(g.float() for g in grads)
-    dq = torch.zeros_like(q, dtype=torch.float32)
-    dk = torch.zeros_like(k, dtype=torch.float32)
-    dv = torch.zeros_like(v, dtype=torch.float32)
+        return tuple(g.to(acc) for g in grads)
+    dq = torch.zeros_like(q, dtype=acc)
+    dk = torch.zeros_like(k, dtype=acc)
+    dv = torch.zeros_like(v, dtype=acc)
     for seg in segments:
         rows = slice(seg.q_start, seg.q_end)
         cols = slice(seg.k_start, seg.k_end)

@@ -6,10 +6,10 @@ A kernel computes softmax attention of one dense block, square-causal or fully v
     backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)
 
 ``q`` is ``[b, nq, sq, d]``, ``k``/``v`` are ``[b, nkv, sk, d]`` with ``nq % nkv == 0`` (GQA: query head
-``i`` uses key head ``i // (nq/nkv)``, Megatron's grouping); ``lse`` is fp32 ``[b, nq, sq]``. The backward
-takes ``out`` and ``lse`` as arguments so a caller that splits the keys into blocks can pass the
-*merged* output and log-sum-exp and get each block's exact gradient (ring attention). A kernel that
-cannot return the log-sum-exp is not a kernel here.
+``i`` uses key head ``i // (nq/nkv)``, Megatron's grouping); ``lse`` is ``[b, nq, sq]`` in fp32 (fp64
+for fp64 inputs). The backward takes ``out`` and ``lse`` as arguments so a caller that splits the keys
+into blocks can pass the *merged* output and log-sum-exp and get each block's exact gradient (ring
+attention). A kernel that cannot return the log-sum-exp is not a kernel here.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["AttentionKernel", "get_kernel", "kernel_names"]
+__all__ = ["AttentionKernel", "accumulation_dtype", "get_kernel", "kernel_names"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,11 @@ class AttentionKernel(Protocol):
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Sums and softmax statistics: fp32 for half precision, the input's own precision otherwise."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _expand_kv(t: Tensor, groups: int) -> Tensor:
@@ -94,7 +99,8 @@ class MathKernel:
         return None
 
     def _probs(self, q, k, lse, causal, scale) -> Tensor:
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [b, nq, sq, sk]
+        acc = accumulation_dtype(q.dtype)
+        scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # [b, nq, sq, sk]
         if causal:
             sq, sk = scores.shape[-2:]
             scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
@@ -106,19 +112,20 @@ class MathKernel:
         groups = q.shape[1] // k.shape[1]
         k, v = _expand_kv(k, groups), _expand_kv(v, groups)
         probs, lse = self._probs(q, k, None, causal, scale)
-        return torch.matmul(probs, v.float()).to(q.dtype), lse
+        return torch.matmul(probs, v.to(probs.dtype)).to(q.dtype), lse
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         groups = q.shape[1] // k.shape[1]
         k_full, v_full = _expand_kv(k, groups), _expand_kv(v, groups)
         probs, _ = self._probs(q, k_full, lse, causal, scale)
-        dout32 = dout.float()
-        dv = torch.matmul(probs.transpose(-1, -2), dout32)
-        dprobs = torch.matmul(dout32, v_full.float().transpose(-1, -2))
-        delta = (dout32 * out.float()).sum(dim=-1, keepdim=True)
+        acc = probs.dtype
+        dout_acc = dout.to(acc)
+        dv = torch.matmul(probs.transpose(-1, -2), dout_acc)
+        dprobs = torch.matmul(dout_acc, v_full.to(acc).transpose(-1, -2))
+        delta = (dout_acc * out.to(acc)).sum(dim=-1, keepdim=True)
         dscores = probs * (dprobs - delta) * scale
-        dq = torch.matmul(dscores, k_full.float())
-        dk = torch.matmul(dscores.transpose(-1, -2), q.float())
+        dq = torch.matmul(dscores, k_full.to(acc))
+        dk = torch.matmul(dscores.transpose(-1, -2), q.to(acc))
         return dq.to(q.dtype), _reduce_kv(dk, groups).to(k.dtype), _reduce_kv(dv, groups).to(v.dtype)
 
 

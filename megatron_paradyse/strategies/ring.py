@@ -19,7 +19,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megatron_paradyse.attention import AttentionKernel, merge_partial, segments_backward, segments_forward
+from megatron_paradyse.attention import (
+    AttentionKernel,
+    accumulation_dtype,
+    merge_partial,
+    segments_backward,
+    segments_forward,
+)
 from megatron_paradyse.comm import RingComm, gather_weight
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.strategies.base import AttentionContext, AttentionWeights, Strategy
@@ -37,8 +43,9 @@ class _RingAttention(torch.autograd.Function):
         rank, p = group.rank(), group.size()
         comm = RingComm(group) if p > 1 else None
         kv = torch.stack((k, v))  # [2, b, nkv, s/p, d]: one message per step
-        out = q.new_zeros(q.shape, dtype=torch.float32)
-        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
+        acc = accumulation_dtype(q.dtype)
+        out = q.new_zeros(q.shape, dtype=acc)
+        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
         for step in range(p):
             if step + 1 < p:
                 kv_next = comm.send_recv(kv)
@@ -62,13 +69,14 @@ class _RingAttention(torch.autograd.Function):
         kv_comm = RingComm(group) if p > 1 else None
         dkv_comm = RingComm(group) if p > 1 else None
         kv = torch.stack((k, v))
-        dq = torch.zeros_like(q, dtype=torch.float32)
+        acc = accumulation_dtype(q.dtype)
+        dq = torch.zeros_like(q, dtype=acc)
         dkv_in = None
         for step in range(p):
             src = (rank - step) % p
             if step + 1 < p:
                 kv_next = kv_comm.send_recv(kv)
-            dkv = torch.zeros_like(kv, dtype=torch.float32)  # this step's gradient of src's block
+            dkv = torch.zeros_like(kv, dtype=acc)  # this step's gradient of src's block
             segments = layout.ring_segments(rank, src)
             if segments:
                 dq_b, dk_b, dv_b = segments_backward(dout, q, kv[0], kv[1], out, lse, segments, scale, kernel)
