@@ -131,6 +131,9 @@ def test_resume_yields_exactly_the_remaining_micro_batches(sampler, budget):
         assert list(itertools.islice(resumed, 150)) == list(itertools.islice(original, 150))
     with pytest.raises(ValueError, match=r"the run differs from the saved one \(dp_size: saved 2, now 4\)"):
         MicroBatchSampler(lengths, config, dp_rank=1, dp_size=4).load_state_dict(state)
+    state["position"] = [0, 10_000, 0]
+    with pytest.raises(ValueError, match=r"StreamPosition\(epoch=0, index=10000, phase=0\) is outside epoch 0"):
+        MicroBatchSampler(lengths, config, dp_rank=1, dp_size=2).load_state_dict(state)
 
 
 def test_bucketed_steps_hold_similar_lengths():

@@ -46,12 +46,12 @@ _BASE_PROBS = (0.295, 0.205, 0.205, 0.295)  # A, C, G, T: 41% GC
 
 def _cached(prefix: Path, params: dict) -> bool:
     """True when ``prefix`` holds a complete dataset whose manifest records ``params``."""
-    manifest = read_manifest(prefix)
-    if manifest is None or any(manifest.get(k) != v for k, v in params.items()):
-        return False
     try:
+        manifest = read_manifest(prefix)
+        if manifest is None or any(manifest.get(k) != v for k, v in params.items()):
+            return False
         validate(prefix)
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # missing, half-written or stale: build again
         return False
     return True
 

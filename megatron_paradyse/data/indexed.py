@@ -66,6 +66,8 @@ def validate(path_prefix: str | os.PathLike) -> IndexInfo:
     if code not in _DTYPES:
         raise ValueError(f"{idx_path} has dtype code {code}; valid codes are {sorted(_DTYPES)} (megatron DType)")
     dtype = np.dtype(_DTYPES[code])
+    if num_doc_idx < 1:
+        raise ValueError(f"{idx_path} has no document indices; even an empty dataset has one (0)")
 
     expected = _HEADER.size + num_seq * (4 + 8) + num_doc_idx * 8
     if idx_size != expected:
@@ -99,7 +101,7 @@ def validate(path_prefix: str | os.PathLike) -> IndexInfo:
             f"end at byte {starts[j] * dtype.itemsize}; the index is corrupt or was not written by "
             f"IndexedDatasetBuilder"
         )
-    if num_doc_idx < 1 or doc_idx[0] != 0 or doc_idx[-1] != num_seq or np.any(np.diff(doc_idx) < 0):
+    if doc_idx[0] != 0 or doc_idx[-1] != num_seq or np.any(np.diff(doc_idx) < 0):
         raise ValueError(
             f"{idx_path}: document indices must rise from 0 to the sequence count {num_seq}, got "
             f"{doc_idx[:3].tolist()}...{doc_idx[-3:].tolist()} ({num_doc_idx} entries)"

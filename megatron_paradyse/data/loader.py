@@ -57,8 +57,9 @@ class LoaderConfig:
         for name in ("p", "max_len", "bucket_size", "micro_batches_per_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LoaderConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.seed < 0:
-            raise ValueError(f"LoaderConfig.seed must be >= 0, got {self.seed}")
+        for name in ("seed", "pad_id"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"LoaderConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.sampler not in get_args(SamplerName):
             raise ValueError(f"LoaderConfig.sampler must be one of {get_args(SamplerName)}, got {self.sampler!r}")
         if self.token_budget is not None and (self.token_budget % (2 * self.p) or self.token_budget < self.max_len):
@@ -101,7 +102,11 @@ class StepPlan:
 
 
 class MicroBatchSampler:
-    """This DP rank's micro-batches, as tuples of sample ids, step after step, epoch after epoch."""
+    """This DP rank's micro-batches, as tuples of sample ids, step after step, epoch after epoch.
+
+    ``lengths[i]`` is the input tokens of sample ``i`` (``Spans.length``); ``work`` predicts a
+    micro-batch's cost from its layout for the DP balance.
+    """
 
     def __init__(
         self,
@@ -153,6 +158,10 @@ class MicroBatchSampler:
     def plan_step(self, start: StreamPosition) -> StepPlan:
         """The step whose global batch starts at ``start``."""
         epoch, index, phase = start
+        if not 0 <= index < len(self.epoch_micro_batches(epoch, phase)):
+            raise ValueError(
+                f"{start} is outside epoch {epoch}, which has {len(self.epoch_micro_batches(epoch))} micro-batches"
+            )
         micro_batches: list[tuple[int, ...]] = []
         while len(micro_batches) < self.step_size:
             stream = self.epoch_micro_batches(epoch, phase)
@@ -198,7 +207,11 @@ class MicroBatchSampler:
         if differ:
             details = "; ".join(f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in differ)
             raise ValueError(f"cannot resume the data loader: the run differs from the saved one ({details})")
-        self.position, self.consumed, self._plan = StreamPosition(*state["position"]), state["consumed"], None
+        if not 0 <= state["consumed"] < self.config.micro_batches_per_step:
+            raise ValueError(f"saved consumed={state['consumed']} is not in [0, {self.config.micro_batches_per_step})")
+        position = StreamPosition(*state["position"])
+        self._plan = self.plan_step(position)  # checks the position
+        self.position, self.consumed = position, state["consumed"]
 
 
 class DynamicSequenceLoader:

@@ -105,7 +105,10 @@ def write_dataset(
         "skipped_empty": len(skipped),
         **(extra_manifest or {}),
     }
-    Path(f"{os.fspath(output_prefix)}.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    path = Path(f"{os.fspath(output_prefix)}.json")
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(tmp, path)  # readers see the old manifest or the new one, never half of one
     return PrepareResult(os.fspath(output_prefix), info, names, skipped)
 
 
