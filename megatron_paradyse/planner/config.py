@@ -1,0 +1,118 @@
+"""What the planner may choose from and how it behaves: the ``planner`` section of a paradyse config."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Literal
+
+from megatron_paradyse.plan import LayerOption
+from megatron_paradyse.strategies import ModelShape, available_strategies, get_strategy
+
+__all__ = ["PlannerConfig", "layer_options"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PlannerConfig:
+    method: Literal["exact", "heuristic"] = "exact"
+    """``exact``: the optimal plan (count enumeration by branch and bound); ``heuristic``: the paper's
+    Algorithm 1, for comparison."""
+    attention: tuple[str, ...] | None = None
+    """Attention strategies a layer may use; None: every registered one the model supports."""
+    mlp: tuple[str, ...] | None = None
+    """MLP strategies a layer may use; None: every registered one the model supports."""
+    pairs: tuple[str, ...] | None = None
+    """``"attention/mlp"`` pairs a layer may use (the paper's per-layer strategies, e.g.
+    ``tp_sp/tp_sp``, ``ulysses/zero3``). None: any allowed attention with any allowed MLP (a
+    per-sublayer plan). Excludes ``attention`` and ``mlp``."""
+    recompute: bool = True
+    """Let the planner recompute a layer in backward (less saved memory, one more forward)."""
+    hysteresis: float = 0.05
+    """Keep the previous plan while it fits and is predicted at most this fraction slower than the
+    new optimum (the paper's gamma)."""
+    bucket: Literal["linear", "geometric"] = "linear"
+    """Plan-cache buckets of padded length: multiples of ``bucket_tokens``, or a geometric series
+    from ``bucket_tokens`` with ratio ``bucket_ratio``. Costs are evaluated at a bucket's upper edge."""
+    bucket_tokens: int = 512
+    bucket_ratio: float = 1.05
+    packed_as: Literal["one_document", "documents"] = "one_document"
+    """How packed micro-batches are costed. ``one_document``: as one document of the bucket's length
+    (a packing's attention work and working set never exceed that; saved activations depend on the
+    token count only), so packing does not enter the cache key. ``documents``: with their own
+    document lengths, which become part of the cache key."""
+    on_infeasible: Literal["skip", "stop"] = "stop"
+    """A micro-batch no plan fits: ``skip`` logs it and returns None (the caller skips it);
+    ``stop`` raises :class:`~megatron_paradyse.planner.InfeasibleSequenceError`."""
+    cache_size: int = 4096
+    """Plans kept (least recently used dropped first)."""
+
+    def __post_init__(self) -> None:
+        for name in ("attention", "mlp", "pairs"):
+            value = getattr(self, name)
+            if value is not None:
+                if isinstance(value, str) or not all(isinstance(v, str) and v for v in value) or not value:
+                    raise ValueError(f"planner.{name} must be a non-empty list of names, got {value!r}")
+                object.__setattr__(self, name, tuple(value))
+        _check_choice("method", self.method, ("exact", "heuristic"))
+        _check_choice("bucket", self.bucket, ("linear", "geometric"))
+        _check_choice("packed_as", self.packed_as, ("one_document", "documents"))
+        _check_choice("on_infeasible", self.on_infeasible, ("skip", "stop"))
+        if self.pairs is not None and (self.attention is not None or self.mlp is not None):
+            raise ValueError("planner.pairs lists whole-layer pairs; leave planner.attention and planner.mlp unset")
+        for pair in self.pairs or ():
+            LayerOption.parse(pair)
+            if pair.endswith("+rc"):
+                raise ValueError(f"planner.pairs names strategies only ({pair!r}); recompute is planner.recompute")
+        if not 0.0 <= self.hysteresis < 1.0:
+            raise ValueError(f"planner.hysteresis must be in [0, 1), got {self.hysteresis}")
+        if not isinstance(self.bucket_tokens, int) or self.bucket_tokens < 1:
+            raise ValueError(f"planner.bucket_tokens must be a positive int, got {self.bucket_tokens!r}")
+        if not self.bucket_ratio > 1.0:
+            raise ValueError(f"planner.bucket_ratio must be > 1, got {self.bucket_ratio}")
+        if not isinstance(self.cache_size, int) or self.cache_size < 1:
+            raise ValueError(f"planner.cache_size must be a positive int, got {self.cache_size!r}")
+
+
+def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"planner.{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def layer_options(config: PlannerConfig, shape: ModelShape, p: int) -> tuple[tuple[LayerOption, ...], dict[str, str]]:
+    """The options a layer may take, and the strategies (or pairs) left out with the reason.
+
+    Strategies whose preconditions fail for ``shape`` on ``p`` ranks are left out, whether listed
+    in the config or not; an unknown name is an error. Options come in the library's order
+    (fastest first), each without then with recompute.
+    """
+    allowed, excluded = {}, {}
+    for sublayer, wanted in (("attention", config.attention), ("mlp", config.mlp)):
+        usable, skipped = available_strategies(sublayer, shape, p)
+        for name in wanted or ():
+            get_strategy(sublayer, name)  # raises on an unknown name, listing the known ones
+        allowed[sublayer] = [n for n in usable if wanted is None or n in wanted]
+        excluded.update({f"{sublayer} {n}": why for n, why in skipped.items() if wanted is None or n in wanted})
+    if config.pairs is None:
+        pairs = list(itertools.product(allowed["attention"], allowed["mlp"]))
+    else:
+        pairs = []
+        for text in config.pairs:
+            option = LayerOption.parse(text)
+            get_strategy("attention", option.attention)
+            get_strategy("mlp", option.mlp)
+            missing = [
+                f"{sublayer} {name}"
+                for sublayer, name in (("attention", option.attention), ("mlp", option.mlp))
+                if name not in allowed[sublayer]
+            ]
+            if missing:
+                excluded[f"pair {text}"] = f"{' and '.join(missing)} cannot run this model"
+            else:
+                pairs.append((option.attention, option.mlp))
+    recompute = (False, True) if config.recompute else (False,)
+    options = tuple(LayerOption(a, m, rc) for a, m in pairs for rc in recompute)
+    if not options:
+        reasons = "; ".join(f"{what}: {why}" for what, why in excluded.items()) or "none enabled"
+        raise ValueError(f"no layer option is left for this model on p={p} ranks ({reasons})")
+    return options, excluded

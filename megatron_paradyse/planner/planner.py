@@ -1,0 +1,311 @@
+"""The per-micro-batch planner of one pipeline stage.
+
+``Planner.decide(layout, micro_batch_size)`` returns the plan a micro-batch runs: one
+``(attention, MLP, recompute)`` option per layer, of least predicted time whose predicted peak fits
+the memory budget. It is a pure function of the micro-batch's lengths, the configuration, the cost
+model and the previous plan (hysteresis), so every rank of a group computes the same plan without
+talking (the start-up check of :mod:`megatron_paradyse.agreement` makes sure their inputs agree).
+
+Plans are cached by length bucket: a micro-batch is planned as if it filled its bucket (costs at the
+bucket's upper edge, which over-estimates memory, never under-estimates it). A micro-batch no plan
+fits is reported before anything runs, with the longest length that does fit, and skipped or
+stopped on as configured.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import math
+from collections.abc import Sequence
+
+from megatron_paradyse.cost.base import CostModel
+from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.plan import LayerOption, Plan
+from megatron_paradyse.planner.buckets import LengthBuckets
+from megatron_paradyse.planner.config import PlannerConfig, layer_options
+from megatron_paradyse.planner.exact import solve_exact
+from megatron_paradyse.planner.heuristic import solve_heuristic
+from megatron_paradyse.planner.problem import Solution, StageProblem
+from megatron_paradyse.strategies import ModelShape
+
+__all__ = ["Decision", "InfeasibleReport", "InfeasibleSequenceError", "Planner"]
+
+logger = logging.getLogger(__name__)
+
+_GIB = 2**30
+_LONGEST_SEARCHED = 2**31
+"""Tokens beyond which the longest-feasible-length search stops and reports this bound."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decision:
+    """The plan of one micro-batch and how it was reached."""
+
+    plan: Plan
+    """One option per layer; ``predicted_time_s`` and ``predicted_peak_bytes`` are set."""
+    cached: bool
+    """The bucket's optimum came from the plan cache."""
+    kept_previous: bool
+    """Hysteresis kept the previous micro-batch's plan (it fits and is within gamma of the optimum)."""
+    bucket_length: int
+    """Padded length the costs were evaluated at."""
+    optimal_time_s: float
+    """Predicted time of the bucket's optimum (``plan.predicted_time_s`` unless ``kept_previous``)."""
+
+    def log_fields(self) -> dict[str, object]:
+        """Flat fields for a step log."""
+        return {
+            "plan": self.plan.compact(),
+            "predicted_time_s": self.plan.predicted_time_s,
+            "predicted_peak_gib": self.plan.predicted_peak_bytes / _GIB,
+            "bucket_length": self.bucket_length,
+            "cached": self.cached,
+            "kept_previous": self.kept_previous,
+        }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class InfeasibleReport:
+    """Why a micro-batch cannot run: no plan's predicted peak fits the budget."""
+
+    length: int
+    """Real tokens of the micro-batch's sequence."""
+    padded_length: int
+    bucket_length: int
+    micro_batch_size: int
+    budget_bytes: float
+    leanest_peak_bytes: float
+    """Predicted peak of the leanest plan at ``bucket_length``."""
+    leanest_plan: str
+    longest_feasible_length: int
+    """Longest padded length (a bucket edge, one document) some plan fits; 0 if none does."""
+
+    def __str__(self) -> str:
+        longest = (
+            f"the longest that fits is {self.longest_feasible_length} tokens"
+            if self.longest_feasible_length
+            else "no length fits"
+        )
+        return (
+            f"a sequence of {self.length} tokens (padded to {self.padded_length}, planned at "
+            f"{self.bucket_length}) with micro-batch size {self.micro_batch_size} fits no plan: the leanest "
+            f"({self.leanest_plan}) is predicted to peak at {self.leanest_peak_bytes / _GIB:.2f} GiB, over "
+            f"the budget of {self.budget_bytes / _GIB:.2f} GiB; {longest} with this micro-batch size"
+        )
+
+
+class InfeasibleSequenceError(ValueError):
+    """A micro-batch no plan fits, under ``planner.on_infeasible = stop``."""
+
+    def __init__(self, report: InfeasibleReport) -> None:
+        super().__init__(
+            f"{report}. Shorten or split such sequences, enable a memory-lean strategy or recompute, "
+            f"or set planner.on_infeasible=skip to skip them"
+        )
+        self.report = report
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Bucket:
+    problem: StageProblem
+    solution: Solution | None
+    plan: Plan | None
+
+
+class Planner:
+    """Chooses every layer's option of one pipeline stage for each micro-batch.
+
+    Args:
+        config: the ``planner`` section of the config.
+        cost_model: predicts each option's :class:`~megatron_paradyse.cost.LayerCost` and the stage peak.
+        options: the options a layer may take (see :func:`layer_options`, or :meth:`for_model`).
+        num_layers: transformer layers on this stage.
+        budget_bytes: memory a micro-batch's predicted peak may reach (device memory minus a margin).
+    """
+
+    def __init__(
+        self,
+        config: PlannerConfig,
+        cost_model: CostModel,
+        *,
+        options: Sequence[LayerOption],
+        num_layers: int,
+        budget_bytes: float,
+    ) -> None:
+        options = tuple(options)
+        if not options or len(set(options)) != len(options):
+            raise ValueError(f"options must be distinct and non-empty, got {[str(o) for o in options]}")
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        self.config = config
+        self.cost_model = cost_model
+        self.options = options
+        self.num_layers = num_layers
+        self.excluded: dict[str, str] = {}
+        """Strategies (or pairs) left out of the plan space, with the reason (set by :meth:`for_model`)."""
+        self._solve = solve_exact if config.method == "exact" else solve_heuristic
+        self._buckets = LengthBuckets(config.bucket, config.bucket_tokens, config.bucket_ratio)
+        self._cache: collections.OrderedDict[tuple, _Bucket] = collections.OrderedDict()
+        self._longest: dict[tuple[int, bool, int], int] = {}
+        self._previous: tuple[int, ...] | None = None
+        self.set_budget(budget_bytes)
+
+    @classmethod
+    def for_model(
+        cls,
+        config: PlannerConfig,
+        cost_model: CostModel,
+        *,
+        shape: ModelShape,
+        p: int,
+        num_layers: int,
+        budget_bytes: float,
+    ) -> Planner:
+        """A planner over the options ``config`` enables for ``shape`` on ``p`` ranks.
+
+        Strategies the model cannot use are logged once, here, and kept in :attr:`excluded`.
+        """
+        options, excluded = layer_options(config, shape, p)
+        for what, why in excluded.items():
+            logger.warning("planner: %s is left out of the plan space: %s", what, why)
+        planner = cls(config, cost_model, options=options, num_layers=num_layers, budget_bytes=budget_bytes)
+        planner.excluded = excluded
+        return planner
+
+    @property
+    def budget_bytes(self) -> float:
+        return self._budget
+
+    def set_budget(self, budget_bytes: float) -> None:
+        """Change the memory budget (e.g. shrink it after a real out-of-memory error); drops cached plans."""
+        if not budget_bytes > 0 or math.isinf(budget_bytes):
+            raise ValueError(f"budget_bytes must be a positive finite number, got {budget_bytes!r}")
+        self._budget = float(budget_bytes)
+        self.clear_cache()
+
+    def clear_cache(self) -> None:
+        """Forget cached plans (the previous plan stays, for hysteresis)."""
+        self._cache.clear()
+        self._longest.clear()
+
+    def decide(self, layout: SequenceLayout, micro_batch_size: int = 1) -> Decision | None:
+        """The plan for a micro-batch of ``micro_batch_size`` samples laid out as ``layout``.
+
+        None when no plan fits and ``on_infeasible`` is ``skip`` (logged as a warning); with ``stop``
+        that raises :class:`InfeasibleSequenceError` instead.
+        """
+        key = self._key(layout, micro_batch_size)
+        bucket = self._cache.get(key)
+        cached = bucket is not None
+        if cached:
+            self._cache.move_to_end(key)
+        else:
+            bucket = self._plan_bucket(key)
+            self._cache[key] = bucket
+            if len(self._cache) > self.config.cache_size:
+                self._cache.popitem(last=False)
+        if bucket.solution is None:
+            return self._infeasible(layout, micro_batch_size, key[0], bucket.problem)
+        solution, plan, kept = bucket.solution, bucket.plan, False
+        previous = self._previous
+        if previous is not None and previous != solution.counts:
+            old = bucket.problem.evaluate(previous)
+            if bucket.problem.fits(old) and old.time_s <= (1 + self.config.hysteresis) * solution.time_s:
+                solution, plan, kept = old, bucket.problem.to_plan(old), True
+        self._previous = solution.counts
+        return Decision(plan, cached, kept, key[0], bucket.solution.time_s)
+
+    def stage_problem(self, layout: SequenceLayout, micro_batch_size: int = 1) -> StageProblem:
+        """The problem :meth:`decide` solves for ``layout``: option costs at its bucket's upper edge."""
+        key = self._key(layout, micro_batch_size)
+        return self._problem(self._bucket_layout(key), micro_batch_size)
+
+    def max_feasible_length(self, p: int, *, causal: bool, micro_batch_size: int = 1) -> int:
+        """Longest padded length of one document some plan fits (a bucket edge); 0 if none does.
+
+        Binary search over bucket edges, assuming the leanest plan's peak grows with length.
+        """
+        key = (p, causal, micro_batch_size)
+        if key not in self._longest:
+            self._longest[key] = self._search_longest(p, causal, micro_batch_size)
+        return self._longest[key]
+
+    # -- internals --------------------------------------------------------------------------------
+    def _key(self, layout: SequenceLayout, micro_batch_size: int) -> tuple:
+        """(bucket edge, micro-batch size, p, causal, document lengths or None)."""
+        edge = self._buckets.edge(layout.padded_len, 2 * layout.p)
+        docs = layout.doc_lengths if self.config.packed_as == "documents" else None
+        return (edge, micro_batch_size, layout.p, layout.causal, docs)
+
+    @staticmethod
+    def _bucket_layout(key: tuple) -> SequenceLayout:
+        edge, _, p, causal, docs = key
+        return SequenceLayout(docs or (edge,), p, causal, edge)
+
+    def _plan_bucket(self, key: tuple) -> _Bucket:
+        edge, micro_batch_size = key[:2]
+        problem = self._problem(self._bucket_layout(key), micro_batch_size)
+        solution = self._solve(problem)
+        plan = None if solution is None else problem.to_plan(solution)
+        if plan is not None:
+            logger.debug(
+                "planner: bucket %d x %d: %s (%.4g s, %.2f GiB)",
+                edge,
+                micro_batch_size,
+                plan.compact(),
+                plan.predicted_time_s,
+                plan.predicted_peak_bytes / _GIB,
+            )
+        return _Bucket(problem, solution, plan)
+
+    def _problem(self, layout: SequenceLayout, micro_batch_size: int) -> StageProblem:
+        costs = tuple(self.cost_model.layer_cost(o, layout, micro_batch_size) for o in self.options)
+        for option, cost in zip(self.options, costs):
+            values = (cost.time_s, cost.saved_bytes, cost.transient_bytes)
+            if not all(math.isfinite(v) and v >= 0 for v in values):
+                raise ValueError(
+                    f"the cost model returned {cost} for {option} at {layout.padded_len} tokens; "
+                    f"costs must be finite and non-negative"
+                )
+        peak = functools.partial(self.cost_model.peak_bytes, layout, micro_batch_size)
+        return StageProblem(self.options, costs, self.num_layers, self._budget, peak)
+
+    def _infeasible(self, layout: SequenceLayout, micro_batch_size: int, edge: int, problem: StageProblem) -> None:
+        leanest = problem.leanest()
+        report = InfeasibleReport(
+            length=layout.valid_len,
+            padded_length=layout.padded_len,
+            bucket_length=edge,
+            micro_batch_size=micro_batch_size,
+            budget_bytes=self._budget,
+            leanest_peak_bytes=leanest.peak_bytes,
+            leanest_plan=problem.to_plan(leanest).compact(),
+            longest_feasible_length=self.max_feasible_length(
+                layout.p, causal=layout.causal, micro_batch_size=micro_batch_size
+            ),
+        )
+        if self.config.on_infeasible == "stop":
+            raise InfeasibleSequenceError(report)
+        logger.warning("planner: skipping a micro-batch: %s", report)
+        return None
+
+    def _search_longest(self, p: int, causal: bool, micro_batch_size: int) -> int:
+        def fits(index: int) -> bool:
+            edge = self._buckets.edge_at(index, 2 * p)
+            problem = self._problem(SequenceLayout((edge,), p, causal, edge), micro_batch_size)
+            return problem.fits(problem.leanest())
+
+        if not fits(0):
+            return 0
+        lo, hi = 0, 1  # fits(lo); gallop until not fits(hi)
+        while fits(hi):
+            lo, hi = hi, 2 * hi
+            if self._buckets.edge_at(lo, 2 * p) >= _LONGEST_SEARCHED:
+                return self._buckets.edge_at(lo, 2 * p)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return self._buckets.edge_at(lo, 2 * p)

@@ -1,0 +1,107 @@
+"""The planning problem of one pipeline stage for one micro-batch, and how a solution becomes a plan.
+
+A stage has ``L`` alike layers. Layer option ``o`` costs ``t_o`` seconds, keeps ``m_o`` bytes saved
+for backward and needs ``r_o`` transient bytes while it runs (:class:`~megatron_paradyse.cost.LayerCost`).
+The cost model sums saved bytes over layers and takes the largest transient, so only *how many*
+layers take each option matters, not which ones. A solution is a count vector ``n``::
+
+    minimise    T(n) = sum_o n_o t_o
+    subject to  sum_o n_o = L,   n_o >= 0 integer,
+                peak(sum_o n_o m_o, max_{o: n_o > 0} r_o) <= budget
+
+where ``peak`` is the cost model's stage peak, non-decreasing in both arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from megatron_paradyse.cost.base import LayerCost
+from megatron_paradyse.plan import LayerOption, Plan
+
+__all__ = ["Solution", "StageProblem"]
+
+PeakFn = Callable[[float, float], float]
+"""``(sum of saved bytes, largest transient bytes) -> predicted stage peak bytes``."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Solution:
+    """A count vector with its predicted cost."""
+
+    counts: tuple[int, ...]
+    """Layers per option, aligned with :attr:`StageProblem.options`."""
+    time_s: float
+    saved_bytes: float
+    transient_bytes: float
+    peak_bytes: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageProblem:
+    """Costs of every option for one micro-batch, the stage's depth and its memory budget."""
+
+    options: tuple[LayerOption, ...]
+    costs: tuple[LayerCost, ...]
+    num_layers: int
+    budget_bytes: float
+    peak: PeakFn
+
+    def __post_init__(self) -> None:
+        if len(self.options) != len(self.costs) or not self.options:
+            raise ValueError(f"need one cost per option, got {len(self.options)} options, {len(self.costs)} costs")
+        if self.num_layers < 1:
+            raise ValueError(f"a stage needs at least one layer, got num_layers={self.num_layers}")
+
+    def evaluate(self, counts: Sequence[int]) -> Solution:
+        """Predicted time and peak of a count vector (sums in option order, so every rank gets the same bits)."""
+        time_s = saved = 0.0
+        transient = -float("inf")
+        for n, cost in zip(counts, self.costs):
+            if n:
+                time_s += n * cost.time_s
+                saved += n * cost.saved_bytes
+                transient = max(transient, cost.transient_bytes)
+        return Solution(tuple(counts), time_s, saved, transient, self.peak(saved, transient))
+
+    def uniform(self, option: int) -> tuple[int, ...]:
+        """Count vector of the plan that runs ``options[option]`` on every layer."""
+        counts = [0] * len(self.options)
+        counts[option] = self.num_layers
+        return tuple(counts)
+
+    def leanest(self) -> Solution:
+        """The plan of least predicted peak.
+
+        It is uniform: a plan whose largest transient is ``r`` peaks at least at
+        ``peak(L * min_{r_o <= r} m_o, r)``, which the uniform plan of that minimising option attains
+        or beats.
+        """
+        best = None
+        for o in range(len(self.options)):
+            candidate = self.evaluate(self.uniform(o))
+            if best is None or candidate.peak_bytes < best.peak_bytes:
+                best = candidate
+        return best
+
+    def fits(self, solution: Solution) -> bool:
+        return solution.peak_bytes <= self.budget_bytes
+
+    def to_plan(self, solution: Solution) -> Plan:
+        """The plan of a count vector, layers ordered by decreasing transient (then saved) bytes.
+
+        The cost model's peak, ``sum of saved + max transient``, does not depend on the order, but
+        the real one is ``max_l (saved by layers 1..l + transient of layer l)``: in forward, layer
+        ``l`` runs while layers ``1..l-1`` hold their activations, and in backward (1F1B included:
+        other in-flight micro-batches only add a constant) layer ``l`` runs before layers
+        ``1..l-1`` release theirs. Swapping two adjacent layers so the larger transient comes first
+        never raises that maximum (an exchange argument), so the sorted order is the best one: the
+        working-set-heavy fast options run on the first layers, the lean ones last.
+        """
+        used = sorted(
+            (o for o, n in enumerate(solution.counts) if n),
+            key=lambda o: (-self.costs[o].transient_bytes, -self.costs[o].saved_bytes, o),
+        )
+        layers = tuple(option for o in used for option in (self.options[o],) * solution.counts[o])
+        return Plan(layers, predicted_time_s=solution.time_s, predicted_peak_bytes=solution.peak_bytes)

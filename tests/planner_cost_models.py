@@ -1,0 +1,116 @@
+"""Synthetic cost models and a brute-force oracle for the planner tests.
+
+The physical model (strategies' real trade-offs) is the benchmark's
+:class:`~megatron_paradyse.bench.planner.AnalyticStandIn`; here are the models that stress the
+solver: random option costs (integer-valued, so sums are exact and ties are common, or real-valued),
+under affine, stepped (allocator granularity) or convex peaks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Callable
+
+import numpy as np
+
+from megatron_paradyse.cost.base import LayerCost
+from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.plan import LayerOption
+from megatron_paradyse.planner import StageProblem
+
+PEAK_KINDS = ("affine", "stepped", "convex")
+
+
+def synthetic_options(count: int) -> tuple[LayerOption, ...]:
+    """``count`` distinct options (names need not be registered strategies)."""
+    return tuple(LayerOption(f"a{i // 2}", f"m{i // 2}", bool(i % 2)) for i in range(count))
+
+
+def peak_function(kind: str, static: float, transient_weight: float, step: float):
+    """A peak non-decreasing in (saved, transient) that works on floats and on numpy arrays."""
+    if kind == "affine":
+        return lambda saved, transient: static + saved + transient_weight * transient
+    if kind == "stepped":  # allocator rounding: whole steps
+        return lambda saved, transient: static + step * np.ceil((saved + transient_weight * transient) / step)
+    if kind == "convex":
+        return lambda saved, transient: static + saved + transient_weight * transient + (saved + transient) ** 2 / 50
+    raise ValueError(kind)
+
+
+def random_problem(rng: random.Random, *, num_options: int, num_layers: int, integer: bool, peak: str) -> StageProblem:
+    """Random option costs and a budget between the leanest and the heaviest uniform plans."""
+    if integer:
+        costs = [LayerCost(rng.randint(1, 12), rng.randint(0, 12), rng.randint(0, 12)) for _ in range(num_options)]
+    else:
+        costs = [LayerCost(rng.uniform(1, 3), rng.uniform(0, 4), rng.uniform(0, 4)) for _ in range(num_options)]
+    peak_fn = peak_function(peak, static=5.0, transient_weight=rng.choice([1.0, 2.0]), step=rng.choice([2.0, 5.0]))
+    uniform = [float(peak_fn(num_layers * c.saved_bytes, c.transient_bytes)) for c in costs]
+    low, high = min(uniform), max(uniform)
+    budget = rng.uniform(low - 0.1 * (high - low + 1), high)  # sometimes below the leanest: infeasible
+    if integer:
+        budget = float(round(budget))
+    return StageProblem(synthetic_options(num_options), tuple(costs), num_layers, budget, peak_fn)
+
+
+def brute_force(problem: StageProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every per-layer assignment (positions included): (assignments [K^L, L], time, peak, fits)."""
+    k, n = len(problem.options), problem.num_layers
+    assignments = np.array(list(itertools.product(range(k), repeat=n)), dtype=np.int64).reshape(-1, n)
+    t = np.array([c.time_s for c in problem.costs])[assignments]
+    m = np.array([c.saved_bytes for c in problem.costs])[assignments]
+    r = np.array([c.transient_bytes for c in problem.costs])[assignments]
+    peak = np.asarray(problem.peak(m.sum(axis=1), r.max(axis=1)), dtype=float)
+    return assignments, t.sum(axis=1), peak, peak <= problem.budget_bytes
+
+
+def best_multiset(problem: StageProblem) -> float | None:
+    """Least time over every count vector that fits (for stages too deep for :func:`brute_force`)."""
+    best = None
+    for combo in itertools.combinations_with_replacement(range(len(problem.options)), problem.num_layers):
+        counts = [0] * len(problem.options)
+        for o in combo:
+            counts[o] += 1
+        solution = problem.evaluate(counts)
+        if problem.fits(solution) and (best is None or solution.time_s < best):
+            best = solution.time_s
+    return best
+
+
+class FunctionCostModel:
+    """A cost model from ``costs(option, padded_len) -> LayerCost`` and ``peak(saved, transient)``.
+
+    Counts its ``layer_cost`` calls, so tests can tell a cached decision from a solved one.
+    """
+
+    def __init__(self, costs: Callable[[LayerOption, int], LayerCost], peak: Callable[[float, float], float]) -> None:
+        self.costs, self.peak = costs, peak
+        self.calls = 0
+        self.layouts: list[SequenceLayout] = []
+
+    def layer_cost(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> LayerCost:
+        self.calls += 1
+        self.layouts.append(layout)
+        cost = self.costs(option, layout.padded_len)
+        return LayerCost(cost.time_s * micro_batch_size, cost.saved_bytes * micro_batch_size, cost.transient_bytes)
+
+    def peak_bytes(
+        self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, transient_bytes: float
+    ) -> float:
+        return self.peak(saved_bytes, transient_bytes)
+
+
+def random_scaling_model(rng: random.Random, options: tuple[LayerOption, ...]) -> FunctionCostModel:
+    """Costs non-decreasing in length: time ``a s^2 + b s + c``, saved ``d s``, transient ``e s + f``."""
+    coefficients = {o: [rng.uniform(0, 1) * 10.0**e for e in (-9, -5, -3, -4, -5, 0)] for o in options}
+
+    def costs(option: LayerOption, s: int) -> LayerCost:
+        a, b, c, d, e, f = coefficients[option]
+        return LayerCost(a * s * s + b * s + c, d * s, e * s + f)
+
+    return FunctionCostModel(costs, lambda saved, transient: 1.0 + saved + transient)
+
+
+def is_close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
