@@ -1,19 +1,24 @@
-"""The start-up check that every rank plans from the same config and cost profile, on 3 gloo ranks.
+"""Same plan on every rank, and the start-up check that ranks plan from the same inputs, on 3 gloo ranks.
 
-One launch runs every case; each case is one all-gather that every rank reaches, and every rank
-must return the same outcome: the agreed digest, or the same error naming the ranks that differ.
+One launch runs every case; each agreement case is one all-gather that every rank reaches, and every
+rank must return the same outcome: the agreed digest, or the same error naming the ranks that differ.
+Spawned ranks hash strings with different seeds, so a plan that depended on set order would differ.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import re
 
 import pytest
 
 from megatron_paradyse.agreement import RankDisagreement, check_ranks_agree, config_digest
+from megatron_paradyse.bench.planner import AnalyticStandIn, bench_shape
+from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.multiprocess import run_on_ranks
-from megatron_paradyse.planner import PlannerConfig
+from megatron_paradyse.plan import LayerOption
+from megatron_paradyse.planner import Planner, PlannerConfig
 
 WORLD = 3
 
@@ -28,13 +33,31 @@ def _cases(rank: int, world_size: int, profiles: dict[str, str]) -> dict[str, st
         "missing": (config, [profiles["missing" if rank == 0 else "a"]]),
         "no profile": ({"planner": {"hysteresis": 0.05}, "layers": [1, 2]}, []),
     }
-    outcomes = {}
+    outcomes = {"plans": _plans()}
     for name, (cfg, paths) in cases.items():
         try:
             outcomes[name] = f"ok {check_ranks_agree(cfg, paths)}"
         except RankDisagreement as e:
             outcomes[name] = str(e)
     return outcomes
+
+
+def _plans() -> str:
+    """Every decision of a 24-option planner along 40 lengths, without any communication."""
+    p, num_layers = 8, 32
+    options = [
+        LayerOption(a, m, rc)
+        for a in ("tp_sp", "ulysses", "ring", "lean")
+        for m in ("tp_sp", "zero3", "lean")
+        for rc in (False, True)
+    ]
+    model = AnalyticStandIn(bench_shape(), p, num_layers)
+    planner = Planner(
+        PlannerConfig(on_infeasible="skip"), model, options=options, num_layers=num_layers, budget_bytes=60 * 2**30
+    )
+    rng = random.Random(0)
+    decisions = [planner.decide(SequenceLayout.build(rng.randint(1, 2**19), p, causal=True)) for _ in range(40)]
+    return "\n".join(d.plan.compact() if d else "skip" for d in decisions)
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +77,11 @@ def _same_on_every_rank(outcomes: list[dict[str, str]], case: str) -> str:
     messages = {o[case] for o in outcomes}
     assert len(messages) == 1, messages
     return messages.pop()
+
+
+def test_every_rank_plans_the_same_without_talking(outcomes):
+    plans = _same_on_every_rank(outcomes, "plans")
+    assert len(set(plans.splitlines())) > 3  # the lengths cover several different plans
 
 
 def test_ranks_that_agree_get_the_same_digest(outcomes):

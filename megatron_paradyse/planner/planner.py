@@ -197,6 +197,8 @@ class Planner:
         None when no plan fits and ``on_infeasible`` is ``skip`` (logged as a warning); with ``stop``
         that raises :class:`InfeasibleSequenceError` instead.
         """
+        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
         key = self._key(layout, micro_batch_size)
         bucket = self._cache.get(key)
         cached = bucket is not None
