@@ -15,12 +15,25 @@ from collections.abc import Callable
 
 import numpy as np
 
+from megatron_paradyse.bench.planner import AnalyticStandIn, bench_shape
 from megatron_paradyse.cost.base import LayerCost
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.plan import LayerOption
-from megatron_paradyse.planner import StageProblem
+from megatron_paradyse.planner import Planner, PlannerConfig, StageProblem
 
 PEAK_KINDS = ("affine", "stepped", "convex")
+
+
+def physical_planner(num_layers: int, budget_bytes: float, p: int = 8, **config) -> Planner:
+    """A planner over every strategy the benchmark's physical stand-in knows (``lean`` included), 24 options."""
+    options = tuple(
+        LayerOption(a, m, rc)
+        for a in ("tp_sp", "ulysses", "ring", "lean")
+        for m in ("tp_sp", "zero3", "lean")
+        for rc in (False, True)
+    )
+    model = AnalyticStandIn(bench_shape(), p, num_layers)
+    return Planner(PlannerConfig(**config), model, options=options, num_layers=num_layers, budget_bytes=budget_bytes)
 
 
 def synthetic_options(count: int) -> tuple[LayerOption, ...]:

@@ -12,13 +12,12 @@ import random
 import re
 
 import pytest
+from planner_cost_models import physical_planner
 
 from megatron_paradyse.agreement import RankDisagreement, check_ranks_agree, config_digest
-from megatron_paradyse.bench.planner import AnalyticStandIn, bench_shape
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.multiprocess import run_on_ranks
-from megatron_paradyse.plan import LayerOption
-from megatron_paradyse.planner import Planner, PlannerConfig
+from megatron_paradyse.planner import PlannerConfig
 
 WORLD = 3
 
@@ -44,17 +43,8 @@ def _cases(rank: int, world_size: int, profiles: dict[str, str]) -> dict[str, st
 
 def _plans() -> str:
     """Every decision of a 24-option planner along 40 lengths, without any communication."""
-    p, num_layers = 8, 32
-    options = [
-        LayerOption(a, m, rc)
-        for a in ("tp_sp", "ulysses", "ring", "lean")
-        for m in ("tp_sp", "zero3", "lean")
-        for rc in (False, True)
-    ]
-    model = AnalyticStandIn(bench_shape(), p, num_layers)
-    planner = Planner(
-        PlannerConfig(on_infeasible="skip"), model, options=options, num_layers=num_layers, budget_bytes=60 * 2**30
-    )
+    p = 8
+    planner = physical_planner(num_layers=32, budget_bytes=60 * 2**30, p=p, on_infeasible="skip")
     rng = random.Random(0)
     decisions = [planner.decide(SequenceLayout.build(rng.randint(1, 2**19), p, causal=True)) for _ in range(40)]
     return "\n".join(d.plan.compact() if d else "skip" for d in decisions)

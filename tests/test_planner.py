@@ -9,10 +9,10 @@ import random
 import re
 
 import pytest
-from planner_cost_models import FunctionCostModel, random_scaling_model, synthetic_options
+from planner_cost_models import FunctionCostModel, physical_planner, random_scaling_model, synthetic_options
 
 from megatron_paradyse.bench import planner as planner_bench
-from megatron_paradyse.bench.planner import AnalyticStandIn, Hardware, bench_shape
+from megatron_paradyse.bench.planner import AnalyticStandIn, Hardware
 from megatron_paradyse.cost.base import LayerCost
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.plan import LayerOption
@@ -272,16 +272,8 @@ def test_longer_sequences_never_plan_faster_and_move_from_tp_sp_to_lean_options(
     speed for memory. (Where memory does not bind the planner just follows the fastest option.)
     """
     p, num_layers = 8, 24
-    options = tuple(
-        LayerOption(a, m, rc)
-        for a in ("tp_sp", "ulysses", "ring", "lean")
-        for m in ("tp_sp", "zero3", "lean")
-        for rc in (False, True)
-    )
-    model = AnalyticStandIn(bench_shape(), p, num_layers)
-    planner = Planner(
-        PlannerConfig(), model, options=options, num_layers=num_layers, budget_bytes=0.9 * Hardware().memory_bytes
-    )
+    planner = physical_planner(num_layers, 0.9 * Hardware().memory_bytes, p)
+    options = planner.options
     longest = planner.max_feasible_length(p, causal=True)
     reference = planner.stage_problem(SequenceLayout.build(longest, p, causal=True))
     lengths = [512 * round(1.25**k) for k in range(60) if 512 * round(1.25**k) < longest] + [longest]
