@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from megatron_paradyse.plan import LayerOption
-from megatron_paradyse.strategies import ModelShape, available_strategies, get_strategy
+from megatron_paradyse.strategies import ModelShape, available_strategies, strategy_names
 
 __all__ = ["PlannerConfig", "layer_options"]
 
@@ -61,9 +61,15 @@ class PlannerConfig:
         if self.pairs is not None and (self.attention is not None or self.mlp is not None):
             raise ValueError("planner.pairs lists whole-layer pairs; leave planner.attention and planner.mlp unset")
         for pair in self.pairs or ():
-            LayerOption.parse(pair)
-            if pair.endswith("+rc"):
+            if LayerOption.parse(pair).recompute:
                 raise ValueError(f"planner.pairs names strategies only ({pair!r}); recompute is planner.recompute")
+        unknown = [
+            f"planner.{field}: unknown {sublayer} strategy {name!r}; known: {', '.join(strategy_names(sublayer))}"
+            for field, sublayer, name in self._named_strategies()
+            if name not in strategy_names(sublayer)
+        ]
+        if unknown:
+            raise ValueError("; ".join(unknown))
         if not 0.0 <= self.hysteresis < 1.0:
             raise ValueError(f"planner.hysteresis must be in [0, 1), got {self.hysteresis}")
         if not isinstance(self.bucket_tokens, int) or self.bucket_tokens < 1:
@@ -72,6 +78,15 @@ class PlannerConfig:
             raise ValueError(f"planner.bucket_ratio must be > 1, got {self.bucket_ratio}")
         if not isinstance(self.cache_size, int) or self.cache_size < 1:
             raise ValueError(f"planner.cache_size must be a positive int, got {self.cache_size!r}")
+
+    def _named_strategies(self) -> list[tuple[str, str, str]]:
+        """(field, sublayer, name) of every strategy the config names."""
+        named = [("attention", "attention", n) for n in self.attention or ()]
+        named += [("mlp", "mlp", n) for n in self.mlp or ()]
+        for pair in self.pairs or ():
+            option = LayerOption.parse(pair)
+            named += [("pairs", "attention", option.attention), ("pairs", "mlp", option.mlp)]
+        return named
 
 
 def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
@@ -83,14 +98,12 @@ def layer_options(config: PlannerConfig, shape: ModelShape, p: int) -> tuple[tup
     """The options a layer may take, and the strategies (or pairs) left out with the reason.
 
     Strategies whose preconditions fail for ``shape`` on ``p`` ranks are left out, whether listed
-    in the config or not; an unknown name is an error. Options come in the library's order
-    (fastest first), each without then with recompute.
+    in the config or not (unknown names never get this far: the config refuses them). Options come in
+    the library's order (fastest first), each without then with recompute.
     """
     allowed, excluded = {}, {}
     for sublayer, wanted in (("attention", config.attention), ("mlp", config.mlp)):
         usable, skipped = available_strategies(sublayer, shape, p)
-        for name in wanted or ():
-            get_strategy(sublayer, name)  # raises on an unknown name, listing the known ones
         allowed[sublayer] = [n for n in usable if wanted is None or n in wanted]
         excluded.update({f"{sublayer} {n}": why for n, why in skipped.items() if wanted is None or n in wanted})
     if config.pairs is None:
@@ -99,8 +112,6 @@ def layer_options(config: PlannerConfig, shape: ModelShape, p: int) -> tuple[tup
         pairs = []
         for text in config.pairs:
             option = LayerOption.parse(text)
-            get_strategy("attention", option.attention)
-            get_strategy("mlp", option.mlp)
             missing = [
                 f"{sublayer} {name}"
                 for sublayer, name in (("attention", option.attention), ("mlp", option.mlp))

@@ -1,0 +1,207 @@
+"""The paradyse config: one YAML file, validated into frozen dataclasses with errors that name the key.
+
+Sections: ``planner`` (:class:`~megatron_paradyse.planner.PlannerConfig`), ``memory``, ``cost``,
+``data`` and ``log``, plus ``megatron_args``: Megatron command-line flags a preset carries (the model,
+the parallel layout); flags given on the command line win. ``configs/README.md`` documents every key;
+``paradyse check-config FILE --print-config`` shows the resolved config.
+
+Loading reports every problem at once: unknown keys (with the nearest known name), wrong types,
+values out of range, strategy names the library does not have. Paths are resolved relative to the
+config file. Validation never touches a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from megatron_paradyse.attention import kernel_names
+from megatron_paradyse.planner import PlannerConfig
+
+__all__ = [
+    "ConfigError",
+    "CostSection",
+    "DataSection",
+    "LogSection",
+    "MemorySection",
+    "ParadyseConfig",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A paradyse config that cannot be used; the message lists every problem, one per line."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemorySection:
+    budget_gib: float | None = None
+    """Per-rank memory budget for plans. None: the device's memory times ``1 - margin`` (CUDA only;
+    required on CPU)."""
+    margin: float = 0.1
+    """Fraction of device memory kept out of the budget (allocator fragmentation, NCCL, CUDA context)."""
+
+    def __post_init__(self) -> None:
+        if self.budget_gib is not None and not self.budget_gib > 0:
+            raise ValueError(f"memory.budget_gib must be > 0, got {self.budget_gib}")
+        if not 0.0 <= self.margin < 1.0:
+            raise ValueError(f"memory.margin must be in [0, 1), got {self.margin}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CostSection:
+    profile: str | None = None
+    """Calibration profile written by ``paradyse calibrate`` (relative to the config file). None: the
+    run calibrates a quick profile at start-up and says so."""
+    check_machine: bool = True
+    """Refuse a profile calibrated on another machine or library version."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataSection:
+    dataset: str = "code"
+    """``code`` (the interpreter's standard library, byte-level), ``dna`` (synthetic GRCh38-like, 3-mer
+    tokens), or the prefix of a Megatron indexed dataset (``prefix.bin``/``prefix.idx``)."""
+    cache_dir: str = "data"
+    """Where the built-in corpora are built (relative to the config file)."""
+    max_len: int = 4096
+    """Longest sample in tokens; longer documents are split (or truncated, see ``overflow``)."""
+    overflow: Literal["split", "truncate"] = "split"
+    token_budget: int | None = None
+    """None: one document per micro-batch. Otherwise documents are packed up to this many tokens."""
+    sampler: Literal["curriculum", "bucketed", "random"] = "curriculum"
+    """``curriculum``: short to long, as the paper; ``bucketed``: shuffled within length buckets."""
+    bucket_size: int = 256
+    seed: int = 1234
+    dna_sequences: int = 1000
+    """Sequences of the built-in DNA corpus."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_len", "bucket_size", "dna_sequences"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if self.token_budget is not None and self.token_budget < self.max_len:
+            raise ValueError(f"data.token_budget={self.token_budget} must be at least data.max_len={self.max_len}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LogSection:
+    every: int = 1
+    """Print the per-iteration table every this many iterations."""
+    plot: str | None = None
+    """Write a PNG of lengths and chosen plans over the run here (relative to the config file)."""
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"log.every must be >= 1, got {self.every}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParadyseConfig:
+    planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
+    memory: MemorySection = dataclasses.field(default_factory=MemorySection)
+    cost: CostSection = dataclasses.field(default_factory=CostSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    log: LogSection = dataclasses.field(default_factory=LogSection)
+    attention_kernel: str = "auto"
+    """``torch`` (CPU), ``flash_attn`` (CUDA), ``math`` (anywhere, O(s^2) memory) or ``auto``."""
+    megatron_args: tuple[str, ...] = ()
+    """Megatron flags of a preset, e.g. ``["--num-layers", "24", ...]``; the command line overrides them."""
+
+    def __post_init__(self) -> None:
+        known = [*kernel_names(), "auto"]
+        if self.attention_kernel not in known:
+            raise ValueError(f"attention_kernel must be one of {', '.join(known)}; got {self.attention_kernel!r}")
+
+
+def load_config(path: str | Path) -> ParadyseConfig:
+    """Read, validate and resolve a paradyse YAML config (paths made relative to its folder)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read the paradyse config {path}: {e.strerror}") from e
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from e
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    errors: list[str] = []
+    config = _build(ParadyseConfig, data, "", errors)
+    if errors:
+        raise ConfigError(f"{path}:\n  " + "\n  ".join(errors))
+    return _resolve_paths(config, path.parent)
+
+
+def _resolve_paths(config: ParadyseConfig, base: Path) -> ParadyseConfig:
+    def resolve(value: str | None) -> str | None:
+        return None if value is None else str((base / value).resolve())
+
+    data = config.data
+    if data.dataset not in ("code", "dna"):
+        data = dataclasses.replace(data, dataset=resolve(data.dataset))
+    return dataclasses.replace(
+        config,
+        cost=dataclasses.replace(config.cost, profile=resolve(config.cost.profile)),
+        data=dataclasses.replace(data, cache_dir=resolve(data.cache_dir)),
+        log=dataclasses.replace(config.log, plot=resolve(config.log.plot)),
+    )
+
+
+def _build(cls: type, data: Mapping, where: str, errors: list[str]) -> Any:
+    """``cls(**data)``, converting nested sections; problems go to ``errors`` (returns None then)."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    n_before = len(errors)
+    for key in data:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(names)}"
+            errors.append(f"{where}{key}: unknown key{hint}")
+    kwargs = {name: _convert(data[name], hints[name], f"{where}{name}", errors) for name in names if name in data}
+    if len(errors) > n_before:
+        return None
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # the section's own check; its message names the key
+        errors.append(str(e))
+        return None
+
+
+def _convert(value: Any, hint: Any, where: str, errors: list[str]) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, Mapping):
+            errors.append(f"{where}: must be a mapping of {hint.__name__} keys, got {value!r}")
+            return None
+        return _build(hint, value, f"{where}.", errors)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0], where, errors) if len(inner) == 1 else value
+    if origin is Literal:
+        if value not in args:
+            errors.append(f"{where}: must be one of {', '.join(map(repr, args))}; got {value!r}")
+        return value
+    if origin is tuple:
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            errors.append(f"{where}: must be a list, got {value!r}")
+            return None
+        return tuple(_convert(v, args[0], f"{where}[{i}]", errors) for i, v in enumerate(value))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and (type(value) is not hint):
+        errors.append(f"{where}: must be {hint.__name__}, got {value!r}")
+        return None
+    return value

@@ -1,0 +1,62 @@
+"""The paradyse YAML config: every problem reported at once, by key; paths relative to the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_paradyse.config import ConfigError, DataSection, ParadyseConfig, load_config
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_every_problem_is_reported_with_its_key(tmp_path):
+    path = _write(
+        tmp_path,
+        "planner:\n  hysterisis: 0.1\n  bucket_tokens: '512'\nmemory:\n  budget_gib: -1\ndata:\n  sampler: sorted\n"
+        "loggin: {}\n",
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (
+        f"{path}:\n"
+        "  loggin: unknown key; did you mean 'log'?\n"
+        "  planner.hysterisis: unknown key; did you mean 'hysteresis'?\n"
+        "  planner.bucket_tokens: must be int, got '512'\n"
+        "  memory.budget_gib must be > 0, got -1.0\n"
+        "  data.sampler: must be one of 'curriculum', 'bucketed', 'random'; got 'sorted'"
+    )
+
+
+def test_a_strategy_the_library_does_not_have_is_refused(tmp_path):
+    path = _write(tmp_path, "planner:\n  pairs: [tp_sp/tp_sp, ringg/zero3]\n")
+    with pytest.raises(ConfigError, match=r"planner.pairs: unknown attention strategy 'ringg'; known: tp_sp, "):
+        load_config(path)
+
+
+def test_unreadable_and_malformed_files_are_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"cannot read the paradyse config .*missing.yaml: No such file"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match=r"cfg.yaml is not valid YAML"):
+        load_config(_write(tmp_path, "planner: [\n"))
+    with pytest.raises(ConfigError, match=r"the top level must be a mapping of sections, got list"):
+        load_config(_write(tmp_path, "- planner\n"))
+
+
+def test_paths_resolve_relative_to_the_config_file(tmp_path):
+    cfg = load_config(_write(tmp_path, "cost: {profile: prof/cpu.json}\ndata: {dataset: corpora/mine}\n"))
+    assert cfg.cost.profile == str(tmp_path / "prof/cpu.json")
+    assert cfg.data.dataset == str(tmp_path / "corpora/mine")
+    assert load_config(_write(tmp_path, "")) == ParadyseConfig(data=DataSection(cache_dir=str(tmp_path / "data")))
+
+
+@pytest.mark.parametrize("preset", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_preset_is_valid(preset):
+    load_config(preset)
