@@ -23,6 +23,9 @@ import torch.distributed as dist
 
 __all__ = ["RankFailure", "run_on_ranks"]
 
+_EXIT_GRACE_S = 10.0
+"""How long a rank that reported may take to exit before it is killed."""
+
 
 class RankFailure(RuntimeError):
     """A rank raised, died or timed out; the message holds its rank and traceback."""
@@ -63,7 +66,9 @@ def run_on_ranks(
                     threads_per_rank,
                     reports,
                 ),
-                daemon=True,
+                # Not daemonic: a rank may start processes of its own (Megatron's checkpoint writer,
+                # data-loader workers), which it shuts down when it exits; see the joins below.
+                daemon=False,
             )
             for rank in range(world_size)
         ]
@@ -84,6 +89,8 @@ def run_on_ranks(
                         raise RankFailure(f"ranks {dead} exited without a result (exit codes {codes})") from None
                     continue
                 _record(rank, ok, payload, results)
+            for proc in procs:  # let finished ranks exit by themselves, taking their children along
+                proc.join(timeout=_EXIT_GRACE_S)
         finally:
             for proc in procs:
                 if proc.is_alive():
