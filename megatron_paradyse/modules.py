@@ -1,0 +1,357 @@
+"""Megatron-Core modules whose attention and MLP run the strategy the micro-batch's plan names.
+
+The modules subclass Megatron's own (``TransformerLayer``, ``SelfAttention``, ``MLP``) and keep
+Megatron's ``ColumnParallelLinear``/``RowParallelLinear`` as weight holders, so initialisation,
+parameter attributes, state-dict keys and ``sharded_state_dict`` are exactly those of a stock model
+with ``tensor_model_parallel_size = p``. Only the computation differs: each sublayer hands its input
+``[s/p, b, h]`` (sequence parallel, canonical order) and its TP shards to the strategy library.
+
+A layer finds its option in ``current_micro_batch().plan`` at the index of its position within the
+pipeline stage, checks that both strategies can run the model before any communication, and, when
+the option asks for it, recomputes itself in backward from its ``[s/p, b, h]`` input under the
+micro-batch it captured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+from megatron.core.utils import get_pg_rank
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from megatron_paradyse.attention import get_kernel
+from megatron_paradyse.micro_batch import MicroBatch, current_micro_batch, micro_batch_scope
+from megatron_paradyse.norm import sequence_parallel_norm
+from megatron_paradyse.plan import LayerOption
+from megatron_paradyse.recompute import recompute
+from megatron_paradyse.strategies import (
+    AttentionContext,
+    AttentionWeights,
+    MLPContext,
+    MLPWeights,
+    ModelShape,
+    available_strategies,
+    run_attention,
+    run_mlp,
+    unsupported_reason,
+)
+
+__all__ = ["ParadyseMLP", "ParadyseSelfAttention", "ParadyseTransformerLayer", "model_shape"]
+
+
+def model_shape(config: TransformerConfig) -> ModelShape:
+    """The strategy library's view of one transformer layer of ``config``."""
+    return ModelShape(
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups or config.num_attention_heads,
+        kv_channels=config.kv_channels,
+        ffn_hidden_size=config.ffn_hidden_size,
+        gated_mlp=config.gated_linear_unit,
+    )
+
+
+def _config_problems(config: TransformerConfig) -> list[str]:
+    """What in ``config`` the Paradyse layers cannot run (empty: nothing)."""
+    problems = []
+    tp = config.tensor_model_parallel_size
+    if tp > 1 and not config.sequence_parallel:
+        problems.append("sequence_parallel=False: every strategy reads and writes [s/p, b, h]; set it to True")
+    if config.context_parallel_size != 1:
+        problems.append(
+            f"context_parallel_size={config.context_parallel_size}: the strategies parallelise the sequence "
+            f"inside the tensor-parallel group; set it to 1"
+        )
+    if config.recompute_granularity is not None:
+        problems.append(
+            f"recompute_granularity={config.recompute_granularity!r}: Megatron's recompute would rerun layers "
+            f"without their micro-batch's plan; set it to None and recompute per layer through the plan "
+            f"(LayerOption(..., recompute=True), written 'attention/mlp+rc')"
+        )
+    if config.attention_dropout:
+        problems.append(f"attention_dropout={config.attention_dropout}: the attention kernels have no dropout; set 0")
+    for flag in ("multi_latent_attention", "attention_output_gate", "use_te_activation_func"):
+        if getattr(config, flag):
+            problems.append(f"{flag}=True is not supported")
+    for flag in ("num_moe_experts", "fp8", "fp4", "experimental_attention_variant", "activation_func_clamp_value"):
+        if getattr(config, flag) is not None:
+            problems.append(f"{flag}={getattr(config, flag)!r} is not supported; leave it None")
+    if config.glu_linear_offset:
+        problems.append(f"glu_linear_offset={config.glu_linear_offset} is not supported; leave it 0")
+    if config.gtp_weight_remat_size > 1:
+        problems.append(f"gtp_weight_remat_size={config.gtp_weight_remat_size} is not supported; leave it 1")
+    shard_problems = model_shape(config).shard_problems(tp)
+    if shard_problems:
+        problems.append(
+            f"no strategy can split this model over tensor_model_parallel_size={tp}: " + "; ".join(shard_problems)
+        )
+    return problems
+
+
+def _mlp_activation(config: TransformerConfig) -> Callable[[Tensor], Tensor]:
+    """The activation Megatron's MLP computes for ``config`` (applied to the gate half when gated)."""
+    if not config.bias_activation_fusion:
+        return config.activation_func
+    if config.activation_func is F.gelu:
+        # Megatron's fused bias-GeLU and bias-GeGLU kernels use the tanh approximation.
+        return functools.partial(F.gelu, approximate="tanh")
+    if config.activation_func is F.silu and config.gated_linear_unit:
+        return F.silu
+    raise ValueError("bias_activation_fusion=True supports gelu and gated silu (SwiGLU) only, as in Megatron")
+
+
+def _stage_position(config: TransformerConfig, layer_number: int, pp_rank: int) -> tuple[int, int]:
+    """(index of global layer ``layer_number`` among the layers of pipeline rank ``pp_rank``, their count).
+
+    The stage's layers are those of all its virtual-pipeline chunks, in layer order.
+    """
+    vp_size = config.virtual_pipeline_model_parallel_size
+    index, count = None, 0
+    for chunk in [None] if vp_size is None else range(vp_size):
+        offset = get_transformer_layer_offset(config, chunk, pp_rank)
+        layers = get_num_layers_to_build(config, chunk, pp_rank)
+        if offset < layer_number <= offset + layers:
+            index = count + layer_number - offset - 1
+        count += layers
+    assert index is not None, (layer_number, pp_rank)
+    return index, count
+
+
+class ParadyseTransformerLayer(TransformerLayer):
+    """Megatron's ``TransformerLayer`` whose option (strategies, recompute) comes from the micro-batch's plan.
+
+    Needs :class:`ParadyseSelfAttention` and :class:`ParadyseMLP` as its sublayers (see
+    :mod:`megatron_paradyse.spec`). ``plan_index`` is the layer's position within its pipeline stage;
+    ``stage_layers`` the number of layers of the stage, i.e. the length every plan must have.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: TransformerLayerSubmodules,
+        layer_number: int = 1,
+        hidden_dropout: float | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        vp_stage: int | None = None,
+        is_mtp_layer: bool = False,
+        **kwargs,
+    ):
+        problems = _config_problems(config)
+        if problems:
+            raise ValueError("the Paradyse layers cannot run this TransformerConfig:\n  - " + "\n  - ".join(problems))
+        if is_mtp_layer:
+            raise ValueError("multi-token-prediction layers are not Paradyse layers; build them with a stock spec")
+        super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage, **kwargs)
+        self.plan_index, self.stage_layers = _stage_position(
+            config, self.layer_number, get_pg_rank(self.pg_collection.pp)
+        )
+        for sublayer, kind in ((self.self_attention, ParadyseSelfAttention), (self.mlp, ParadyseMLP)):
+            if not isinstance(sublayer, kind):
+                raise ValueError(
+                    f"ParadyseTransformerLayer needs a {kind.__name__}, got {type(sublayer).__name__}; "
+                    f"build the layer from megatron_paradyse.spec"
+                )
+            sublayer.plan_index = self.plan_index
+        self.shape = model_shape(config)
+
+    def forward(self, hidden_states: Tensor, **kwargs):
+        step = current_micro_batch()
+        option = step.option(self.plan_index, self.stage_layers)
+        self._check_runnable(option, step)
+        if not option.recompute:
+            return super().forward(hidden_states, **kwargs)
+
+        def rerun(x: Tensor):
+            with micro_batch_scope(step):
+                return TransformerLayer.forward(self, x, **kwargs)
+
+        return recompute(rerun, hidden_states)
+
+    def _check_runnable(self, option: LayerOption, step: MicroBatch) -> None:
+        """Raise before any communication if this layer cannot run ``option`` on ``step``."""
+        p = self.tp_group.size()
+        where = f"layer {self.layer_number} (plan entry {self.plan_index}, {option})"
+        if step.layout.p != p:
+            raise ValueError(f"{where}: the micro-batch's layout is for p={step.layout.p}, the TP group has {p} ranks")
+        for sublayer, name in (("attention", option.attention), ("mlp", option.mlp)):
+            try:
+                reason = unsupported_reason(sublayer, name, self.shape, p)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+            if reason is not None:
+                usable, _ = available_strategies(sublayer, self.shape, p)
+                raise ValueError(
+                    f"{where}: {sublayer} strategy {name!r} cannot run this model on p={p} ranks ({reason}); "
+                    f"usable: {', '.join(usable)}"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class _QKTransform:
+    """Megatron's q/k layernorm, then RoPE at each token's position in its document."""
+
+    config: TransformerConfig
+    q_norm: Callable[[Tensor], Tensor] | None
+    k_norm: Callable[[Tensor], Tensor] | None
+    freqs: tuple[Tensor, Tensor] | None
+    """GPTModel's rotary tables for queries and keys, ``[S, 1, 1, rot_dim]`` indexed by position."""
+    mscale: float
+    cp_group: ProcessGroup
+
+    def __call__(self, q: Tensor, k: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        if self.freqs is not None:
+            q_freqs, k_freqs = (f.index_select(0, position_ids.to(f.device)) for f in self.freqs)  # [s, 1, 1, rot]
+            rope = functools.partial(
+                apply_rotary_pos_emb, config=self.config, mscale=self.mscale, cp_group=self.cp_group
+            )
+            q, k = rope(q, q_freqs), rope(k, k_freqs)
+        return q, k
+
+
+class ParadyseSelfAttention(SelfAttention):
+    """Megatron's ``SelfAttention`` weights (``linear_qkv``, ``linear_proj``, q/k norms) run by a strategy.
+
+    ``core_attention`` is not used: strategies attend themselves, with the visibility the micro-batch's
+    layout gives (causal for ``AttnMaskType.causal``, bidirectional for ``no_mask``). With
+    ``config.qk_layernorm``, q/k norms the spec leaves ``None`` are :func:`sequence_parallel_norm`.
+    Returns the output with the projection bias already added (bias ``None``).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: SelfAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        **kwargs,
+    ):
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
+            raise ValueError(
+                f"attn_mask_type={attn_mask_type.name} is not supported: visibility comes from the micro-batch's "
+                f"SequenceLayout; use AttnMaskType.causal or AttnMaskType.no_mask"
+            )
+        if config.qk_layernorm and not config.qk_l2_norm:
+            submodules = dataclasses.replace(
+                submodules,
+                q_layernorm=submodules.q_layernorm or sequence_parallel_norm,
+                k_layernorm=submodules.k_layernorm or sequence_parallel_norm,
+            )
+        super().__init__(config, submodules, layer_number, attn_mask_type, **kwargs)
+        self.causal = attn_mask_type == AttnMaskType.causal
+        self.shape = model_shape(config)
+        self.softmax_scale = config.softmax_scale if config.softmax_scale is not None else config.kv_channels**-0.5
+        self.plan_index: int | None = None
+        """Set by the owning :class:`ParadyseTransformerLayer`."""
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Tensor | None = None,
+        rotary_pos_emb: Tensor | tuple[Tensor, Tensor] | None = None,
+        **unsupported,
+    ) -> tuple[Tensor, None]:
+        """``hidden_states [s/p, b, h]`` (canonical order) -> ``([s/p, b, h], None)``."""
+        given = sorted(k for k, v in {"attention_mask": attention_mask, **unsupported}.items() if v is not None)
+        if given:
+            raise ValueError(
+                f"ParadyseSelfAttention got {', '.join(given)}: attention visibility and packing come from the "
+                f"micro-batch's SequenceLayout, and inference, cross-attention and attention biases are not "
+                f"supported; call the model with attention_mask=None"
+            )
+        step = current_micro_batch()
+        if step.layout.causal != self.causal:
+            raise ValueError(
+                f"layer {self.layer_number} is {'causal' if self.causal else 'bidirectional'}, but the micro-batch's "
+                f"layout is {'causal' if step.layout.causal else 'bidirectional'}; build it with causal={self.causal}"
+            )
+        if self.plan_index is None:
+            raise RuntimeError(
+                "ParadyseSelfAttention must be built by ParadyseTransformerLayer (megatron_paradyse.spec)"
+            )
+        ctx = AttentionContext(
+            group=self.pg_collection.tp,
+            layout=step.layout,
+            shape=self.shape,
+            kernel=get_kernel(step.attention_kernel, hidden_states.device, hidden_states.dtype),
+            softmax_scale=self.softmax_scale,
+            qk_transform=self._qk_transform(rotary_pos_emb),
+        )
+        weights = AttentionWeights(
+            qkv=self.linear_qkv.weight,
+            proj=self.linear_proj.weight,
+            qkv_bias=self.linear_qkv.bias,
+            proj_bias=self.linear_proj.bias,
+        )
+        return run_attention(step.plan[self.plan_index].attention, hidden_states, weights, ctx), None
+
+    def _qk_transform(self, rotary_pos_emb: Tensor | tuple[Tensor, Tensor] | None) -> _QKTransform | None:
+        if self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]:
+            rotary_pos_emb = None
+        if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
+            rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
+        if rotary_pos_emb is None and self.q_layernorm is None and self.k_layernorm is None:
+            return None
+        return _QKTransform(
+            config=self.config,
+            q_norm=self.q_layernorm,
+            k_norm=self.k_layernorm,
+            freqs=rotary_pos_emb,
+            mscale=self._yarn_concentration_factor,
+            cp_group=self.pg_collection.cp,
+        )
+
+
+class ParadyseMLP(MLP):
+    """Megatron's dense ``MLP`` weights (``linear_fc1``, ``linear_fc2``) run by a strategy.
+
+    Build it as Megatron does, ``functools.partial(ParadyseMLP.as_mlp_submodule, submodules=...)``.
+    Returns the output with the ``linear_fc2`` bias already added (bias ``None``).
+    """
+
+    def __init__(self, config: TransformerConfig, submodules: MLPSubmodules, is_expert: bool = False, **kwargs):
+        if is_expert:
+            raise ValueError("ParadyseMLP is a dense MLP; mixture-of-experts layers are not supported")
+        for key, full in (("input_size", config.hidden_size), ("ffn_hidden_size", config.ffn_hidden_size)):
+            if kwargs.get(key) not in (None, full):
+                raise ValueError(f"ParadyseMLP runs the model's own sizes: {key}={kwargs[key]}, the config has {full}")
+        super().__init__(config, submodules, is_expert, **kwargs)
+        self.shape = model_shape(config)
+        self.activation = _mlp_activation(config)
+        self.plan_index: int | None = None
+        """Set by the owning :class:`ParadyseTransformerLayer`."""
+
+    def forward(self, hidden_states: Tensor, per_token_scale: Tensor | None = None, **kwargs) -> tuple[Tensor, None]:
+        """``hidden_states [s/p, b, h]`` -> ``([s/p, b, h], None)``. ``padding_mask`` (MoE routing) is unused."""
+        if per_token_scale is not None:
+            raise ValueError("per_token_scale is for mixture-of-experts MLPs; ParadyseMLP is dense")
+        if self.plan_index is None:
+            raise RuntimeError("ParadyseMLP must be built by ParadyseTransformerLayer (megatron_paradyse.spec)")
+        step = current_micro_batch()
+        ctx = MLPContext(group=self.tp_group, shape=self.shape, activation=self.activation)
+        weights = MLPWeights(
+            fc1=self.linear_fc1.weight,
+            fc2=self.linear_fc2.weight,
+            fc1_bias=self.linear_fc1.bias,
+            fc2_bias=self.linear_fc2.bias,
+        )
+        return run_mlp(step.plan[self.plan_index].mlp, hidden_states, weights, ctx), None

@@ -1,0 +1,78 @@
+"""The Paradyse layer spec: a drop-in for Megatron-Core's GPT layer spec.
+
+Two forms, for the two ways Megatron takes a spec:
+
+- :func:`get_paradyse_layer_spec` ``(config, vp_stage=None)``: the block spec of one pipeline stage
+  (one Paradyse layer spec per layer, and a final norm that works with sequence parallelism). Pass it
+  as ``GPTModel(transformer_layer_spec=get_paradyse_layer_spec(config))``, or give Megatron the
+  function itself (``--spec megatron_paradyse.spec get_paradyse_layer_spec``; ``build_model`` calls it
+  with its model config and ``vp_stage``).
+- :data:`paradyse_layer_spec`: one layer's ``ModuleSpec``
+  (``--spec megatron_paradyse.spec paradyse_layer_spec``). Megatron then picks the final norm itself
+  (TransformerEngine's or apex's; its torch fallback refuses sequence parallelism).
+
+The weights, their state-dict keys and the sharded (distributed-checkpoint) keys are those of
+Megatron's stock GPT layer specs, so checkpoints move between the two.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.attention import SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+from megatron_paradyse.modules import ParadyseMLP, ParadyseSelfAttention, ParadyseTransformerLayer
+from megatron_paradyse.norm import sequence_parallel_norm
+
+__all__ = ["get_paradyse_layer_spec", "paradyse_layer_spec"]
+
+paradyse_layer_spec = ModuleSpec(
+    module=ParadyseTransformerLayer,
+    submodules=TransformerLayerSubmodules(
+        input_layernorm=sequence_parallel_norm,
+        self_attention=ModuleSpec(
+            module=ParadyseSelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(
+                linear_qkv=ColumnParallelLinear,
+                core_attention=IdentityOp,  # unused: the strategies attend
+                linear_proj=RowParallelLinear,
+            ),
+        ),
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=sequence_parallel_norm,
+        mlp=functools.partial(
+            ParadyseMLP.as_mlp_submodule,
+            submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+        ),
+        mlp_bda=get_bias_dropout_add,
+        # As in Megatron's local spec: checkpoint keys of the norms are those of the TE spec's fused
+        # layernorm-linear modules, so distributed checkpoints move between local and TE models.
+        sharded_state_dict_keys_map={
+            "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+        },
+    ),
+)
+"""One causal Paradyse GPT layer. q/k norms follow ``config.qk_layernorm``; norms follow
+``config.normalization``."""
+
+
+def get_paradyse_layer_spec(config: TransformerConfig, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """The Paradyse block spec of this pipeline stage (chunk ``vp_stage`` with virtual pipelining).
+
+    ``config`` is the model's ``TransformerConfig``, or a ``megatron.training`` model config that holds
+    one as ``.transformer``.
+    """
+    config = getattr(config, "transformer", config)
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[paradyse_layer_spec] * layers, layer_norm=sequence_parallel_norm)
