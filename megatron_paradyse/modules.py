@@ -282,7 +282,7 @@ class ParadyseSelfAttention(SelfAttention):
         if step.layout.causal != self.causal:
             raise ValueError(
                 f"layer {self.layer_number} is {'causal' if self.causal else 'bidirectional'}, but the micro-batch's "
-                f"layout is {'causal' if step.layout.causal else 'bidirectional'}; build it with causal={self.causal}"
+                f"layout is not; build the layout with SequenceLayout.build(..., causal={self.causal})"
             )
         if self.plan_index is None:
             raise RuntimeError(
