@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_paradyse.data._mcore import indexed_dataset_module
-from megatron_paradyse.data.indexed import DocumentDataset, validate, write_documents
+from megatron_paradyse.data.indexed import DocumentDataset, indexed_dataset_module, validate, write_documents
 from megatron_paradyse.data.prepare import prepare, read_manifest
 from megatron_paradyse.data.tokenizers import ByteTokenizer, KmerTokenizer, get_tokenizer
 

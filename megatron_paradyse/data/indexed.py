@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_paradyse.data._mcore import indexed_dataset_module
+from megatron_paradyse import compat
 
 __all__ = ["DocumentDataset", "IndexInfo", "validate", "write_documents"]
 
@@ -160,6 +160,14 @@ class DocumentDataset:
         # validate() proved the sequences of a document lie back to back in the .bin, so one read from
         # the document's first sequence covers all of them.
         return self._megatron.get(int(self._first_sequence[doc]), offset=offset, length=length)
+
+
+def indexed_dataset_module():
+    """megatron-core's ``indexed_dataset`` module (imported on first use, with the CPU patches)."""
+    compat.install()
+    from megatron.core.datasets import indexed_dataset
+
+    return indexed_dataset
 
 
 def write_documents(path_prefix: str | os.PathLike, documents: Iterable[np.ndarray], *, vocab_size: int) -> IndexInfo:
