@@ -19,6 +19,7 @@ setup(
         "numpy",
         "packaging>=24.2",
         "pyyaml",
+        "psutil",  # megatron-core distributed checkpointing
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn>=2.6"],
