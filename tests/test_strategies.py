@@ -1,4 +1,5 @@
-"""Every strategy, and random per-layer mixes, equal a single-rank fp32 reference on p gloo ranks.
+"""Every strategy, and random per-layer mixes with and without recompute, equal a single-rank fp32
+reference on p gloo ranks.
 
 One launch per p runs every case; each case is its own test. Every rank computes the reference
 itself and compares its own shards: loss, input gradient and every weight gradient, within 1e-5
@@ -9,6 +10,8 @@ errors are ~1e-6).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import random
 
 import pytest
@@ -20,6 +23,8 @@ from reference_model import StackConfig, make_params, reference_forward, rope_tr
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.multiprocess import run_on_ranks
+from megatron_paradyse.plan import LayerOption
+from megatron_paradyse.recompute import recompute
 from megatron_paradyse.strategies import (
     AttentionContext,
     MLPContext,
@@ -40,7 +45,7 @@ class Case:
     gqa: bool
     causal: bool
     docs: tuple[int, ...]
-    plan: tuple[tuple[str, str], ...]
+    plan: tuple[LayerOption, ...]
     seed: int
 
 
@@ -58,24 +63,31 @@ def model_shape(p: int, gqa: bool) -> ModelShape:
 
 def build_cases(p: int) -> list[Case]:
     rng = random.Random(1000 + p)
+
+    def random_plan(attn: list[str], mlp: list[str]) -> tuple[LayerOption, ...]:
+        return tuple(LayerOption(rng.choice(attn), rng.choice(mlp), rng.random() < 0.5) for _ in range(NUM_LAYERS))
+
     cases = []
-    for gqa in (False, True):
+    for config, (gqa, causal) in enumerate(itertools.product((False, True), (True, False))):
         attn, skipped_a = available_strategies("attention", model_shape(p, gqa), p)
         mlp, skipped_m = available_strategies("mlp", model_shape(p, gqa), p)
         assert not skipped_a and not skipped_m, (skipped_a, skipped_m)
-        for causal in (True, False):
-            tag = f"p{p}-{'gqa_swiglu' if gqa else 'mha_gelu'}-{'causal' if causal else 'bidir'}"
-            docs = (8 * p - 3,)  # needs padding to 8p
-            for a in attn:
-                for m in mlp:
-                    cases.append(
-                        Case(f"{tag}-{a}+{m}", gqa, causal, docs, ((a, m),) * NUM_LAYERS, rng.randrange(10**6))
-                    )
-            for i in range(2):
-                plan = tuple((rng.choice(attn), rng.choice(mlp)) for _ in range(NUM_LAYERS))
-                cases.append(Case(f"{tag}-mix{i}", gqa, causal, docs, plan, rng.randrange(10**6)))
-            plan = tuple((rng.choice(attn), rng.choice(mlp)) for _ in range(NUM_LAYERS))
-            cases.append(Case(f"{tag}-packed", gqa, causal, (5, 4 * p + 1, 2 * p), plan, rng.randrange(10**6)))
+        tag = f"p{p}-{'gqa_swiglu' if gqa else 'mha_gelu'}-{'causal' if causal else 'bidir'}"
+        docs = (8 * p - 3,)  # needs padding to 8p
+        # Every strategy alone; the MLP partner rotates with the model config, so across the four
+        # configs every attention strategy meets every MLP strategy.
+        for i, a in enumerate(attn):
+            m = mlp[(i + config) % len(mlp)]
+            plan = (LayerOption(a, m),) * NUM_LAYERS
+            cases.append(Case(f"{tag}-{a}+{m}", gqa, causal, docs, plan, rng.randrange(10**6)))
+        # Recompute on alternate layers, so a recomputed layer feeds and is fed by plain ones.
+        plan = tuple(LayerOption("lean", "lean", i % 2 == 1) for i in range(NUM_LAYERS))
+        cases.append(Case(f"{tag}-lean+lean-rc", gqa, causal, docs, plan, rng.randrange(10**6)))
+        for i in range(3):
+            cases.append(Case(f"{tag}-mix{i}", gqa, causal, docs, random_plan(attn, mlp), rng.randrange(10**6)))
+        cases.append(
+            Case(f"{tag}-packed", gqa, causal, (5, 4 * p + 1, 2 * p), random_plan(attn, mlp), rng.randrange(10**6))
+        )
     return cases
 
 
@@ -99,9 +111,16 @@ def run_stack(x_local, attn_weights, mlp_weights, norms, plan, layout, cfg, grou
         qk_transform=rope_transform,
     )
     mctx = MLPContext(group=group, shape=cfg.shape, activation=cfg.activation)
-    for (attn, mlp), aw, mw, ln in zip(plan, attn_weights, mlp_weights, norms):
-        x_local = x_local + run_attention(attn, F.layer_norm(x_local, (h,), ln["ln1_w"], ln["ln1_b"]), aw, actx)
-        x_local = x_local + run_mlp(mlp, F.layer_norm(x_local, (h,), ln["ln2_w"], ln["ln2_b"]), mw, mctx)
+
+    def layer(x_local, option, aw, mw, ln):
+        x_local = x_local + run_attention(
+            option.attention, F.layer_norm(x_local, (h,), ln["ln1_w"], ln["ln1_b"]), aw, actx
+        )
+        return x_local + run_mlp(option.mlp, F.layer_norm(x_local, (h,), ln["ln2_w"], ln["ln2_b"]), mw, mctx)
+
+    for option, aw, mw, ln in zip(plan, attn_weights, mlp_weights, norms):
+        run = functools.partial(recompute, layer) if option.recompute else layer
+        x_local = run(x_local, option, aw, mw, ln)
     return x_local
 
 
@@ -172,14 +191,14 @@ def _all_cases(rank: int, p: int) -> dict:
     return {case.id: run_case(case, rank, p) for case in build_cases(p)}
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda p: f"p{p}")
+@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda p: f"p{p}")
 def launch(request):
     p = request.param
     per_rank = run_on_ranks(_all_cases, p, timeout_s=600)
     return p, per_rank
 
 
-CASE_IDS = sorted({c.id.split("-", 1)[1] for p in (2, 3, 4) for c in build_cases(p)})
+CASE_IDS = sorted({c.id.split("-", 1)[1] for p in (1, 2, 3, 4) for c in build_cases(p)})
 
 
 @pytest.mark.parametrize("case_id", CASE_IDS)

@@ -1,6 +1,6 @@
 """The strategy library: per-sublayer parallel strategies over one activation layout and Megatron's TP shards.
 
-Attention: ``tp_sp``, ``ulysses``, ``ring``. MLP: ``tp_sp``, ``zero3``. Importing this package
+Attention: ``tp_sp``, ``ulysses``, ``ring``, ``lean``. MLP: ``tp_sp``, ``zero3``, ``lean``. Importing this package
 registers them; look one up with :func:`get_strategy` or run it, checked, with :func:`run_attention`
 / :func:`run_mlp`.
 """
@@ -10,6 +10,7 @@ from megatron_paradyse.strategies import tp_sp  # noqa: F401, I001
 from megatron_paradyse.strategies import ulysses  # noqa: F401
 from megatron_paradyse.strategies import ring  # noqa: F401
 from megatron_paradyse.strategies import zero3  # noqa: F401
+from megatron_paradyse.strategies import lean  # noqa: F401
 from megatron_paradyse.strategies.base import (
     AttentionContext,
     AttentionWeights,

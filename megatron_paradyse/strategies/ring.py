@@ -32,71 +32,97 @@ from megatron_paradyse.strategies.base import AttentionContext, AttentionWeights
 from megatron_paradyse.strategies.common import add_bias, gather_bias, heads_first, split_qkv
 from megatron_paradyse.strategies.registry import register
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "ring_attention_backward", "ring_attention_forward"]
+
+
+def ring_attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, group: ProcessGroup, kernel: AttentionKernel, scale: float
+) -> tuple[Tensor, Tensor]:
+    """``q [b, nq, s/p, d]``, ``k``/``v`` ``[b, nkv, s/p, d]`` (local tokens) -> ``out [b, nq, s/p, d]`` in
+    ``q``'s dtype and ``lse [b, nq, s/p]`` in ``accumulation_dtype(q.dtype)``.
+
+    No autograd; every rank of ``group`` must call it together.
+    """
+    rank, p = group.rank(), group.size()
+    comm = RingComm(group) if p > 1 else None
+    kv = torch.stack((k, v))  # [2, b, nkv, s/p, d]: one message per step
+    acc = accumulation_dtype(q.dtype)
+    out = q.new_zeros(q.shape, dtype=acc)
+    lse = q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
+    for step in range(p):
+        if step + 1 < p:
+            kv_next = comm.send_recv(kv)
+        segments = layout.ring_segments(rank, (rank - step) % p)
+        if segments:
+            part_out, part_lse = segments_forward(q, kv[0], kv[1], segments, scale, kernel)
+            out, lse = merge_partial(out, lse, part_out, part_lse)
+        if step + 1 < p:
+            comm.wait()
+            kv = kv_next
+    return out.to(q.dtype), lse
+
+
+def ring_attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    layout: SequenceLayout,
+    group: ProcessGroup,
+    kernel: AttentionKernel,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of the local blocks, given the forward's ``out`` and ``lse``. No autograd."""
+    rank, p = group.rank(), group.size()
+    kv_comm = RingComm(group) if p > 1 else None
+    dkv_comm = RingComm(group) if p > 1 else None
+    kv = torch.stack((k, v))
+    acc = accumulation_dtype(q.dtype)
+    dq = torch.zeros_like(q, dtype=acc)
+    dkv_in = None
+    for step in range(p):
+        src = (rank - step) % p
+        if step + 1 < p:
+            kv_next = kv_comm.send_recv(kv)
+        dkv = torch.zeros_like(kv, dtype=acc)  # this step's gradient of src's block
+        segments = layout.ring_segments(rank, src)
+        if segments:
+            dq_b, dk_b, dv_b = segments_backward(dout, q, kv[0], kv[1], out, lse, segments, scale, kernel)
+            dq += dq_b
+            dkv[0] += dk_b
+            dkv[1] += dv_b
+        if dkv_in is not None:
+            dkv_comm.wait()
+            dkv += dkv_in  # what the ranks before us added to src's block
+        if p == 1:
+            dkv_in = dkv
+            break
+        # Pass src's accumulator on; receive the one of the block we hold next.
+        dkv_in = dkv_comm.send_recv(dkv)
+        if step + 1 < p:
+            kv_comm.wait()
+            kv = kv_next
+    if p > 1:
+        dkv_comm.wait()  # after p hops our own block's accumulator is back, complete
+    return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
-    """``q [b, nq, s/p, d]``, ``k``/``v`` ``[b, nkv, s/p, d]`` (local tokens) -> ``out [b, nq, s/p, d]``."""
+    """Autograd wrapper of :func:`ring_attention_forward` / :func:`ring_attention_backward`."""
 
     @staticmethod
     def forward(ctx, q, k, v, layout: SequenceLayout, group: ProcessGroup, kernel: AttentionKernel, scale: float):
-        rank, p = group.rank(), group.size()
-        comm = RingComm(group) if p > 1 else None
-        kv = torch.stack((k, v))  # [2, b, nkv, s/p, d]: one message per step
-        acc = accumulation_dtype(q.dtype)
-        out = q.new_zeros(q.shape, dtype=acc)
-        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
-        for step in range(p):
-            if step + 1 < p:
-                kv_next = comm.send_recv(kv)
-            segments = layout.ring_segments(rank, (rank - step) % p)
-            if segments:
-                part_out, part_lse = segments_forward(q, kv[0], kv[1], segments, scale, kernel)
-                out, lse = merge_partial(out, lse, part_out, part_lse)
-            if step + 1 < p:
-                comm.wait()
-                kv = kv_next
-        out = out.to(q.dtype)
+        out, lse = ring_attention_forward(q, k, v, layout, group, kernel, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.layout, ctx.group, ctx.kernel, ctx.scale = layout, group, kernel, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        layout, group, kernel, scale = ctx.layout, ctx.group, ctx.kernel, ctx.scale
-        rank, p = group.rank(), group.size()
-        kv_comm = RingComm(group) if p > 1 else None
-        dkv_comm = RingComm(group) if p > 1 else None
-        kv = torch.stack((k, v))
-        acc = accumulation_dtype(q.dtype)
-        dq = torch.zeros_like(q, dtype=acc)
-        dkv_in = None
-        for step in range(p):
-            src = (rank - step) % p
-            if step + 1 < p:
-                kv_next = kv_comm.send_recv(kv)
-            dkv = torch.zeros_like(kv, dtype=acc)  # this step's gradient of src's block
-            segments = layout.ring_segments(rank, src)
-            if segments:
-                dq_b, dk_b, dv_b = segments_backward(dout, q, kv[0], kv[1], out, lse, segments, scale, kernel)
-                dq += dq_b
-                dkv[0] += dk_b
-                dkv[1] += dv_b
-            if dkv_in is not None:
-                dkv_comm.wait()
-                dkv += dkv_in  # what the ranks before us added to src's block
-            if p == 1:
-                dkv_in = dkv
-                break
-            # Pass src's accumulator on; receive the one of the block we hold next.
-            dkv_in = dkv_comm.send_recv(dkv)
-            if step + 1 < p:
-                kv_comm.wait()
-                kv = kv_next
-        if p > 1:
-            dkv_comm.wait()  # after p hops our own block's accumulator is back, complete
-        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None, None
+        grads = ring_attention_backward(dout, *ctx.saved_tensors, ctx.layout, ctx.group, ctx.kernel, ctx.scale)
+        return *grads, None, None, None, None
 
 
 def ring_attention(
