@@ -119,6 +119,8 @@ def run_stack(x_local, attn_weights, mlp_weights, norms, plan, layout, cfg, grou
         return x_local + run_mlp(option.mlp, F.layer_norm(x_local, (h,), ln["ln2_w"], ln["ln2_b"]), mw, mctx)
 
     for option, aw, mw, ln in zip(plan, attn_weights, mlp_weights, norms):
+        if not isinstance(option, LayerOption):
+            option = LayerOption(*option)  # an (attention, mlp) pair
         run = functools.partial(recompute, layer) if option.recompute else layer
         x_local = run(x_local, option, aw, mw, ln)
     return x_local
