@@ -21,6 +21,9 @@ class StackConfig:
     num_layers: int
     causal: bool
     bias: bool = True
+    qk_scale: bool = False
+    """Learned per-channel scales of q and k before RoPE (``q_scale``/``k_scale`` ``[hn]``, replicated):
+    a parameter inside ``qk_transform``, standing in for Megatron's q/k layernorm weights."""
 
     @property
     def activation(self):
@@ -71,6 +74,8 @@ def make_params(cfg: StackConfig, seed: int) -> list[dict[str, Tensor]]:
                 "fc2_b": rand(h, scale=0.1) if cfg.bias else None,
             }
         )
+        if cfg.qk_scale:
+            layers[-1].update(q_scale=1 + rand(s.kv_channels, scale=0.1), k_scale=1 + rand(s.kv_channels, scale=0.1))
     return layers
 
 
@@ -96,6 +101,8 @@ def reference_forward(
         qkv = F.linear(a, p["qkv_w"], p["qkv_b"]).view(seq, b, s.num_query_groups, (per_group + 2) * hn)
         q, k, v = torch.split(qkv, [per_group * hn, hn, hn], dim=3)
         q = q.reshape(seq, b, s.num_attention_heads, hn)
+        if "q_scale" in p:
+            q, k = q * p["q_scale"], k * p["k_scale"]
         q, k = rope(q, positions), rope(k, positions)
         k, v = (t.repeat_interleave(per_group, dim=2) for t in (k, v))
         core = F.scaled_dot_product_attention(

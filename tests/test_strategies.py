@@ -35,6 +35,7 @@ from megatron_paradyse.strategies import (
 )
 
 TOLERANCE = 1e-5
+REPLICATED = ("ln1_w", "ln1_b", "ln2_w", "ln2_b", "q_scale", "k_scale")
 NUM_LAYERS = 4
 BATCH = 2
 
@@ -47,6 +48,7 @@ class Case:
     docs: tuple[int, ...]
     plan: tuple[LayerOption, ...]
     seed: int
+    qk_scale: bool = False
 
 
 def model_shape(p: int, gqa: bool) -> ModelShape:
@@ -81,12 +83,21 @@ def build_cases(p: int) -> list[Case]:
             plan = (LayerOption(a, m),) * NUM_LAYERS
             cases.append(Case(f"{tag}-{a}+{m}", gqa, causal, docs, plan, rng.randrange(10**6)))
         # Recompute on alternate layers, so a recomputed layer feeds and is fed by plain ones.
+        # With a parameter inside qk_transform: lean differentiates it inside its own backward.
         plan = tuple(LayerOption("lean", "lean", i % 2 == 1) for i in range(NUM_LAYERS))
-        cases.append(Case(f"{tag}-lean+lean-rc", gqa, causal, docs, plan, rng.randrange(10**6)))
+        cases.append(Case(f"{tag}-lean+lean-rc", gqa, causal, docs, plan, rng.randrange(10**6), qk_scale=True))
         for i in range(3):
             cases.append(Case(f"{tag}-mix{i}", gqa, causal, docs, random_plan(attn, mlp), rng.randrange(10**6)))
         cases.append(
-            Case(f"{tag}-packed", gqa, causal, (5, 4 * p + 1, 2 * p), random_plan(attn, mlp), rng.randrange(10**6))
+            Case(
+                f"{tag}-packed",
+                gqa,
+                causal,
+                (5, 4 * p + 1, 2 * p),
+                random_plan(attn, mlp),
+                rng.randrange(10**6),
+                qk_scale=True,
+            )
         )
     return cases
 
@@ -98,6 +109,14 @@ def fields(weights) -> tuple:
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
+
+
+def qk_transform(replicated: dict[str, torch.Tensor]):
+    """RoPE, after the layer's q/k scales when it has them."""
+    if "q_scale" not in replicated:
+        return rope_transform
+    q_scale, k_scale = replicated["q_scale"], replicated["k_scale"]
+    return lambda q, k, positions: rope_transform(q * q_scale, k * k_scale, positions)
 
 
 def run_stack(x_local, attn_weights, mlp_weights, norms, plan, layout, cfg, group):
@@ -113,8 +132,9 @@ def run_stack(x_local, attn_weights, mlp_weights, norms, plan, layout, cfg, grou
     mctx = MLPContext(group=group, shape=cfg.shape, activation=cfg.activation)
 
     def layer(x_local, option, aw, mw, ln):
+        layer_actx = dataclasses.replace(actx, qk_transform=qk_transform(ln))
         x_local = x_local + run_attention(
-            option.attention, F.layer_norm(x_local, (h,), ln["ln1_w"], ln["ln1_b"]), aw, actx
+            option.attention, F.layer_norm(x_local, (h,), ln["ln1_w"], ln["ln1_b"]), aw, layer_actx
         )
         return x_local + run_mlp(option.mlp, F.layer_norm(x_local, (h,), ln["ln2_w"], ln["ln2_b"]), mw, mctx)
 
@@ -128,7 +148,7 @@ def run_stack(x_local, attn_weights, mlp_weights, norms, plan, layout, cfg, grou
 
 def run_case(case: Case, rank: int, p: int) -> dict:
     group = dist.group.WORLD
-    cfg = StackConfig(model_shape(p, case.gqa), NUM_LAYERS, case.causal)
+    cfg = StackConfig(model_shape(p, case.gqa), NUM_LAYERS, case.causal, qk_scale=case.qk_scale)
     layers = make_params(cfg, case.seed)
     layout = SequenceLayout.build(case.docs, p, causal=case.causal)
     gen = torch.Generator().manual_seed(case.seed + 1)
@@ -147,7 +167,7 @@ def run_case(case: Case, rank: int, p: int) -> dict:
     x_local = layout.to_canonical(x)[local].clone().requires_grad_()
     g_local = layout.to_canonical(g)[local]
     shards = [shard_layer(layer, cfg.shape, p, rank) for layer in layers]
-    norms = [{k: layer[k].clone().requires_grad_() for k in ("ln1_w", "ln1_b", "ln2_w", "ln2_b")} for layer in layers]
+    norms = [{k: layer[k].clone().requires_grad_() for k in REPLICATED if k in layer} for layer in layers]
     params = [t for aw, mw in shards for t in (*fields(aw), *fields(mw)) if t is not None]
     for t in params:
         t.requires_grad_()

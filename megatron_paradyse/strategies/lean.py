@@ -35,9 +35,15 @@ from megatron_paradyse.strategies.streaming import broadcast_shards, ring_shards
 __all__ = ["attention", "mlp"]
 
 
-def _group_qkv(x_local: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, ctx: AttentionContext, positions: Tensor):
-    """q, k, v of one head group for the local tokens, heads first: ``[b, n, s/p, hn]``."""
-    q, k, v = split_qkv(F.linear(x_local, qkv_w, qkv_b), ctx.shape)
+def _local_positions(ctx: AttentionContext, device: torch.device) -> Tensor:
+    """Rotary positions of this rank's tokens ``[s/p]``."""
+    layout = ctx.layout
+    return layout.position_ids[layout.local_slice(ctx.group.rank())].to(device)
+
+
+def _group_heads(qkv: Tensor, ctx: AttentionContext, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One head group's ``[s/p, b, ng/p*(np/ng + 2)*hn]`` projection -> q, k, v ``[b, n, s/p, hn]``."""
+    q, k, v = split_qkv(qkv, ctx.shape)
     if ctx.qk_transform is not None:
         q, k = ctx.qk_transform(q, k, positions)
     return heads_first(q), heads_first(k), heads_first(v)
@@ -63,13 +69,13 @@ class _LeanAttention(torch.autograd.Function):
     def forward(ctx, x_local: Tensor, qkv_w: Tensor, proj_w: Tensor, qkv_b: Tensor | None, actx: AttentionContext):
         group, layout = actx.group, actx.layout
         s_local, b, h = x_local.shape
-        positions = layout.position_ids[layout.local_slice(group.rank())].to(x_local.device)
+        positions = _local_positions(actx, x_local.device)
         y = x_local.new_zeros(s_local * b, h)
         outs, lses = [], []
 
         def step(j: int, shard, _grad) -> None:
             w_qkv, w_proj, b_qkv = shard
-            q, k, v = _group_qkv(x_local, w_qkv, b_qkv, actx, positions)
+            q, k, v = _group_heads(F.linear(x_local, w_qkv, b_qkv), actx, positions)
             out, lse = ring_attention_forward(q, k, v, layout, group, actx.kernel, actx.softmax_scale)
             outs.append(out)
             lses.append(lse)
@@ -77,19 +83,20 @@ class _LeanAttention(torch.autograd.Function):
 
         broadcast_shards((qkv_w, proj_w, qkv_b), group, step)
         ctx.save_for_backward(x_local, qkv_w, proj_w, qkv_b, *outs, *lses)
-        ctx.actx, ctx.positions = actx, positions
+        ctx.actx = actx
         return y.view(s_local, b, h)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x_local, qkv_w, proj_w, qkv_b, *kept = ctx.saved_tensors
-        actx, positions = ctx.actx, ctx.positions
+        actx = ctx.actx
         group, layout = actx.group, actx.layout
         p = group.size()
         outs, lses = kept[:p], kept[p:]
         s_local, b, h = x_local.shape
         x2, dy2 = x_local.reshape(-1, h), dy.reshape(-1, h)
         dx2 = torch.zeros_like(x2)
+        positions = _local_positions(actx, x_local.device)
 
         def step(j: int, shard, grad) -> None:
             w_qkv, w_proj, b_qkv = shard
@@ -101,10 +108,7 @@ class _LeanAttention(torch.autograd.Function):
             # parameters, e.g. q/k norm weights, get their gradient accumulated directly).
             qkv = F.linear(x_local, w_qkv, b_qkv).requires_grad_()
             with torch.enable_grad():
-                q, k, v = split_qkv(qkv, actx.shape)
-                if actx.qk_transform is not None:
-                    q, k = actx.qk_transform(q, k, positions)
-                q, k, v = heads_first(q), heads_first(k), heads_first(v)
+                q, k, v = _group_heads(qkv, actx, positions)
             dq, dk, dv = ring_attention_backward(
                 heads_first(dout), q, k, v, out, lses[j], layout, group, actx.kernel, actx.softmax_scale
             )
