@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import sys
 
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_paradyse.attention import get_kernel
+from megatron_paradyse.attention import get_kernel, kernel_names
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.memory import PeakMemory
 from megatron_paradyse.multiprocess import run_on_ranks
@@ -107,6 +108,14 @@ def _layer_forward(x_local, layer: _Layer, option: LayerOption, actx: AttentionC
     return x_local + run_mlp(option.mlp, F.layer_norm(x_local, (h,), ln2_w, ln2_b), layer.mlp, mctx)
 
 
+def _stack_forward_backward(x_local, layers: list[_Layer], option: LayerOption, actx, mctx) -> None:
+    y_local = x_local
+    for layer in layers:
+        args = (y_local, layer, option, actx, mctx)
+        y_local = recompute(_layer_forward, *args) if option.recompute else _layer_forward(*args)
+    y_local.float().square().sum().backward()
+
+
 def measure(rank: int, p: int, cfg: BenchConfig) -> dict[str, int]:
     """Peak bytes of forward+backward on this rank, keyed ``"<option>@<length>"``."""
     group = dist.group.WORLD
@@ -116,30 +125,41 @@ def measure(rank: int, p: int, cfg: BenchConfig) -> dict[str, int]:
     params = [t.requires_grad_() for layer in layers for t in layer.parameters()]
     kernel = get_kernel(cfg.kernel, device, cfg.dtype)
     mctx = MLPContext(group=group, shape=cfg.shape, activation=F.gelu)
-    peaks = {}
-    for length in cfg.lengths:
+
+    def run(option: LayerOption, length: int) -> int:
         layout = SequenceLayout.build(length, p, causal=True)
         actx = AttentionContext(
             group=group, layout=layout, shape=cfg.shape, kernel=kernel, softmax_scale=cfg.shape.kv_channels**-0.5
         )
+        for t in params:  # gradient buffers exist before the window, as in Megatron
+            t.grad = torch.zeros_like(t)
+        x_local = torch.randn(layout.local_len, cfg.batch, cfg.shape.hidden_size, generator=gen)
+        x_local = x_local.to(device, cfg.dtype).requires_grad_()
+        dist.barrier(group=group)
+        # The cyclic garbage collector is paused in the window, so a figure does not depend on when
+        # it happens to run (its timing differs between gloo and a fake group).
+        gc.collect()
+        gc.disable()
+        try:
+            with PeakMemory(device) as peak:
+                _stack_forward_backward(x_local, layers, option, actx, mctx)
+        finally:
+            gc.enable()
+        return peak.peak_bytes
+
+    if device.type == "cuda":  # library workspaces (cuBLAS, flash-attn) are allocated on first use
+        run(LayerOption.parse(cfg.pairings[0]), min(cfg.lengths))
+    peaks = {}
+    for length in cfg.lengths:
         for pairing in cfg.pairings:
             for rc in (False, True):
                 option = LayerOption(*pairing.split("/"), recompute=rc)
-                for t in params:  # gradient buffers exist before the window, as in Megatron
-                    t.grad = torch.zeros_like(t)
-                x_local = torch.randn(layout.local_len, cfg.batch, cfg.shape.hidden_size, generator=gen)
-                x_local = x_local.to(device, cfg.dtype).requires_grad_()
-                dist.barrier(group=group)
-                with PeakMemory(device) as peak:
-                    y_local = x_local
-                    for layer in layers:
-                        args = (y_local, layer, option, actx, mctx)
-                        y_local = recompute(_layer_forward, *args) if rc else _layer_forward(*args)
-                    y_local.float().square().sum().backward()
-                    del y_local
-                peaks[f"{option}@{length}"] = peak.peak_bytes
+                peaks[f"{option}@{length}"] = run(option, length)
                 if rank == 0:
-                    print(f"bench memory: {option} s={length}: {peak.peak_bytes / MIB:.1f} MiB", file=sys.stderr)
+                    print(
+                        f"bench memory: {option} s={length}: {peaks[f'{option}@{length}'] / MIB:.1f} MiB",
+                        file=sys.stderr,
+                    )
     return peaks
 
 
@@ -173,6 +193,12 @@ def _parser() -> argparse.ArgumentParser:
         default="cpu",
         help="cuda: one rank's share of a p-rank run on this GPU, over a fake process group (no data moves; "
         "NCCL buffers not counted); see the module docstring",
+    )
+    parser.add_argument(
+        "--kernel",
+        choices=("auto", *kernel_names()),
+        default="auto",
+        help="attention kernel (auto: torch on CPU, flash_attn on CUDA; math is O(s^2) memory)",
     )
     parser.add_argument("--simulate", action="store_true", help="on CPU too, one rank's share over a fake group")
     parser.add_argument("--rank", type=int, default=0, help="the rank whose share --device cuda/--simulate runs")
@@ -211,6 +237,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible")
+    dtype = torch.bfloat16 if cuda else torch.float32
     return BenchConfig(
         shape=shape,
         p=args.p,
@@ -219,8 +246,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         batch=args.batch,
         pairings=pairings,
         device=args.device,
-        dtype=torch.bfloat16 if cuda else torch.float32,
-        kernel="auto",
+        dtype=dtype,
+        kernel=get_kernel(args.kernel, torch.device(args.device), dtype).name,
     )
 
 
@@ -286,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     s = cfg.shape
     print(
         f"# Peak bytes allocated during forward+backward of a {cfg.layers}-layer stack (h={s.hidden_size}, "
-        f"{s.num_attention_heads} heads, ffn={s.ffn_hidden_size}, b={cfg.batch}, causal, {str(cfg.dtype)[6:]}), "
+        f"{s.num_attention_heads} heads, ffn={s.ffn_hidden_size}, b={cfg.batch}, causal, {str(cfg.dtype)[6:]}, "
+        f"{cfg.kernel} attention kernel), "
         f"{how}, on {cfg.device}.\n"
         "# Counted: memory allocated inside the window, above what was held before it (weights, their gradient "
         "buffers, the input).\n"
