@@ -31,7 +31,7 @@ from megatron_paradyse.strategies import (
 PLANS = [
     (("tp_sp", "tp_sp"),) * 4,
     (("ring", "zero3"), ("ulysses", "tp_sp"), ("tp_sp", "zero3"), ("ring", "tp_sp")),
-    (("ulysses", "zero3"),) * 4,
+    (("ulysses", "zero3"), ("lean", "lean"), ("lean", "zero3"), ("tp_sp", "lean")),
 ]
 LR, MOMENTUM = 1e-3, 0.9
 
