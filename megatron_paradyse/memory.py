@@ -72,6 +72,12 @@ class PeakMemory:
             self._tracker.__enter__()
         return self
 
+    def current_bytes(self) -> int:
+        """Bytes allocated now above the start of the window (inside the ``with`` block)."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device) - self._start
+        return self._tracker.live
+
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

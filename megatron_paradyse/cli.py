@@ -1,0 +1,80 @@
+"""``paradyse <command>``: the command-line entry point (``python -m megatron_paradyse.cli``).
+
+Commands: ``calibrate`` (measure this machine and write a cost profile). Each command is a
+``_cmd_<name>(args) -> int`` registered in :func:`_parser`; user errors print ``paradyse: error: ...``
+and exit 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+__all__ = ["main"]
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from megatron_paradyse.cost.calibrate import calibrate
+    from megatron_paradyse.cost.profile import save_profile
+
+    start = time.perf_counter()
+    profile = calibrate(
+        args.p,
+        device=args.device,
+        grid=args.grid,
+        dtype=getattr(torch, args.dtype),
+        fit_correction=args.fit_correction,
+        show_progress=not args.quiet,
+    )
+    save_profile(profile, args.output)
+    print(
+        f"wrote {args.output}: {args.grid} grid, p in {sorted(profile['collectives'], key=int) or [1]}, "
+        f"{profile['concurrency']} ranks at once, {time.perf_counter() - start:.0f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _p_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--p takes group sizes like 2,4, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--p takes positive group sizes, got {text!r}")
+    return values
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paradyse", description="megatron-paradyse tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+    cal = commands.add_parser("calibrate", help="measure kernels and collectives; write a cost profile (JSON)")
+    cal.add_argument("--output", "-o", required=True, help="profile file to write")
+    cal.add_argument("--p", type=_p_list, default=[4], help="group sizes to calibrate collectives for (default 4)")
+    cal.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    cal.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    cal.add_argument("--grid", choices=("quick", "full"), default="full", help="measurement grid (default full)")
+    cal.add_argument(
+        "--fit-correction",
+        action="store_true",
+        help="also time a few whole layers and fit the correction of DESIGN section 4",
+    )
+    cal.add_argument("--quiet", action="store_true", help="no progress bar")
+    cal.set_defaults(run=_cmd_calibrate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as e:  # bad input: a message, not a traceback
+        parser.exit(2, f"paradyse: error: {e}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The calibrated cost model: strategy terms (:mod:`cost.terms`) priced with a machine's profile.
+
+Time of one layer on one rank, forward + backward (+ one more forward with recompute)::
+
+    compute  = sum over GEMMs  of gemm_fwd(m, n, k) + gemm_bwd(m, n, k)
+             + sum over kernel calls of attn_fwd(call) + attn_bwd(call)
+             + elementwise bytes * per_byte + ops * per_op
+    comm     = sum over collectives of latency(kind, p) + bytes * per_byte(kind, p)
+    ring     = sum over steps of max(c, m) + (1 - overlap) * min(c, m)   (c: the step's kernels, m: its hop)
+    time     = correction.compute * (compute + ring compute share) + correction.comm * comm + per_layer_s
+
+``gemm_*(m, n, k) = c0 + c1 * 2mnk + c2 * e(mk + nk + mn)``; ``attn_*(call) = c0 + c1 * rows + c2 *
+pairs`` with rows and pairs summed over batch and heads. Collectives are synchronous in the code, so
+they add up; only the ring overlaps its hops with its kernels. The correction (all 1 and 0 without
+one) is fitted by ``paradyse calibrate --fit-correction`` on a few measured layers.
+
+Memory is :func:`cost.terms.layer_terms`' saved and transient bytes; the stage peak adds the static
+bytes (weights, gradients, optimizer state: the same for every plan, given by the caller), the
+embedding/loss working set and the allocator's slack on the transient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+from megatron_paradyse.cost.base import LayerCost
+from megatron_paradyse.cost.profile import load_profile
+from megatron_paradyse.cost.terms import AttentionCall, Collective, Dims, Gemm, SublayerTerms, layer_terms
+from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.plan import LayerOption
+from megatron_paradyse.strategies import ModelShape
+
+__all__ = ["AnalyticCostModel", "TimeBreakdown"]
+
+# Memory-bound ops a layer runs whatever the strategy: two norms and two residual adds, forward.
+_NORMS_AND_RESIDUALS_PASSES = 2 * 2 + 2 * 3
+# Rough op counts per sublayer call (forward; backward about twice), for the per-op overhead.
+_OPS_PER_SUBLAYER = 12
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TimeBreakdown:
+    compute_s: float
+    comm_s: float
+    ring_s: float
+    """Overlapped ring steps (kernels and hops together)."""
+    total_s: float
+
+
+class AnalyticCostModel:
+    """:class:`~megatron_paradyse.cost.base.CostModel` from a calibrated profile.
+
+    ``AnalyticCostModel(profile, shape, p, dtype=torch.bfloat16, static_bytes=..., vocab_size=...)``
+    or :meth:`from_file`; ``layer_cost(option, layout, micro_batch_size)`` for the planner.
+    """
+
+    def __init__(
+        self,
+        profile: dict[str, Any],
+        shape: ModelShape,
+        p: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        static_bytes: float = 0.0,
+        vocab_size: int = 0,
+        use_correction: bool = True,
+    ):
+        """``static_bytes``: weights, gradients and optimizer state of the stage (plan-independent);
+        ``vocab_size``: if the stage holds the output layer, its ``[s/p, b, V/p]`` fp32 logits and their
+        gradient count in its peak."""
+        if p > 1 and str(p) not in profile["collectives"]:
+            raise ValueError(f"the profile has no collectives for p={p}; run `paradyse calibrate --p {p}`")
+        self.profile = profile
+        self.shape = shape
+        self.p = p
+        self.dtype = dtype
+        self.element_size = torch.empty((), dtype=dtype).element_size()
+        self.static_bytes = float(static_bytes)
+        self.vocab_size = vocab_size
+        correction = profile.get("correction") if use_correction else None
+        self._k_compute = correction["compute"] if correction else 1.0
+        self._k_comm = correction["comm"] if correction else 1.0
+        self._per_layer = correction["per_layer_s"] if correction else 0.0
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, shape: ModelShape, p: int, **kwargs) -> AnalyticCostModel:
+        check_machine = kwargs.pop("check_machine", True)
+        return cls(load_profile(path, p=p, check_machine=check_machine), shape, p, **kwargs)
+
+    # -- the CostModel protocol ------------------------------------------------------------------
+    def layer_cost(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> LayerCost:
+        terms = self._terms(option, layout, micro_batch_size)
+        return LayerCost(self._time(terms).total_s, terms.saved_bytes, terms.transient_bytes)
+
+    def peak_bytes(
+        self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, transient_bytes: float
+    ) -> float:
+        logits = 2 * layout.local_len * micro_batch_size * self.vocab_size // self.p * 4
+        slack = self.profile["allocator_slack"]
+        return self.static_bytes + logits + saved_bytes + transient_bytes * (1.0 + slack)
+
+    # -- details ---------------------------------------------------------------------------------
+    def time_breakdown(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> TimeBreakdown:
+        return self._time(self._terms(option, layout, micro_batch_size))
+
+    def _terms(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int):
+        if layout.p != self.p:
+            raise ValueError(f"the layout is for p={layout.p}, the cost model for p={self.p}")
+        dims = Dims(self.shape, self.p, layout.padded_len, micro_batch_size, self.element_size)
+        return layer_terms(option, dims, layout)
+
+    def _time(self, terms) -> TimeBreakdown:
+        forwards = 2 if terms.recompute else 1
+        compute = comm = ring = 0.0
+        for sub in (terms.attention, terms.mlp):
+            compute += forwards * self._forward_compute(sub) + self._backward_compute(sub)
+            comm += forwards * self._comms(sub.fwd_comm) + self._comms(sub.bwd_comm)
+            ring += forwards * self._ring(sub, backward=False) + self._ring(sub, backward=True)
+        x = terms.norm_saved["output"]
+        elementwise = self.profile["elementwise"]["per_byte_s"] * _NORMS_AND_RESIDUALS_PASSES * x * (forwards + 2)
+        compute += elementwise
+        total = self._k_compute * (compute + ring) + self._k_comm * comm + self._per_layer
+        return TimeBreakdown(compute, comm, ring, total)
+
+    def _gemm(self, gemm: Gemm, direction: str) -> float:
+        c0, c1, c2 = self.profile["gemm"][direction]["coef"]
+        e = self.element_size
+        return c0 + c1 * gemm.flops + c2 * e * (gemm.m * gemm.k + gemm.n * gemm.k + gemm.m * gemm.n)
+
+    def _attention(self, call: AttentionCall, direction: str) -> float:
+        c0, c1, c2 = self.profile["attention"][direction]["causal" if call.causal else "full"]["coef"]
+        scale = call.b * call.heads * call.hn
+        return c0 + c1 * scale * call.sq + c2 * scale * call.pairs
+
+    def _elementwise(self, sub: SublayerTerms, factor: float) -> float:
+        ew = self.profile["elementwise"]
+        return factor * (sub.elementwise_bytes * ew["per_byte_s"] + _OPS_PER_SUBLAYER * ew["per_op_s"])
+
+    def _forward_compute(self, sub: SublayerTerms) -> float:
+        return (
+            sum(self._gemm(g, "forward") for g in sub.gemms)
+            + sum(self._attention(c, "forward") for c in sub.attention)
+            + self._elementwise(sub, 1.0)
+        )
+
+    def _backward_compute(self, sub: SublayerTerms) -> float:
+        return (
+            sum(self._gemm(g, "backward") for g in sub.gemms)
+            + sum(self._attention(c, "backward") for c in sub.attention)
+            + self._elementwise(sub, 2.0)
+        )
+
+    def _comm(self, c: Collective) -> float:
+        entry = self.profile["collectives"][str(self.p)][c.kind]
+        return entry["latency_s"] + c.nbytes * entry["per_byte_s"]
+
+    def _comms(self, comms: tuple[Collective, ...]) -> float:
+        return 0.0 if self.p == 1 else sum(self._comm(c) for c in comms)
+
+    def _ring(self, sub: SublayerTerms, *, backward: bool) -> float:
+        """Ring steps: the kernels of step ``i`` run while the next block travels (hidden by the
+        calibrated overlap fraction); backward also sends the dk/dv accumulator every step."""
+        if sub.ring is None:
+            return 0.0
+        overlap = self.profile["ring_overlap"]
+        direction = "backward" if backward else "forward"
+        total = 0.0
+        for i, calls in enumerate(sub.ring.steps):
+            compute = sum(self._attention(c, direction) for c in calls)
+            hops = []
+            if i < sub.ring.fwd_hops:
+                hops.append(sub.ring.hop)
+            if backward and self.p > 1:
+                hops.append(sub.ring.bwd_hop)
+            comm = sum(self._comm(h) for h in hops) if self.p > 1 else 0.0
+            total += max(compute, comm) + (1.0 - overlap) * min(compute, comm)
+        return total

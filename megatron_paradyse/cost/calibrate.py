@@ -1,0 +1,427 @@
+"""``paradyse calibrate``: measure this machine's kernels and links, fit them, return a profile.
+
+Everything runs on ``p`` real ranks at once (gloo on CPU, NCCL on CUDA), because that is how a
+layer runs: on a CPU shared by the ranks, a kernel timed alone is ~p/cores times faster than inside
+the job. Measured:
+
+- GEMMs (``F.linear`` forward and backward) over a grid of shapes, fitted as
+  ``c0 + c1 * FLOPs + c2 * bytes``;
+- the attention kernel, causal and full, square and rectangular blocks, forward and backward,
+  fitted as ``c0 + c1 * rows + c2 * pairs`` (rows, pairs times batch * heads * head dim);
+- memory-bound elementwise work (bytes/s and per-op overhead);
+- every collective the strategies use, for each requested group size, over message sizes, fitted as
+  ``latency + bytes * per_byte``;
+- how much of a ring hop hides behind a kernel running at the same time;
+- optionally (``fit_correction``) a few whole layers, to fit the correction of DESIGN §4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_paradyse.attention import get_kernel
+from megatron_paradyse.comm import RingComm
+from megatron_paradyse.cost.fitting import fit_nonnegative
+from megatron_paradyse.cost.profile import fingerprint
+from megatron_paradyse.cost.terms import COLLECTIVE_KINDS
+from megatron_paradyse.multiprocess import run_on_ranks
+from megatron_paradyse.plan import LayerOption
+from megatron_paradyse.strategies import ModelShape
+
+__all__ = ["CORRECTION_LAYERS", "GRIDS", "Grid", "REFERENCE_SHAPE", "calibrate", "fit_profile"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Grid:
+    gemm_m: tuple[int, ...]
+    gemm_nk: tuple[tuple[int, int], ...]
+    attention_lengths: tuple[int, ...]
+    attention_heads: int
+    attention_hn: tuple[int, ...]
+    comm_bytes: tuple[int, ...]
+    repeats: int
+    correction_lengths: tuple[int, ...]
+
+
+GRIDS = {
+    "quick": Grid(
+        gemm_m=(64, 512, 2048),
+        gemm_nk=((256, 256), (768, 256), (1024, 256), (256, 1024)),
+        attention_lengths=(128, 512, 2048),
+        attention_heads=8,
+        attention_hn=(32,),
+        comm_bytes=(4 << 10, 256 << 10, 2 << 20, 8 << 20),
+        repeats=3,
+        correction_lengths=(512, 4096),
+    ),
+    "full": Grid(
+        gemm_m=(32, 128, 512, 2048, 8192),
+        gemm_nk=((256, 256), (768, 256), (1024, 256), (256, 1024), (1024, 1024), (3072, 1024), (1024, 4096)),
+        attention_lengths=(64, 256, 1024, 2048, 4096),
+        attention_heads=8,
+        attention_hn=(32, 64),
+        comm_bytes=(1 << 10, 16 << 10, 128 << 10, 1 << 20, 4 << 20, 16 << 20),
+        repeats=5,
+        correction_lengths=(512, 4096),
+    ),
+}
+
+REFERENCE_SHAPE = ModelShape(
+    hidden_size=256, num_attention_heads=8, num_query_groups=8, kv_channels=32, ffn_hidden_size=1024
+)
+"""The layer the correction is fitted on (the benchmark's layer)."""
+CORRECTION_LAYERS = (LayerOption("tp_sp", "tp_sp"), LayerOption("ring", "zero3"))
+"""Options the correction is fitted on; the benchmark's held-out MAPE excludes these at the grid's
+``correction_lengths``."""
+
+
+_SAMPLE_S = 0.02
+
+
+class Progress:
+    """A one-line progress bar on stderr: ``[#####.....] 12/40 what``."""
+
+    def __init__(self, total: int, enabled: bool = True, width: int = 30):
+        self.total, self.done, self.enabled, self.width = max(total, 1), 0, enabled, width
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.enabled:
+            filled = self.width * self.done // self.total
+            bar = "#" * filled + "." * (self.width - filled)
+            sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} {what:<40.40s}")
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _median_time(fn: Callable[[], Any], repeats: int, device: torch.device, group=None) -> float:
+    """Median seconds per call of ``fn``, every rank of ``group`` running it at once.
+
+    Each sample times enough back-to-back calls to last ~20 ms (the same count on every rank), so the
+    ranks really overlap: a single short call would slip between the others' and look p/cores times
+    faster than it runs inside the job.
+    """
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    once = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(once, op=dist.ReduceOp.MAX, group=group)
+    calls = max(1, min(1000, int(_SAMPLE_S / max(once.item(), 1e-7))))
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group)
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_linear(m: int, n: int, k: int, repeats: int, device, dtype) -> tuple[float, float]:
+    """(forward, backward) seconds of ``F.linear(x [m, k], w [n, k])``."""
+    x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(n, k, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(m, n, device=device, dtype=dtype)
+    y = F.linear(x, w)
+    forward = _median_time(lambda: F.linear(x, w), repeats, device)
+    backward = _median_time(lambda: torch.autograd.grad(y, (x, w), dy, retain_graph=True), repeats, device)
+    return forward, backward
+
+
+def _gemm_samples(grid: Grid, device, dtype, progress: Progress) -> list[dict]:
+    samples = []
+    for m in grid.gemm_m:
+        for n, k in grid.gemm_nk:
+            fwd, bwd = _time_linear(m, n, k, grid.repeats, device, dtype)
+            samples.append({"m": m, "n": n, "k": k, "forward_s": fwd, "backward_s": bwd})
+            progress.step(f"gemm {m}x{n}x{k}")
+    return samples
+
+
+def _time_attention(kernel, heads: int, hn: int, sq: int, sk: int, causal: bool, repeats: int, device, dtype):
+    """(forward, backward) seconds of one kernel call on a ``[1, heads, sq | sk, hn]`` block."""
+    q = torch.randn(1, heads, sq, hn, device=device, dtype=dtype)
+    k = torch.randn(1, heads, sk, hn, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    scale = hn**-0.5
+    out, lse = kernel.forward(q, k, v, causal, scale)
+    dout = torch.randn_like(out)
+    forward = _median_time(lambda: kernel.forward(q, k, v, causal, scale), repeats, device)
+    backward = _median_time(lambda: kernel.backward(dout, q, k, v, out, lse, causal, scale), repeats, device)
+    return forward, backward
+
+
+def _attention_samples(grid: Grid, device, dtype, progress: Progress) -> list[dict]:
+    kernel = get_kernel("auto", device, dtype)
+    samples = []
+    heads = grid.attention_heads
+    for hn in grid.attention_hn:
+        for length in grid.attention_lengths:
+            # square blocks (causal, full) and the rectangles of ring steps (full, keys twice the queries)
+            for sq, sk, causal in ((length, length, True), (length, length, False), (length, 2 * length, False)):
+                fwd, bwd = _time_attention(kernel, heads, hn, sq, sk, causal, grid.repeats, device, dtype)
+                samples.append(
+                    {"heads": heads, "hn": hn, "sq": sq, "sk": sk, "causal": causal}
+                    | {"forward_s": fwd, "backward_s": bwd}
+                )
+                progress.step(f"attention {sq}x{sk} {'causal' if causal else 'full'} hn={hn}")
+    return samples
+
+
+def _time_add(nbytes: int, repeats: int, device, dtype) -> float:
+    a = torch.randn(nbytes // 4, device=device).to(dtype)
+    b = torch.randn_like(a)
+    return _median_time(lambda: torch.add(a, b), repeats, device)
+
+
+def _elementwise_samples(grid: Grid, device, dtype, progress: Progress) -> list[dict]:
+    samples = []
+    element_size = torch.empty((), dtype=dtype).element_size()
+    for nbytes in (4 << 10, 256 << 10, 4 << 20, 16 << 20):
+        seconds = _time_add(nbytes, grid.repeats, device, dtype)
+        samples.append({"bytes": 3 * nbytes // 4 * element_size, "seconds": seconds})  # read 2, write 1
+        progress.step(f"elementwise {nbytes >> 10} KiB")
+    return samples
+
+
+def _collective_ops(group, numel: int, device) -> dict[str, Callable[[], None]]:
+    """Each collective the strategies use, on ``numel`` fp32 elements (as its terms count bytes)."""
+    p = group.size()
+    full = torch.randn(numel, device=device)
+    shard = torch.randn(numel // p, device=device)
+    ring = RingComm(group)
+
+    def send_recv() -> None:
+        ring.send_recv(full)
+        ring.wait()
+
+    return {
+        "all_gather": lambda: dist.all_gather_into_tensor(torch.empty_like(full), shard, group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty_like(shard), full, group=group),
+        "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(full), full, group=group),
+        "send_recv": send_recv,
+    }
+
+
+def _collective_samples(grid: Grid, p_values: Sequence[int], device, progress: Progress) -> dict[str, dict]:
+    rank = dist.get_rank()
+    out: dict[str, dict] = {}
+    for p in p_values:
+        group = dist.new_group(list(range(p)))
+        if rank >= p:
+            for _ in range(len(COLLECTIVE_KINDS) * len(grid.comm_bytes)):
+                progress.step("")
+            continue
+        per_kind: dict[str, list] = {kind: [] for kind in COLLECTIVE_KINDS}
+        for nbytes in grid.comm_bytes:
+            numel = max(nbytes // 4 // p * p, p)
+            for kind, fn in _collective_ops(group, numel, device).items():
+                per_kind[kind].append((numel * 4, _median_time(fn, grid.repeats, device, group)))
+                progress.step(f"{kind} p={p} {nbytes >> 10} KiB")
+        out[str(p)] = per_kind
+    return out
+
+
+def _overlap_sample(grid: Grid, p: int, device, dtype, progress: Progress) -> float:
+    """Fraction of the shorter of (a ring hop, a kernel call) hidden when both run together."""
+    if p == 1:
+        progress.step("ring overlap")
+        return 0.0
+    group = dist.new_group(list(range(p)))
+    if dist.get_rank() >= p:
+        progress.step("ring overlap")
+        return 0.0
+    kernel = get_kernel("auto", device, dtype)
+    ring = RingComm(group)
+    length, heads, hn = 1024, grid.attention_heads, grid.attention_hn[0]
+    q = torch.randn(1, heads, length, hn, device=device, dtype=dtype)
+    kv = torch.randn(2, 1, heads, length, hn, device=device, dtype=dtype)
+
+    def compute():
+        kernel.forward(q, kv[0], kv[1], False, 0.1)
+
+    def hop():
+        ring.send_recv(kv)
+        ring.wait()
+
+    def both():
+        ring.send_recv(kv)
+        compute()
+        ring.wait()
+
+    c = _median_time(compute, grid.repeats, device, group)
+    m = _median_time(hop, grid.repeats, device, group)
+    o = _median_time(both, grid.repeats, device, group)
+    progress.step("ring overlap")
+    return float(np.clip((c + m - o) / max(min(c, m), 1e-12), 0.0, 1.0))
+
+
+def _measure_on_rank(rank: int, world: int, grid: Grid, p_values, device_type: str, dtype_name: str, show: bool):
+    device = torch.device(device_type, rank % max(torch.cuda.device_count(), 1)) if device_type == "cuda" else None
+    device = device or torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = getattr(torch, dtype_name)
+    steps = (
+        len(grid.gemm_m) * len(grid.gemm_nk)
+        + 3 * len(grid.attention_lengths) * len(grid.attention_hn)
+        + 4
+        + len(p_values) * len(COLLECTIVE_KINDS) * len(grid.comm_bytes)
+        + 1
+    )
+    progress = Progress(steps, enabled=show and rank == 0)
+    samples = {
+        "gemm": _gemm_samples(grid, device, dtype, progress),
+        "attention": _attention_samples(grid, device, dtype, progress),
+        "elementwise": _elementwise_samples(grid, device, dtype, progress),
+        "collectives": _collective_samples(grid, p_values, device, progress),
+        "ring_overlap": _overlap_sample(grid, max(p_values), device, dtype, progress),
+    }
+    return samples if rank == 0 else None
+
+
+def fit_profile(samples: dict[str, Any], element_size: int) -> dict[str, Any]:
+    """The fitted parameters of a profile from raw samples."""
+    gemm = samples["gemm"]
+    gemm_features = np.array(
+        [
+            [1.0, 2.0 * g["m"] * g["n"] * g["k"], element_size * (g["m"] * g["k"] + g["n"] * g["k"] + g["m"] * g["n"])]
+            for g in gemm
+        ]
+    )
+    fitted: dict[str, Any] = {
+        "gemm": {
+            d: {"coef": fit_nonnegative(gemm_features, [g[f"{d}_s"] for g in gemm]).tolist()}
+            for d in ("forward", "backward")
+        },
+        "attention": {"forward": {}, "backward": {}},
+    }
+    for causal, mask in ((True, "causal"), (False, "full")):
+        rows = [a for a in samples["attention"] if a["causal"] == causal]
+        features = np.array([[1.0, a["heads"] * a["hn"] * a["sq"], a["heads"] * a["hn"] * _pairs(a)] for a in rows])
+        for d in ("forward", "backward"):
+            fitted["attention"][d][mask] = {"coef": fit_nonnegative(features, [a[f"{d}_s"] for a in rows]).tolist()}
+    ew = samples["elementwise"]
+    c0, c1 = fit_nonnegative(np.array([[1.0, e["bytes"]] for e in ew]), [e["seconds"] for e in ew])
+    fitted["elementwise"] = {"per_op_s": float(c0), "per_byte_s": float(c1)}
+    fitted["collectives"] = {}
+    for p, kinds in samples["collectives"].items():
+        fitted["collectives"][p] = {}
+        for kind, points in kinds.items():
+            latency, per_byte = fit_nonnegative(np.array([[1.0, b] for b, _ in points]), [s for _, s in points])
+            fitted["collectives"][p][kind] = {"latency_s": float(latency), "per_byte_s": float(per_byte)}
+    fitted["ring_overlap"] = samples["ring_overlap"]
+    return fitted
+
+
+def _pairs(a: dict) -> int:
+    return a["sq"] * (a["sq"] + 1) // 2 if a["causal"] else a["sq"] * a["sk"]
+
+
+def calibrate(
+    p_values: Sequence[int] = (4,),
+    *,
+    device: str = "cpu",
+    grid: str = "quick",
+    dtype: torch.dtype = torch.float32,
+    fit_correction: bool = False,
+    show_progress: bool = True,
+    timeout_s: float = 1800.0,
+) -> dict[str, Any]:
+    """Measure and fit on ``max(p_values)`` ranks; returns the profile (see :mod:`cost.profile`)."""
+    if grid not in GRIDS:
+        raise ValueError(f"unknown calibration grid {grid!r}; known: {', '.join(GRIDS)}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    p_values = sorted({int(p) for p in p_values})
+    if not p_values or p_values[0] < 1:
+        raise ValueError(f"group sizes must be >= 1, got {p_values}")
+    world = max(p_values)
+    backend = "nccl" if device == "cuda" else "gloo"
+    dtype_name = str(dtype).removeprefix("torch.")
+    samples = run_on_ranks(
+        _measure_on_rank,
+        world,
+        args=(GRIDS[grid], [p for p in p_values if p > 1], device, dtype_name, show_progress),
+        timeout_s=timeout_s,
+        backend=backend,
+    )[0]
+    element_size = torch.empty((), dtype=dtype).element_size()
+    profile = {
+        "grid": grid,
+        "fingerprint": fingerprint(device),
+        "dtype": dtype_name,
+        "concurrency": world,
+        "attention": {"kernel": get_kernel("auto", torch.device(device), dtype).name},
+        # the CPU tracker counts tensor bytes exactly; the CUDA caching allocator rounds and fragments
+        "allocator_slack": 0.0 if device == "cpu" else 0.05,
+        "correction": None,
+        "samples": samples,
+    }
+    fitted = fit_profile(samples, element_size)
+    profile["attention"].update(fitted.pop("attention"))
+    profile.update(fitted)
+    if fit_correction:
+        profile["correction"] = fit_correction_from_layers(profile, world, GRIDS[grid], device, dtype, timeout_s)
+    return profile
+
+
+def _measure_correction_layers(rank: int, world: int, lengths, device_type: str, dtype_name: str):
+    from megatron_paradyse.cost.measure import measure_layer
+    from megatron_paradyse.layout import SequenceLayout
+
+    out = []
+    for s in lengths:
+        layout = SequenceLayout.build(s, world, causal=True)
+        for option in CORRECTION_LAYERS:
+            m = measure_layer(
+                option, layout, REFERENCE_SHAPE, dist.group.WORLD, dtype=getattr(torch, dtype_name), device=device_type
+            )
+            out.append((str(option), s, m.time_s))
+    return out
+
+
+def fit_correction_from_layers(profile, world: int, grid: Grid, device: str, dtype, timeout_s: float) -> dict:
+    """Fit ``time = k_compute * compute + k_comm * comm + per_layer_s`` on measured reference layers."""
+    from megatron_paradyse.cost.analytic import AnalyticCostModel
+    from megatron_paradyse.layout import SequenceLayout
+
+    measured = run_on_ranks(
+        _measure_correction_layers,
+        world,
+        args=(grid.correction_lengths, device, str(dtype).removeprefix("torch.")),
+        timeout_s=timeout_s,
+        backend="nccl" if device == "cuda" else "gloo",
+    )[0]
+    model = AnalyticCostModel(profile, REFERENCE_SHAPE, world, dtype=dtype, use_correction=False)
+    features, target = [], []
+    for option, s, seconds in measured:
+        b = model.time_breakdown(LayerOption.parse(option), SequenceLayout.build(s, world, causal=True), 1)
+        features.append([b.compute_s + b.ring_s, b.comm_s, 1.0])
+        target.append(seconds)
+    k_compute, k_comm, per_layer = fit_nonnegative(np.array(features), np.array(target))
+    return {
+        "compute": float(k_compute),
+        "comm": float(k_comm),
+        "per_layer_s": float(per_layer),
+        "fitted_on": [f"{option}@{s}" for option, s, _ in measured],
+    }

@@ -1,0 +1,205 @@
+"""Measure one transformer layer under one option on the calling rank: what the cost models predict.
+
+The layer is the unit the planner prices: ``x + attention(LN1(x))``, then ``+ mlp(LN2(.))``, on this
+rank's ``[s/p, b, h]`` shard, run under a :class:`LayerOption` (recompute wraps the whole layer).
+Its *time* is forward + backward (+ the recomputed forward), the slowest rank's, median over
+repeats after warm-up. Its *memory*, from :class:`PeakMemory` above the layer's input, weights and
+gradient buffers (the plan-independent static part):
+
+- ``saved_bytes``: still allocated when the forward returns (kept for backward, output included);
+- ``peak_bytes``: the high-water mark over forward and backward;
+- ``transient_bytes = peak_bytes - saved_bytes``.
+
+A stage of ``L`` alike layers then peaks at ``static + L * saved + transient`` (the last layer's
+backward runs on top of every layer's saved activations), which is how :mod:`cost.base` composes them.
+Used by the benchmark, by ``paradyse calibrate`` (its optional fitted correction) and by the tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from megatron_paradyse.attention import get_kernel
+from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.memory import PeakMemory
+from megatron_paradyse.plan import LayerOption
+from megatron_paradyse.recompute import recompute
+from megatron_paradyse.strategies import (
+    AttentionContext,
+    AttentionWeights,
+    MLPContext,
+    MLPWeights,
+    ModelShape,
+    run_attention,
+    run_mlp,
+)
+
+__all__ = ["LayerMeasurement", "LayerParams", "make_layer_params", "measure_layer", "run_layer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerParams:
+    """This rank's parameters of one layer: Megatron TP shards and the replicated norms."""
+
+    attention: AttentionWeights
+    mlp: MLPWeights
+    norms: tuple[Tensor, Tensor, Tensor, Tensor]
+    """LN1 weight, LN1 bias, LN2 weight, LN2 bias: ``[h]`` each."""
+
+
+def _fields(weights) -> tuple:
+    return tuple(getattr(weights, f.name) for f in dataclasses.fields(weights))
+
+
+def make_layer_params(
+    shape: ModelShape, p: int, rank: int, *, bias: bool = True, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> LayerParams:
+    """Random TP shards of one layer for ``rank`` of ``p`` (distinct per rank), with zeroed gradients.
+
+    The gradient buffers exist before any measurement: like the weights they are static memory.
+    """
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    h, hn = shape.hidden_size, shape.kv_channels
+
+    def rand(*size: int) -> Tensor:
+        t = (torch.randn(*size, generator=gen) / size[-1] ** 0.5).to(dtype).requires_grad_()
+        t.grad = torch.zeros_like(t)
+        return t
+
+    attention = AttentionWeights(
+        qkv=rand(shape.qkv_rows(p), h),
+        proj=rand(h, shape.num_attention_heads // p * hn),
+        qkv_bias=rand(shape.qkv_rows(p)) if bias else None,
+        proj_bias=rand(h) if bias else None,
+    )
+    mlp = MLPWeights(
+        fc1=rand(shape.fc1_rows(p), h),
+        fc2=rand(h, shape.ffn_hidden_size // p),
+        fc1_bias=rand(shape.fc1_rows(p)) if bias else None,
+        fc2_bias=rand(h) if bias else None,
+    )
+    return LayerParams(attention, mlp, (rand(h), rand(h), rand(h), rand(h)))
+
+
+def run_layer(
+    x_local: Tensor,
+    params: LayerParams,
+    option: LayerOption,
+    actx: AttentionContext,
+    mctx: MLPContext,
+) -> Tensor:
+    """``[s/p, b, h] -> [s/p, b, h]``: one pre-norm transformer layer under ``option``."""
+    h = x_local.shape[-1]
+    ln1_w, ln1_b, ln2_w, ln2_b = params.norms
+
+    def layer(x: Tensor) -> Tensor:
+        x = x + run_attention(option.attention, F.layer_norm(x, (h,), ln1_w, ln1_b), params.attention, actx)
+        return x + run_mlp(option.mlp, F.layer_norm(x, (h,), ln2_w, ln2_b), params.mlp, mctx)
+
+    return recompute(layer, x_local) if option.recompute else layer(x_local)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerMeasurement:
+    """One layer option on one micro-batch, as measured (see the module docstring)."""
+
+    time_s: float
+    saved_bytes: int
+    peak_bytes: int
+
+    @property
+    def transient_bytes(self) -> int:
+        return self.peak_bytes - self.saved_bytes
+
+
+def measure_layer(
+    option: LayerOption,
+    layout: SequenceLayout,
+    shape: ModelShape,
+    group: ProcessGroup,
+    *,
+    micro_batch_size: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    kernel: str = "auto",
+    bias: bool = True,
+    warmup: int = 1,
+    repeats: int = 3,
+    seed: int = 0,
+) -> LayerMeasurement:
+    """Forward + backward of one layer on every rank of ``group`` (a collective: all ranks call it).
+
+    Memory comes from one tracked run (exact on CPU, the allocator's count on CUDA); time from
+    ``repeats`` untracked runs after ``warmup``: per run the slowest rank's, then the median.
+    """
+    device = torch.device(device)
+    rank, p = group.rank(), group.size()
+    params = make_layer_params(shape, p, rank, bias=bias, dtype=dtype, seed=seed)
+    if device.type != "cpu":
+        params = _to_device(params, device)
+    actx = AttentionContext(
+        group=group,
+        layout=layout,
+        shape=shape,
+        kernel=get_kernel(kernel, device, dtype),
+        softmax_scale=shape.kv_channels**-0.5,
+    )
+    mctx = MLPContext(group=group, shape=shape, activation=F.silu if shape.gated_mlp else F.gelu)
+    gen = torch.Generator().manual_seed(seed + 7)
+    size = (layout.local_len, micro_batch_size, shape.hidden_size)
+    x_local = torch.randn(size, generator=gen).to(device, dtype).requires_grad_()
+    dy_local = torch.randn(size, generator=gen).to(device, dtype)
+
+    def step() -> None:
+        run_layer(x_local, params, option, actx, mctx).backward(dy_local)
+        x_local.grad = None
+
+    for _ in range(warmup):
+        step()
+    with PeakMemory(device) as memory:
+        y_local = run_layer(x_local, params, option, actx, mctx)
+        saved = memory.current_bytes()
+        y_local.backward(dy_local)
+        del y_local
+        x_local.grad = None
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group)
+        _synchronize(device)
+        start = time.perf_counter()
+        step()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    if not times:  # memory only
+        return LayerMeasurement(float("nan"), saved, memory.peak_bytes)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return LayerMeasurement(statistics.median(slowest.tolist()), saved, memory.peak_bytes)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _to_device(params: LayerParams, device: torch.device) -> LayerParams:
+    def move(t: Tensor | None) -> Tensor | None:
+        if t is None:
+            return None
+        moved = t.detach().to(device).requires_grad_()
+        moved.grad = torch.zeros_like(moved)
+        return moved
+
+    return LayerParams(
+        AttentionWeights(*map(move, _fields(params.attention))),
+        MLPWeights(*map(move, _fields(params.mlp))),
+        tuple(map(move, params.norms)),
+    )

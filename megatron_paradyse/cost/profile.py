@@ -1,0 +1,165 @@
+"""The cost profile: what ``paradyse calibrate`` measured on a machine, as a versioned JSON file.
+
+Schema (version 1), all times in seconds, sizes in bytes::
+
+    {
+      "schema": "megatron-paradyse/cost-profile", "version": 1,
+      "created": "2025-01-01T00:00:00+00:00", "grid": "quick" | "full",
+      "fingerprint": {"device": "cpu" | "cuda", "device_name": str, "cpu_count": int,
+                      "torch": str, "megatron_core": str, "python": str, "hostname": str},
+      "dtype": "float32", "concurrency": 4,          # ranks computing at once while measured
+      "gemm": {"forward": LINEAR, "backward": LINEAR},                # features: 1, FLOPs, bytes
+      "attention": {"kernel": "torch",
+                    "forward": {"causal": LINEAR, "full": LINEAR},
+                    "backward": {"causal": LINEAR, "full": LINEAR}},  # features: 1, rows, pairs
+      "elementwise": {"per_byte_s": float, "per_op_s": float},
+      "collectives": {"<p>": {"all_gather": ALPHA_BETA, "reduce_scatter": ..., "all_to_all": ...,
+                              "send_recv": ...}},
+      "ring_overlap": float,                          # fraction of the shorter of comm/compute hidden
+      "allocator_slack": float,                       # fraction of the transient (0 on the CPU tracker)
+      "correction": null | {"compute": k, "comm": k, "per_layer_s": c, "fitted_on": [str, ...]},
+      "samples": {...}                                # the raw measurements the fits came from
+    }
+
+with ``LINEAR = {"coef": [c0, c1, c2]}`` (time = c0 + c1 * feature1 + c2 * feature2) and
+``ALPHA_BETA = {"latency_s": a, "per_byte_s": b}``. Loading checks everything a cost model reads
+and raises :class:`ProfileError` naming the file and what to do.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["PROFILE_SCHEMA", "PROFILE_VERSION", "ProfileError", "fingerprint", "load_profile", "save_profile"]
+
+PROFILE_SCHEMA = "megatron-paradyse/cost-profile"
+PROFILE_VERSION = 1
+_COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "send_recv")
+# What must match between the machine that calibrated and the one that plans.
+_MUST_MATCH = ("device", "device_name", "torch", "megatron_core")
+
+
+class ProfileError(ValueError):
+    """A cost profile that is missing, corrupt, of another version or machine, or incomplete."""
+
+
+def fingerprint(device: str = "cpu") -> dict[str, Any]:
+    """What identifies the machine and software a profile is valid for."""
+    if device == "cuda":
+        device_name = torch.cuda.get_device_name()
+    else:
+        device_name = _cpu_model()
+    return {
+        "device": device,
+        "device_name": device_name,
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "megatron_core": _version("megatron-core"),
+        "python": platform.python_version(),
+        "hostname": socket.gethostname(),
+    }
+
+
+def _version(distribution: str) -> str | None:
+    # from the installed metadata: importing megatron.core on CPU needs patches (megatron_on_cpu.md)
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def save_profile(profile: dict[str, Any], path: str | os.PathLike) -> None:
+    profile = {"schema": PROFILE_SCHEMA, "version": PROFILE_VERSION, **profile}
+    profile.setdefault("created", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    _check(profile, str(path))
+    Path(path).write_text(json.dumps(profile, indent=1, sort_keys=True) + "\n")
+
+
+def load_profile(
+    path: str | os.PathLike, *, p: int | None = None, check_machine: bool = True, device: str | None = None
+) -> dict[str, Any]:
+    """Read and validate a profile; ``p``: require collectives for that group size; ``check_machine``:
+    require this machine's device and torch/megatron-core versions (what rates depend on)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ProfileError(f"cost profile {path} does not exist; make one with `paradyse calibrate --output {path}`")
+    try:
+        profile = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProfileError(f"cost profile {path} is not valid JSON ({e}); recalibrate with `paradyse calibrate`") from e
+    _check(profile, str(path))
+    if p is not None and p > 1 and str(p) not in profile["collectives"]:
+        raise ProfileError(
+            f"cost profile {path} has no collectives for p={p} (calibrated for p in "
+            f"{sorted(profile['collectives'], key=int)}); run `paradyse calibrate --p {p}`"
+        )
+    if check_machine:
+        here = fingerprint(device or profile["fingerprint"]["device"])
+        diffs = [
+            f"{k}: profile {profile['fingerprint'].get(k)!r}, here {here[k]!r}"
+            for k in _MUST_MATCH
+            if profile["fingerprint"].get(k) != here[k]
+        ]
+        if diffs:
+            raise ProfileError(
+                f"cost profile {path} was calibrated on another machine or software ({'; '.join(diffs)}); "
+                f"recalibrate here with `paradyse calibrate`, or pass check_machine=False to use it anyway"
+            )
+    return profile
+
+
+def _check(profile: Any, where: str) -> None:
+    if not isinstance(profile, dict):
+        raise ProfileError(f"cost profile {where} must be a JSON object, got {type(profile).__name__}")
+    if profile.get("schema") != PROFILE_SCHEMA:
+        raise ProfileError(f"{where} is not a cost profile (schema {profile.get('schema')!r}, want {PROFILE_SCHEMA!r})")
+    if profile.get("version") != PROFILE_VERSION:
+        raise ProfileError(
+            f"cost profile {where} has version {profile.get('version')!r}; this megatron-paradyse reads version "
+            f"{PROFILE_VERSION}: recalibrate with `paradyse calibrate`"
+        )
+    missing = [key for key in _required_keys(profile) if _lookup(profile, key) is None]
+    if missing:
+        raise ProfileError(f"cost profile {where} lacks {', '.join(missing)}; recalibrate with `paradyse calibrate`")
+
+
+def _required_keys(profile: dict[str, Any]) -> Iterable[str]:
+    yield from ("fingerprint.device", "fingerprint.torch", "fingerprint.megatron_core", "dtype", "concurrency")
+    yield from ("gemm.forward.coef", "gemm.backward.coef", "elementwise.per_byte_s", "elementwise.per_op_s")
+    yield from ("attention.kernel", "ring_overlap", "allocator_slack", "collectives")
+    for direction in ("forward", "backward"):
+        for mask in ("causal", "full"):
+            yield f"attention.{direction}.{mask}.coef"
+    for p in (profile.get("collectives") or {}) if isinstance(profile.get("collectives"), dict) else ():
+        for kind in _COLLECTIVES:
+            yield f"collectives.{p}.{kind}.latency_s"
+            yield f"collectives.{p}.{kind}.per_byte_s"
+
+
+def _lookup(profile: dict[str, Any], dotted: str) -> Any:
+    node: Any = profile
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
