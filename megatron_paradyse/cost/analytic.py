@@ -9,8 +9,9 @@ Time of one layer on one rank, forward + backward (+ one more forward with recom
     ring     = sum over steps of max(c, m) + (1 - overlap) * min(c, m)   (c: the step's kernels, m: its hop)
     time     = correction.compute * (compute + ring compute share) + correction.comm * comm + per_layer_s
 
-``gemm_*(m, n, k) = c0 + c1 * 2mnk + c2 * e(mk + nk + mn)``; ``attn_*(call) = c0 + c1 * rows + c2 *
-pairs`` with rows and pairs summed over batch and heads. Collectives are synchronous in the code, so
+``gemm_*(m, n, k) = c0 + c1 * 2mnk + c2 * e(mk + nk + mn)``; ``attn_*(call) = c0 +
+per_pair(length) * pairs * hn`` summed over batch and heads, the rate interpolated in log length
+between calibrated blocks. Collectives are synchronous in the code, so
 they add up; only the ring overlaps its hops with its kernels. The correction (all 1 and 0 without
 one) is fitted by ``paradyse calibrate --fit-correction`` on a few measured layers.
 
@@ -22,9 +23,11 @@ embedding/loss working set and the allocator's slack on the transient.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
+import numpy as np
 import torch
 
 from megatron_paradyse.cost.base import LayerCost
@@ -132,9 +135,10 @@ class AnalyticCostModel:
         return c0 + c1 * gemm.flops + c2 * e * (gemm.m * gemm.k + gemm.n * gemm.k + gemm.m * gemm.n)
 
     def _attention(self, call: AttentionCall, direction: str) -> float:
-        c0, c1, c2 = self.profile["attention"][direction]["causal" if call.causal else "full"]["coef"]
-        scale = call.b * call.heads * call.hn
-        return c0 + c1 * scale * call.sq + c2 * scale * call.pairs
+        fit = self.profile["attention"][direction]["causal" if call.causal else "full"]
+        log_lengths = np.log(fit["lengths"])
+        per_unit = np.interp(math.log(call.length), log_lengths, fit["per_unit_s"])  # flat beyond the ends
+        return fit["per_call_s"] + per_unit * call.flops / 4
 
     def _elementwise(self, sub: SublayerTerms, factor: float) -> float:
         ew = self.profile["elementwise"]

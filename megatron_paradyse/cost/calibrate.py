@@ -6,8 +6,8 @@ the job. Measured:
 
 - GEMMs (``F.linear`` forward and backward) over a grid of shapes, fitted as
   ``c0 + c1 * FLOPs + c2 * bytes``;
-- the attention kernel, causal and full, square and rectangular blocks, forward and backward,
-  fitted as ``c0 + c1 * rows + c2 * pairs`` (rows, pairs times batch * heads * head dim);
+- the attention kernel, causal and full, square and rectangular blocks, forward and backward: a
+  per-call overhead and the time per (visible pair x head dim) at each block length;
 - memory-bound elementwise work (bytes/s and per-op overhead);
 - every collective the strategies use, for each requested group size, over message sizes, fitted as
   ``latency + bytes * per_byte``;
@@ -30,10 +30,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_paradyse.attention import get_kernel
-from megatron_paradyse.comm import RingComm
+from megatron_paradyse.comm import RingComm, all_gather_seq, all_to_all_seq_to_heads, reduce_scatter_seq
 from megatron_paradyse.cost.fitting import fit_nonnegative
 from megatron_paradyse.cost.profile import fingerprint
-from megatron_paradyse.cost.terms import COLLECTIVE_KINDS
+from megatron_paradyse.cost.terms import COLLECTIVE_KINDS, AttentionCall
 from megatron_paradyse.multiprocess import run_on_ranks
 from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.strategies import ModelShape
@@ -45,9 +45,12 @@ __all__ = ["CORRECTION_LAYERS", "GRIDS", "Grid", "REFERENCE_SHAPE", "calibrate",
 class Grid:
     gemm_m: tuple[int, ...]
     gemm_nk: tuple[tuple[int, int], ...]
-    attention_lengths: tuple[int, ...]
-    attention_heads: int
+    attention_blocks: tuple[tuple[int, int], ...]
+    """(length, heads): fewer heads for long blocks keep each sample's time bounded; the rate per
+    (pair x head dim) does not depend on the head count, it does on the length (cache reuse)."""
     attention_hn: tuple[int, ...]
+    attention_rect_max: int
+    """Longest block also measured as a ring rectangle (``length x 2 length``)."""
     comm_bytes: tuple[int, ...]
     repeats: int
     correction_lengths: tuple[int, ...]
@@ -57,9 +60,9 @@ GRIDS = {
     "quick": Grid(
         gemm_m=(64, 512, 2048),
         gemm_nk=((256, 256), (768, 256), (1024, 256), (256, 1024)),
-        attention_lengths=(128, 512, 2048),
-        attention_heads=8,
+        attention_blocks=((128, 8), (512, 8), (2048, 2), (8192, 1)),
         attention_hn=(32,),
+        attention_rect_max=2048,
         comm_bytes=(4 << 10, 256 << 10, 2 << 20, 8 << 20),
         repeats=3,
         correction_lengths=(512, 4096),
@@ -67,9 +70,9 @@ GRIDS = {
     "full": Grid(
         gemm_m=(32, 128, 512, 2048, 8192),
         gemm_nk=((256, 256), (768, 256), (1024, 256), (256, 1024), (1024, 1024), (3072, 1024), (1024, 4096)),
-        attention_lengths=(64, 256, 1024, 2048, 4096),
-        attention_heads=8,
+        attention_blocks=((64, 8), (256, 8), (1024, 8), (2048, 4), (4096, 2), (8192, 1), (16384, 1)),
         attention_hn=(32, 64),
+        attention_rect_max=4096,
         comm_bytes=(1 << 10, 16 << 10, 128 << 10, 1 << 20, 4 << 20, 16 << 20),
         repeats=5,
         correction_lengths=(512, 4096),
@@ -80,7 +83,7 @@ REFERENCE_SHAPE = ModelShape(
     hidden_size=256, num_attention_heads=8, num_query_groups=8, kv_channels=32, ffn_hidden_size=1024
 )
 """The layer the correction is fitted on (the benchmark's layer)."""
-CORRECTION_LAYERS = (LayerOption("tp_sp", "tp_sp"), LayerOption("ring", "zero3"))
+CORRECTION_LAYERS = (LayerOption("tp_sp", "tp_sp"), LayerOption("ulysses", "zero3"), LayerOption("ring", "zero3"))
 """Options the correction is fitted on; the benchmark's held-out MAPE excludes these at the grid's
 ``correction_lengths``."""
 
@@ -170,20 +173,26 @@ def _time_attention(kernel, heads: int, hn: int, sq: int, sk: int, causal: bool,
     return forward, backward
 
 
+def _attention_blocks(grid: Grid) -> list[tuple[int, int, int, bool]]:
+    """(heads, sq, sk, causal) of every measured block: causal and full squares, ring rectangles."""
+    blocks = []
+    for length, heads in grid.attention_blocks:
+        blocks += [(heads, length, length, True), (heads, length, length, False)]
+        if length <= grid.attention_rect_max:
+            blocks.append((heads, length, 2 * length, False))
+    return blocks
+
+
 def _attention_samples(grid: Grid, device, dtype, progress: Progress) -> list[dict]:
     kernel = get_kernel("auto", device, dtype)
     samples = []
-    heads = grid.attention_heads
     for hn in grid.attention_hn:
-        for length in grid.attention_lengths:
-            # square blocks (causal, full) and the rectangles of ring steps (full, keys twice the queries)
-            for sq, sk, causal in ((length, length, True), (length, length, False), (length, 2 * length, False)):
-                fwd, bwd = _time_attention(kernel, heads, hn, sq, sk, causal, grid.repeats, device, dtype)
-                samples.append(
-                    {"heads": heads, "hn": hn, "sq": sq, "sk": sk, "causal": causal}
-                    | {"forward_s": fwd, "backward_s": bwd}
-                )
-                progress.step(f"attention {sq}x{sk} {'causal' if causal else 'full'} hn={hn}")
+        for heads, sq, sk, causal in _attention_blocks(grid):
+            fwd, bwd = _time_attention(kernel, heads, hn, sq, sk, causal, grid.repeats, device, dtype)
+            samples.append(
+                {"heads": heads, "hn": hn, "sq": sq, "sk": sk, "causal": causal} | {"forward_s": fwd, "backward_s": bwd}
+            )
+            progress.step(f"attention {sq}x{sk} {'causal' if causal else 'full'} hn={hn}")
     return samples
 
 
@@ -204,10 +213,12 @@ def _elementwise_samples(grid: Grid, device, dtype, progress: Progress) -> list[
 
 
 def _collective_ops(group, numel: int, device) -> dict[str, Callable[[], None]]:
-    """Each collective the strategies use, on ``numel`` fp32 elements (as its terms count bytes)."""
+    """The collectives exactly as the strategies call them (``comm``), on ``numel`` fp32 elements in
+    the unit their terms count: all-gather output, reduce-scatter input, all-to-all send buffer."""
     p = group.size()
     full = torch.randn(numel, device=device)
     shard = torch.randn(numel // p, device=device)
+    seq_local = full.view(numel // p, 1, p)  # [s/p, b, p*w]: w = 1 column per rank
     ring = RingComm(group)
 
     def send_recv() -> None:
@@ -215,9 +226,9 @@ def _collective_ops(group, numel: int, device) -> dict[str, Callable[[], None]]:
         ring.wait()
 
     return {
-        "all_gather": lambda: dist.all_gather_into_tensor(torch.empty_like(full), shard, group=group),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty_like(shard), full, group=group),
-        "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(full), full, group=group),
+        "all_gather": lambda: all_gather_seq(shard, group),
+        "reduce_scatter": lambda: reduce_scatter_seq(full, group),
+        "all_to_all": lambda: all_to_all_seq_to_heads(seq_local, group),
         "send_recv": send_recv,
     }
 
@@ -252,7 +263,7 @@ def _overlap_sample(grid: Grid, p: int, device, dtype, progress: Progress) -> fl
         return 0.0
     kernel = get_kernel("auto", device, dtype)
     ring = RingComm(group)
-    length, heads, hn = 1024, grid.attention_heads, grid.attention_hn[0]
+    length, heads, hn = 1024, 4, grid.attention_hn[0]
     q = torch.randn(1, heads, length, hn, device=device, dtype=dtype)
     kv = torch.randn(2, 1, heads, length, hn, device=device, dtype=dtype)
 
@@ -283,7 +294,7 @@ def _measure_on_rank(rank: int, world: int, grid: Grid, p_values, device_type: s
     dtype = getattr(torch, dtype_name)
     steps = (
         len(grid.gemm_m) * len(grid.gemm_nk)
-        + 3 * len(grid.attention_lengths) * len(grid.attention_hn)
+        + len(_attention_blocks(grid)) * len(grid.attention_hn)
         + 4
         + len(p_values) * len(COLLECTIVE_KINDS) * len(grid.comm_bytes)
         + 1
@@ -317,9 +328,8 @@ def fit_profile(samples: dict[str, Any], element_size: int) -> dict[str, Any]:
     }
     for causal, mask in ((True, "causal"), (False, "full")):
         rows = [a for a in samples["attention"] if a["causal"] == causal]
-        features = np.array([[1.0, a["heads"] * a["hn"] * a["sq"], a["heads"] * a["hn"] * _pairs(a)] for a in rows])
         for d in ("forward", "backward"):
-            fitted["attention"][d][mask] = {"coef": fit_nonnegative(features, [a[f"{d}_s"] for a in rows]).tolist()}
+            fitted["attention"][d][mask] = _fit_attention(rows, f"{d}_s")
     ew = samples["elementwise"]
     c0, c1 = fit_nonnegative(np.array([[1.0, e["bytes"]] for e in ew]), [e["seconds"] for e in ew])
     fitted["elementwise"] = {"per_op_s": float(c0), "per_byte_s": float(c1)}
@@ -333,8 +343,22 @@ def fit_profile(samples: dict[str, Any], element_size: int) -> dict[str, Any]:
     return fitted
 
 
-def _pairs(a: dict) -> int:
-    return a["sq"] * (a["sq"] + 1) // 2 if a["causal"] else a["sq"] * a["sk"]
+def _fit_attention(rows: list[dict], key: str) -> dict[str, Any]:
+    """Per-call overhead, and the time per (pair x head dim) at each measured block length: the rate
+    changes with the length (how far K/V outgrow the caches), so it is interpolated, not fitted."""
+    calls = [AttentionCall(1, a["heads"], a["sq"], a["sk"], a["hn"], a["causal"]) for a in rows]
+    units = np.array([c.flops / 4 for c in calls])
+    seconds = np.array([a[key] for a in rows])
+    per_call = fit_nonnegative(np.stack([np.ones_like(units), units], axis=1), seconds)[0]
+    by_length: dict[float, list[float]] = {}
+    for call, unit, t in zip(calls, units, seconds):
+        by_length.setdefault(call.length, []).append(max(t - per_call, 0.1 * t) / unit)
+    lengths = sorted(by_length)
+    return {
+        "per_call_s": float(per_call),
+        "lengths": lengths,
+        "per_unit_s": [float(np.mean(by_length[g])) for g in lengths],
+    }
 
 
 def calibrate(
@@ -394,7 +418,13 @@ def _measure_correction_layers(rank: int, world: int, lengths, device_type: str,
         layout = SequenceLayout.build(s, world, causal=True)
         for option in CORRECTION_LAYERS:
             m = measure_layer(
-                option, layout, REFERENCE_SHAPE, dist.group.WORLD, dtype=getattr(torch, dtype_name), device=device_type
+                option,
+                layout,
+                REFERENCE_SHAPE,
+                dist.group.WORLD,
+                dtype=getattr(torch, dtype_name),
+                device=device_type,
+                memory_runs=0,
             )
             out.append((str(option), s, m.time_s))
     return out

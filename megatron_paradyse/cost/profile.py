@@ -10,8 +10,8 @@ Schema (version 1), all times in seconds, sizes in bytes::
       "dtype": "float32", "concurrency": 4,          # ranks computing at once while measured
       "gemm": {"forward": LINEAR, "backward": LINEAR},                # features: 1, FLOPs, bytes
       "attention": {"kernel": "torch",
-                    "forward": {"causal": LINEAR, "full": LINEAR},
-                    "backward": {"causal": LINEAR, "full": LINEAR}},  # features: 1, rows, pairs
+                    "forward": {"causal": RATE, "full": RATE},
+                    "backward": {"causal": RATE, "full": RATE}},
       "elementwise": {"per_byte_s": float, "per_op_s": float},
       "collectives": {"<p>": {"all_gather": ALPHA_BETA, "reduce_scatter": ..., "all_to_all": ...,
                               "send_recv": ...}},
@@ -21,7 +21,9 @@ Schema (version 1), all times in seconds, sizes in bytes::
       "samples": {...}                                # the raw measurements the fits came from
     }
 
-with ``LINEAR = {"coef": [c0, c1, c2]}`` (time = c0 + c1 * feature1 + c2 * feature2) and
+with ``LINEAR = {"coef": [c0, c1, c2]}`` (time = c0 + c1 * FLOPs + c2 * bytes), ``RATE =
+{"per_call_s": c0, "lengths": [L...], "per_unit_s": [r...]}`` (time = c0 + r(L) * pairs * hn * heads * b,
+``r`` interpolated in log length; ``L`` = sq causal, sqrt(sq sk) full) and
 ``ALPHA_BETA = {"latency_s": a, "per_byte_s": b}``. Loading checks everything a cost model reads
 and raises :class:`ProfileError` naming the file and what to do.
 """
@@ -149,7 +151,8 @@ def _required_keys(profile: dict[str, Any]) -> Iterable[str]:
     yield from ("attention.kernel", "ring_overlap", "allocator_slack", "collectives")
     for direction in ("forward", "backward"):
         for mask in ("causal", "full"):
-            yield f"attention.{direction}.{mask}.coef"
+            for field in ("per_call_s", "lengths", "per_unit_s"):
+                yield f"attention.{direction}.{mask}.{field}"
     for p in (profile.get("collectives") or {}) if isinstance(profile.get("collectives"), dict) else ():
         for kind in _COLLECTIVES:
             yield f"collectives.{p}.{kind}.latency_s"

@@ -24,6 +24,7 @@ calibrated profile, and the unit tests check them against hand counts.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Literal
 
@@ -80,6 +81,11 @@ class AttentionCall:
     def flops(self) -> int:
         """Forward FLOPs: ``QK^T`` and ``PV`` over the visible pairs."""
         return 4 * self.b * self.heads * self.pairs * self.hn
+
+    @property
+    def length(self) -> float:
+        """The block's length for rate look-ups: ``sq`` of a causal square, ``sqrt(sq sk)`` otherwise."""
+        return float(self.sq) if self.causal else math.sqrt(self.sq * self.sk)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -308,9 +314,17 @@ def _ring_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
         # two K/V blocks (current and in flight) and a partial result beside the running one
         fwd_peak=sum(saved.values()) + 2 * kv_block + 2 * out32,
         # dq (fp32), per-step dk/dv (fp32) in flight both ways, the kernel's block gradients
-        # at a step with several segments: K/V held, in flight and stacked, the step's and the travelling
-        # dk/dv accumulators (fp32) both ways, dq (fp32) and the kernel's block gradients
-        bwd_peak=max(3 * core_local + w_proj, 4 * kv_block + 4 * kv32 + 2 * out32 + 2 * core_local),
+        # At a step with several segments: K/V held, in flight (not on the last step, so not for p=2)
+        # and stacked, the step's and the travelling dk/dv accumulators (fp32) both ways, dq (fp32),
+        # the kernel's block gradients, and with GQA the kernel's K/V heads expanded to the queries'.
+        bwd_peak=max(
+            3 * core_local + w_proj,
+            (4 if p > 2 else 3) * kv_block
+            + 4 * kv32
+            + 2 * out32
+            + 2 * core_local
+            + 2 * (d.shape.heads_per_group - 1) * kv_block,
+        ),
     )
 
 
@@ -380,8 +394,9 @@ def _zero3_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
         elementwise_bytes=3 * t * b * d.f1 * e,
         saved=saved,
         fwd_peak=sum(saved.values()) + d.x,
-        # linear_fc2 backward: dgrad and the full weight's gradient, then its reduce-scatter copy
-        bwd_peak=t * b * d.f * e + w2,
+        # linear_fc2 backward: dgrad and the full weight's gradient; then (fc2's saved input and weight
+        # released) that gradient's reduce-scatter copy and shard
+        bwd_peak=max(t * b * d.f * e + w2, w2 + w2 // d.p),
     )
 
 

@@ -1,0 +1,167 @@
+"""How well the cost models predict one layer's time and peak memory, against measurements.
+
+    python -m megatron_paradyse.bench costmodel --profile profile.json
+    python -m megatron_paradyse.bench costmodel                  # calibrates quickly first, and says so
+
+Measures every (attention, MLP, recompute) option on ``p`` gloo ranks over a grid of causal
+sequence lengths (one layer of h=256, 8 heads, ffn=1024, b=1, fp32: :data:`REFERENCE_SHAPE`):
+forward + backward time (the slowest rank's, median of repeats after a warm-up) and peak memory
+above the layer's input and static memory (:class:`PeakMemory`). Compared with:
+
+- the calibrated analytic model (:class:`AnalyticCostModel` on the profile): its headline time MAPE
+  leaves out the points its fitted correction (if any) was fitted on;
+- the paper's empirical model (:class:`EmpiricalCostModel`), leave-one-length-out: each length is
+  predicted from the others (forest inside their range, AIC polynomial beyond: the longest length
+  is extrapolated).
+
+Prints the table, the empirical MAPEs, and last ``time_mape=<x> mem_mape=<y>`` of the analytic
+model. Timings are only as quiet as the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch.distributed as dist
+
+from megatron_paradyse.cost.analytic import AnalyticCostModel
+from megatron_paradyse.cost.calibrate import REFERENCE_SHAPE, calibrate
+from megatron_paradyse.cost.empirical import EmpiricalCostModel, Sample
+from megatron_paradyse.cost.fitting import mape
+from megatron_paradyse.cost.measure import measure_layer
+from megatron_paradyse.cost.profile import load_profile
+from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.multiprocess import run_on_ranks
+from megatron_paradyse.plan import LayerOption
+
+__all__ = ["main"]
+
+PAIRS = (
+    ("tp_sp", "tp_sp"),
+    ("tp_sp", "zero3"),
+    ("ulysses", "tp_sp"),
+    ("ulysses", "zero3"),
+    ("ring", "tp_sp"),
+    ("ring", "zero3"),
+)
+MIB = 1 << 20
+
+
+def _measure_grid(rank: int, p: int, lengths, options, repeats: int) -> list[Sample]:
+    samples = []
+    for s in lengths:
+        layout = SequenceLayout.build(s, p, causal=True)
+        for option in options:
+            m = measure_layer(option, layout, REFERENCE_SHAPE, dist.group.WORLD, repeats=repeats)
+            samples.append(Sample(option, layout.padded_len, m.time_s, m.saved_bytes, m.peak_bytes))
+            if rank == 0:
+                print(f"measured {option} s={s}: {m.time_s * 1e3:.1f} ms", file=sys.stderr, flush=True)
+    return samples
+
+
+def _leave_one_length_out(samples: list[Sample]) -> dict[tuple[LayerOption, int], tuple[float, float]]:
+    """Empirical (time, peak) of every sample from a model fitted on the other lengths."""
+    predictions = {}
+    for length in sorted({s.length for s in samples}):
+        model = EmpiricalCostModel([s for s in samples if s.length != length])
+        for sample in (s for s in samples if s.length == length):
+            cost = model.layer_cost(sample.option, _layout(length, 1), 1)
+            predictions[(sample.option, length)] = (cost.time_s, cost.saved_bytes + cost.transient_bytes)
+    return predictions
+
+
+def _layout(length: int, p: int) -> SequenceLayout:
+    return SequenceLayout.build(length, p, causal=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_paradyse.bench costmodel", description=__doc__)
+    parser.add_argument("--p", type=int, default=4)
+    parser.add_argument("--lengths", default="256,512,1024,2048,4096,8192")
+    parser.add_argument("--profile", help="cost profile from `paradyse calibrate` (default: calibrate quickly)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="write every measurement and prediction here")
+    args = parser.parse_args(argv)
+    lengths = [int(v) for v in args.lengths.split(",")]
+    options = [LayerOption(a, m, rc) for a, m in PAIRS for rc in (False, True)]
+
+    if args.profile:
+        profile = load_profile(args.profile, p=args.p)
+    else:
+        print(
+            f"no --profile: calibrating quickly on {args.p} ranks (`paradyse calibrate --grid quick --fit-correction`)",
+            file=sys.stderr,
+        )
+        profile = calibrate([args.p], grid="quick", fit_correction=True)
+    model = AnalyticCostModel(profile, REFERENCE_SHAPE, args.p)
+    samples = run_on_ranks(_measure_grid, args.p, args=(lengths, options, args.repeats), timeout_s=3600)[0]
+    empirical = _leave_one_length_out(samples)
+
+    correction = profile.get("correction") or {}
+    fitted_on = set(correction.get("fitted_on", ()))
+    header = (
+        f"{'option':<20} {'s':>6} | {'time ms':>9} {'model':>9} {'err%':>6} {'empir.':>9} {'err%':>6} | "
+        f"{'peak MiB':>9} {'model':>9} {'err%':>6} {'empir.':>9} {'err%':>6}"
+    )
+    print(
+        f"p={args.p}, layer h={REFERENCE_SHAPE.hidden_size} heads={REFERENCE_SHAPE.num_attention_heads} "
+        f"ffn={REFERENCE_SHAPE.ffn_hidden_size} b=1 fp32 causal; profile grid={profile['grid']}, "
+        f"correction={'fitted on ' + ', '.join(sorted(fitted_on)) if fitted_on else 'none'}"
+    )
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for sample in samples:
+        layout = _layout(sample.length, args.p)
+        cost = model.layer_cost(sample.option, layout, 1)
+        peak = cost.saved_bytes + cost.transient_bytes
+        emp_time, emp_peak = empirical[(sample.option, sample.length)]
+        held_out = f"{sample.option}@{sample.length}" not in fitted_on
+        rows.append((sample, cost.time_s, peak, emp_time, emp_peak, held_out))
+        print(
+            f"{str(sample.option):<20} {sample.length:>6} | {sample.time_s * 1e3:>9.1f} {cost.time_s * 1e3:>9.1f} "
+            f"{_err(cost.time_s, sample.time_s):>6} {emp_time * 1e3:>9.1f} {_err(emp_time, sample.time_s):>6} | "
+            f"{sample.peak_bytes / MIB:>9.2f} {peak / MIB:>9.2f} {_err(peak, sample.peak_bytes):>6} "
+            f"{emp_peak / MIB:>9.2f} {_err(emp_peak, sample.peak_bytes):>6}"
+            + ("" if held_out else "  (correction fitted here)")
+        )
+    measured_t = [r[0].time_s for r in rows]
+    measured_m = [r[0].peak_bytes for r in rows]
+    held = [r for r in rows if r[5]]
+    print(f"analytic, all {len(rows)} points: time_mape={mape([r[1] for r in rows], measured_t):.1f}")
+    print(
+        f"empirical (paper's RF + AIC polynomial, leave one length out): "
+        f"time_mape={mape([r[3] for r in rows], measured_t):.1f} mem_mape={mape([r[4] for r in rows], measured_m):.1f}"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                [
+                    {
+                        "option": str(r[0].option),
+                        "length": r[0].length,
+                        "time_s": r[0].time_s,
+                        "peak_bytes": r[0].peak_bytes,
+                        "saved_bytes": r[0].saved_bytes,
+                        "model_time_s": r[1],
+                        "model_peak_bytes": r[2],
+                        "empirical_time_s": r[3],
+                        "empirical_peak_bytes": r[4],
+                        "held_out": r[5],
+                    }
+                    for r in rows
+                ],
+                f,
+                indent=1,
+            )
+    print(
+        f"time_mape={mape([r[1] for r in held], [r[0].time_s for r in held]):.1f} "
+        f"mem_mape={mape([r[2] for r in rows], measured_m):.1f}"
+    )
+    return 0
+
+
+def _err(predicted: float, measured: float) -> str:
+    return f"{(predicted - measured) / measured * 100:+.0f}"

@@ -1,0 +1,286 @@
+"""Cost terms against hand counts, the analytic model's physics, profiles' errors, the empirical mode.
+
+Single-process and fast: the profile is synthetic (plausible CPU constants), so nothing here depends on
+this machine's speed. Measured agreement is in test_cost_calibration.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from megatron_paradyse.cli import main as cli_main
+from megatron_paradyse.cost.analytic import AnalyticCostModel
+from megatron_paradyse.cost.empirical import EmpiricalCostModel, HybridRegressor, Sample, aic_polynomial
+from megatron_paradyse.cost.fitting import fit_nonnegative, mape
+from megatron_paradyse.cost.profile import PROFILE_SCHEMA, ProfileError, fingerprint, load_profile, save_profile
+from megatron_paradyse.cost.terms import Dims, layer_terms, sublayer_terms
+from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.plan import LayerOption
+from megatron_paradyse.strategies import ModelShape
+
+MHA = ModelShape(hidden_size=256, num_attention_heads=8, num_query_groups=8, kv_channels=32, ffn_hidden_size=1024)
+GQA = ModelShape(
+    hidden_size=256, num_attention_heads=8, num_query_groups=4, kv_channels=32, ffn_hidden_size=512, gated_mlp=True
+)
+OPTIONS = [
+    LayerOption(a, m, rc)
+    for a in ("tp_sp", "ulysses", "ring", "lean")
+    for m in ("tp_sp", "zero3", "lean")
+    for rc in (False, True)
+]
+
+
+def synthetic_profile(p_values=(2, 4)) -> dict:
+    linear = {"coef": [2e-5, 1.5e-11, 1e-11]}
+    attention = {"per_call_s": 5e-5, "lengths": [128.0, 2048.0], "per_unit_s": [3e-11, 2e-11]}
+    attention_bwd = {"per_call_s": 1e-4, "lengths": [128.0, 2048.0], "per_unit_s": [8e-11, 6e-11]}
+    comm = {"latency_s": 5e-4, "per_byte_s": 1e-9}
+    return {
+        "schema": PROFILE_SCHEMA,
+        "version": 1,
+        "grid": "quick",
+        "fingerprint": fingerprint("cpu"),
+        "dtype": "float32",
+        "concurrency": max(p_values),
+        "gemm": {"forward": linear, "backward": {"coef": [4e-5, 1.5e-11, 2e-11]}},
+        "attention": {
+            "kernel": "torch",
+            "forward": {"causal": attention, "full": attention},
+            "backward": {"causal": attention_bwd, "full": attention_bwd},
+        },
+        "elementwise": {"per_byte_s": 2e-11, "per_op_s": 1e-6},
+        "collectives": {
+            str(p): {k: dict(comm) for k in ("all_gather", "reduce_scatter", "all_to_all", "send_recv")}
+            for p in p_values
+        },
+        "ring_overlap": 0.5,
+        "allocator_slack": 0.0,
+        "correction": None,
+    }
+
+
+# -- terms against hand counts -------------------------------------------------------------------
+def test_tp_sp_terms_match_hand_counts():
+    p, s, b, e = 4, 2048, 1, 4
+    layout = SequenceLayout.build(s, p, causal=True)
+    d = Dims(MHA, p, s, b, e)
+    attn = sublayer_terms("attention", "tp_sp", d, layout)
+    # QKV: [s, h] x [h, 3h/p]; proj: [s, h/p] x [h/p, h]
+    assert [(g.m, g.n, g.k) for g in attn.gemms] == [(2048, 192, 256), (2048, 256, 64)]
+    assert sum(g.flops for g in attn.gemms) == 2 * 2048 * 192 * 256 + 2 * 2048 * 256 * 64
+    # one causal call over the whole sequence on 8/4 heads: s(s+1)/2 pairs, 4*hn FLOPs per pair and head
+    (call,) = attn.attention
+    assert (call.heads, call.sq, call.causal, call.pairs) == (2, 2048, True, 2048 * 2049 // 2)
+    assert call.flops == 4 * 2 * (2048 * 2049 // 2) * 32
+    # AG + RS of [s, b, h] fp32 each way
+    assert [(c.kind, c.nbytes) for c in attn.fwd_comm] == [("all_gather", 2048 * 256 * 4), ("reduce_scatter", 2097152)]
+    # kept: gathered input, natural-order q/k/v copies, output, lse, output in canonical order
+    assert attn.saved == {
+        "x_full": 2048 * 256 * 4,
+        "qkv": 2048 * 192 * 4,
+        "attn_out": 2048 * 64 * 4,
+        "lse": 2048 * 2 * 4,
+        "core": 2048 * 64 * 4,
+    }
+    mlp = sublayer_terms("mlp", "tp_sp", d, layout)
+    assert mlp.saved == {"x_full": 2097152, "fc1_out": 2048 * 256 * 4, "act_out": 2048 * 256 * 4}
+    # the whole layer: sublayers, two LN statistics pairs, the residual sum and the output (measured: 12083200)
+    assert layer_terms(LayerOption("tp_sp", "tp_sp"), d, layout).saved_bytes == 12083200
+
+
+def test_zero3_strategies_gather_and_keep_full_weights():
+    p, s = 4, 1024
+    layout = SequenceLayout.build(s, p, causal=True)
+    d = Dims(GQA, p, s, 2, 2)  # b=2, bf16
+    t = s // p
+    qkv = (8 + 2 * 4) * 32  # (nq + 2 ng) hn
+    uly = sublayer_terms("attention", "ulysses", d, layout)
+    assert [(c.kind, c.nbytes) for c in uly.fwd_comm] == [
+        ("all_gather", qkv * 256 * 2),
+        ("all_to_all", t * 2 * qkv * 2),
+        ("all_to_all", t * 2 * 256 * 2),
+        ("all_gather", 256 * 256 * 2),
+    ]
+    assert uly.saved["w_qkv"] == qkv * 256 * 2 and uly.saved["w_proj"] == 256 * 256 * 2
+    mlp = sublayer_terms("mlp", "zero3", d, layout)
+    assert [(g.m, g.n, g.k) for g in mlp.gemms] == [(t * 2, 1024, 256), (t * 2, 256, 512)]  # gated fc1: 2 ffn rows
+    assert mlp.saved == {
+        "x_local": t * 2 * 256 * 2,
+        "w_fc1": 1024 * 256 * 2,
+        "fc1_out": t * 2 * 1024 * 2,
+        "act_out": t * 2 * 512 * 2,
+        "gated_out": t * 2 * 512 * 2,
+        "w_fc2": 256 * 512 * 2,
+    }
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("docs", [(1200,), (300, 517, 41)])
+def test_ring_steps_cover_every_visible_pair_once(p, docs):
+    """Over all ranks and steps the ring computes exactly the causal pairs of every document (padding
+    included, as its own document), each rank the same amount without padding (zigzag balance)."""
+    layout = SequenceLayout.build(docs, p, causal=True)
+    d = Dims(MHA, p, layout.padded_len, 1, 4)
+    per_rank = []
+    for rank in range(p):
+        ring = sublayer_terms("attention", "ring", d, layout, rank).ring
+        assert len(ring.steps) == p and ring.hop.nbytes == 2 * layout.local_len * 8 * 32 * 4
+        per_rank.append(sum(c.pairs for step in ring.steps for c in step))
+    assert sum(per_rank) == sum((e - s) * (e - s + 1) // 2 for s, e in layout.doc_bounds)
+    if len(docs) == 1:
+        assert len(set(per_rank)) == 1
+
+
+def test_packed_documents_attend_within_documents():
+    layout = SequenceLayout.build((100, 28), 2, causal=False)
+    d = Dims(MHA, 2, layout.padded_len, 1, 4)
+    calls = sublayer_terms("attention", "tp_sp", d, layout).attention
+    assert [(c.sq, c.causal) for c in calls] == [(100, False), (28, False)]
+    assert sum(c.pairs for c in calls) == 100**2 + 28**2
+
+
+def test_recompute_keeps_the_output_only_and_peaks_the_same():
+    layout = SequenceLayout.build(4096, 4, causal=True)
+    d = Dims(MHA, 4, 4096, 1, 4)
+    plain = layer_terms(LayerOption("ring", "zero3"), d, layout)
+    rc = layer_terms(LayerOption("ring", "zero3", True), d, layout)
+    assert rc.saved_bytes == 1024 * 256 * 4
+    assert rc.peak_bytes == plain.peak_bytes and rc.transient_bytes > plain.transient_bytes
+
+
+def test_unknown_strategy_is_named():
+    d = Dims(MHA, 2, 64, 1, 4)
+    with pytest.raises(ValueError, match=r"no cost terms for attention strategy 'flash'; known: tp_sp, ulysses"):
+        sublayer_terms("attention", "flash", d, SequenceLayout.build(64, 2, causal=True))
+
+
+# -- the analytic model ----------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [MHA, GQA], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+def test_longer_sequences_cost_more_time_and_memory(shape, causal):
+    model = AnalyticCostModel(synthetic_profile(), shape, 4)
+    for option in OPTIONS:
+        costs = [
+            model.layer_cost(option, SequenceLayout.build(s, 4, causal=causal), 1) for s in (256, 1024, 4096, 16384)
+        ]
+        for short, long in zip(costs, costs[1:]):
+            assert long.time_s > short.time_s, option
+            assert long.saved_bytes > short.saved_bytes, option
+            assert long.saved_bytes + long.transient_bytes > short.saved_bytes + short.transient_bytes, option
+
+
+def test_recompute_costs_one_more_forward():
+    model = AnalyticCostModel(synthetic_profile(), MHA, 4)
+    layout = SequenceLayout.build(2048, 4, causal=True)
+    for attention, mlp in (("tp_sp", "tp_sp"), ("ring", "zero3")):
+        plain = model.time_breakdown(LayerOption(attention, mlp), layout, 1)
+        rc = model.time_breakdown(LayerOption(attention, mlp, True), layout, 1)
+        assert plain.total_s < rc.total_s < 2 * plain.total_s
+
+
+def test_time_is_compute_plus_synchronous_comm():
+    """tp_sp with a profile whose only cost is 1 s per collective: 8 collectives per layer."""
+    profile = synthetic_profile()
+    zero = {"coef": [0.0, 0.0, 0.0]}
+    profile["gemm"] = {"forward": zero, "backward": zero}
+    no_time = {"per_call_s": 0.0, "lengths": [1.0], "per_unit_s": [0.0]}
+    profile["attention"].update(
+        forward={"causal": no_time, "full": no_time}, backward={"causal": no_time, "full": no_time}
+    )
+    profile["elementwise"] = {"per_byte_s": 0.0, "per_op_s": 0.0}
+    profile["collectives"]["4"] = {k: {"latency_s": 1.0, "per_byte_s": 0.0} for k in profile["collectives"]["4"]}
+    model = AnalyticCostModel(profile, MHA, 4)
+    layout = SequenceLayout.build(512, 4, causal=True)
+    assert model.layer_cost(LayerOption("tp_sp", "tp_sp"), layout, 1).time_s == pytest.approx(8.0)
+    # ring: 4 weight gathers + 4 gradient reduce-scatters for attention and MLP; hops: 3 forward,
+    # 4 backward accumulators + 3 K/V blocks, over compute that takes no time
+    assert model.layer_cost(LayerOption("ring", "zero3"), layout, 1).time_s == pytest.approx(8.0 + 3 + 4 + 3)
+
+
+def test_peak_bytes_adds_static_logits_and_slack():
+    profile = synthetic_profile()
+    profile["allocator_slack"] = 0.1
+    model = AnalyticCostModel(profile, MHA, 4, static_bytes=1e9, vocab_size=32000)
+    layout = SequenceLayout.build(1024, 4, causal=True)
+    logits = 2 * 256 * 2 * 32000 // 4 * 4
+    assert model.peak_bytes(layout, 2, 100.0, 50.0) == pytest.approx(1e9 + logits + 100 + 55)
+
+
+# -- profiles ----------------------------------------------------------------------------------------
+def test_profile_round_trip(tmp_path):
+    path = tmp_path / "profile.json"
+    save_profile({k: v for k, v in synthetic_profile().items() if k not in ("schema", "version")}, path)
+    loaded = load_profile(path, p=4)
+    assert loaded["collectives"]["4"]["all_gather"]["latency_s"] == 5e-4
+    model = AnalyticCostModel.from_file(path, MHA, 2)
+    assert model.layer_cost(LayerOption("tp_sp", "tp_sp"), SequenceLayout.build(64, 2, causal=True), 1).time_s > 0
+
+
+def _write(tmp_path, profile) -> str:
+    path = tmp_path / "p.json"
+    path.write_text(profile if isinstance(profile, str) else json.dumps(profile))
+    return str(path)
+
+
+def test_profile_errors_are_clear(tmp_path):
+    with pytest.raises(ProfileError, match=r"does not exist; make one with `paradyse calibrate --output"):
+        load_profile(tmp_path / "missing.json")
+    with pytest.raises(ProfileError, match=r"is not valid JSON .*recalibrate"):
+        load_profile(_write(tmp_path, '{"schema": '))
+    with pytest.raises(ProfileError, match=r"is not a cost profile \(schema 'other'"):
+        load_profile(_write(tmp_path, {**synthetic_profile(), "schema": "other"}))
+    with pytest.raises(ProfileError, match=r"has version 0; this megatron-paradyse reads version 1"):
+        load_profile(_write(tmp_path, {**synthetic_profile(), "version": 0}))
+    broken = synthetic_profile()
+    del broken["collectives"]["4"]["send_recv"]["per_byte_s"], broken["gemm"]["backward"]
+    with pytest.raises(ProfileError, match=r"lacks gemm.backward.coef, collectives.4.send_recv.per_byte_s"):
+        load_profile(_write(tmp_path, broken))
+    with pytest.raises(ProfileError, match=r"has no collectives for p=8 \(calibrated for p in \['2', '4'\]\)"):
+        load_profile(_write(tmp_path, synthetic_profile()), p=8)
+    other = synthetic_profile()
+    other["fingerprint"] = {**other["fingerprint"], "torch": "1.0", "device_name": "elsewhere"}
+    with pytest.raises(ProfileError, match=r"another machine or software \(device_name: .*torch: profile '1.0'"):
+        load_profile(_write(tmp_path, other))
+    assert load_profile(_write(tmp_path, other), check_machine=False)["fingerprint"]["torch"] == "1.0"
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["calibrate", "--output", "x.json", "--p", "two"])
+    assert exit_info.value.code == 2
+    assert "--p takes group sizes like 2,4, got 'two'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main([])
+
+
+# -- fitting and the empirical mode ----------------------------------------------------------------
+def test_fit_nonnegative_recovers_coefficients_and_clips():
+    x = np.array([[1.0, n, n * n] for n in (1.0, 2.0, 5.0, 10.0, 40.0)])
+    assert fit_nonnegative(x, x @ [0.5, 0.0, 0.25]) == pytest.approx([0.5, 0.0, 0.25], abs=1e-9)
+    coef = fit_nonnegative(x, x @ [1.0, -0.01, 0.1])  # a negative slope is dropped, never returned
+    assert (coef >= 0).all()
+    assert mape([110, 90], [100, 100]) == pytest.approx(10.0)
+
+
+def test_aic_picks_the_degree_of_the_data():
+    x = np.arange(1, 9, dtype=float)
+    assert len(aic_polynomial(x, 3 * x + 1)) == 2
+    rng = np.random.default_rng(0)
+    cubic = 0.5 * x**3 - x + 2 + rng.normal(0, 1e-3, x.size)
+    assert len(aic_polynomial(x, cubic)) == 4
+
+
+def test_empirical_model_interpolates_with_the_forest_and_extrapolates_with_the_polynomial():
+    lengths = [256, 512, 1024, 2048, 4096]
+    regressor = HybridRegressor(lengths, [1e-6 * s * s for s in lengths])
+    assert regressor(8192) == pytest.approx(1e-6 * 8192**2, rel=1e-6)  # quadratic, extrapolated exactly
+    assert regressor(1024) == pytest.approx(1e-6 * 1024**2, rel=0.3)  # forest: near the measured point
+    option = LayerOption("tp_sp", "tp_sp")
+    model = EmpiricalCostModel([Sample(option, s, 1e-3 * s, 10.0 * s, 15.0 * s) for s in lengths])
+    cost = model.layer_cost(option, SequenceLayout.build(8192, 4, causal=True), 1)
+    assert cost.time_s == pytest.approx(8.192) and cost.saved_bytes + cost.transient_bytes == pytest.approx(15 * 8192)
+    with pytest.raises(ValueError, match=r"no measurements of ring/zero3; measured: tp_sp/tp_sp"):
+        model.layer_cost(LayerOption("ring", "zero3"), SequenceLayout.build(64, 4, causal=True), 1)
