@@ -249,13 +249,14 @@ def _tp_sp_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerm
         saved=saved,
         # the row-parallel output [s, b, h] and its reduce-scattered shard, on top of everything kept
         fwd_peak=sum(saved.values()) + x_full + 2 * d.x,
-        # linear_proj backward: the all-gathered gradient, dgrad and wgrad
-        bwd_peak=max(x_full + core + w_proj, 4 * core + sum(saved.values()) - x_full),
+        # linear_proj backward (the all-gathered gradient, dgrad, wgrad), or the kernel's backward
+        # (dq, dk, dv beside a contiguous copy of the output gradient)
+        bwd_peak=max(x_full + core + w_proj, saved["qkv"] + core),
     )
 
 
 def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
-    t, b, e, p = d.t, d.b, d.e, d.p
+    s, t, b, e, p = d.s, d.t, d.b, d.e, d.p
     heads, kv_heads = d.nq // p, d.ng // p
     w_qkv, w_proj = d.qkv * d.h * e, d.h * d.a * e
     qkv_local = t * b * d.qkv * e
@@ -279,10 +280,11 @@ def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTe
         ),
         elementwise_bytes=4 * qkv_local * (2 if layout.causal else 1) + 6 * core_local,
         saved=saved,
-        # the all-to-all's send and receive buffers of the QKV columns
-        fwd_peak=d.x + w_qkv + qkv_local * 3 + sum(saved.values()) - d.x - w_qkv,
-        # the attention kernel's dq, dk, dv beside the output gradient in both orders
-        bwd_peak=max(3 * core_local + w_proj, 2 * qkv_local + 2 * core_local),
+        # the QKV projection and the all-to-all's send and receive buffers
+        fwd_peak=sum(saved.values()) + 3 * qkv_local,
+        # linear_proj backward (dgrad, wgrad), or the kernel's backward (dq, dk, dv beside a contiguous
+        # copy of the output gradient)
+        bwd_peak=max(core_local + w_proj, saved["qkv"] + s * b * heads * d.hn * e),
     )
 
 
@@ -313,7 +315,6 @@ def _ring_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
         saved=saved,
         # two K/V blocks (current and in flight) and a partial result beside the running one
         fwd_peak=sum(saved.values()) + 2 * kv_block + 2 * out32,
-        # dq (fp32), per-step dk/dv (fp32) in flight both ways, the kernel's block gradients
         # At a step with several segments: K/V held, in flight (not on the last step, so not for p=2)
         # and stacked, the step's and the travelling dk/dv accumulators (fp32) both ways, dq (fp32),
         # the kernel's block gradients, and with GQA the kernel's K/V heads expanded to the queries'.
