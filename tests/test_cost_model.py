@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from megatron_paradyse.cli import main as cli_main
 from megatron_paradyse.cost.analytic import AnalyticCostModel
@@ -205,7 +206,7 @@ def test_peak_bytes_adds_static_logits_and_slack():
     profile["allocator_slack"] = 0.1
     model = AnalyticCostModel(profile, MHA, 4, static_bytes=1e9, vocab_size=32000)
     layout = SequenceLayout.build(1024, 4, causal=True)
-    logits = 2 * 256 * 2 * 32000 // 4 * 4
+    logits = 1024 * 2 * 32000 // 4 * (4 + 8)  # [s, b, V/p] in fp32, an fp32 copy and its gradient
     assert model.peak_bytes(layout, 2, 100.0, 50.0) == pytest.approx(1e9 + logits + 100 + 55)
 
 
@@ -284,3 +285,18 @@ def test_empirical_model_interpolates_with_the_forest_and_extrapolates_with_the_
     assert cost.time_s == pytest.approx(8.192) and cost.saved_bytes + cost.transient_bytes == pytest.approx(15 * 8192)
     with pytest.raises(ValueError, match=r"no measurements of ring/zero3; measured: tp_sp/tp_sp"):
         model.layer_cost(LayerOption("ring", "zero3"), SequenceLayout.build(64, 4, causal=True), 1)
+
+
+def test_profile_dtype_must_match_the_model():
+    with pytest.raises(ValueError, match=r"measured in float32, the model runs in bfloat16; run `paradyse calibrate"):
+        AnalyticCostModel(synthetic_profile(), MHA, 4, dtype=torch.bfloat16)
+
+
+def test_ring_is_priced_at_its_slowest_rank():
+    """Packed documents give ring ranks different blocks: the layer waits for the busiest one."""
+    model = AnalyticCostModel(synthetic_profile(), MHA, 4)
+    layout = SequenceLayout.build((3000, 100, 20), 4, causal=True)
+    option = LayerOption("ring", "zero3")
+    per_rank = [model._time(t).total_s for t in model._terms(option, layout, 1)]
+    assert len(set(per_rank)) > 1
+    assert model.layer_cost(option, layout, 1).time_s == max(per_rank)

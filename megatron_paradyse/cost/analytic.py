@@ -32,7 +32,16 @@ import torch
 
 from megatron_paradyse.cost.base import LayerCost
 from megatron_paradyse.cost.profile import load_profile
-from megatron_paradyse.cost.terms import AttentionCall, Collective, Dims, Gemm, SublayerTerms, layer_terms
+from megatron_paradyse.cost.terms import (
+    RANK_DEPENDENT,
+    AttentionCall,
+    Collective,
+    Dims,
+    Gemm,
+    LayerTerms,
+    SublayerTerms,
+    layer_terms,
+)
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.strategies import ModelShape
@@ -73,10 +82,15 @@ class AnalyticCostModel:
         use_correction: bool = True,
     ):
         """``static_bytes``: weights, gradients and optimizer state of the stage (plan-independent);
-        ``vocab_size``: if the stage holds the output layer, its ``[s/p, b, V/p]`` fp32 logits and their
-        gradient count in its peak."""
+        ``vocab_size``: nonzero if the stage holds the output layer (see :meth:`loss_bytes`)."""
         if p > 1 and str(p) not in profile["collectives"]:
             raise ValueError(f"the profile has no collectives for p={p}; run `paradyse calibrate --p {p}`")
+        dtype_name = str(dtype).removeprefix("torch.")
+        if profile["dtype"] != dtype_name:
+            raise ValueError(
+                f"the profile's rates were measured in {profile['dtype']}, the model runs in {dtype_name}; "
+                f"run `paradyse calibrate --dtype {dtype_name}`"
+            )
         self.profile = profile
         self.shape = shape
         self.p = p
@@ -96,27 +110,39 @@ class AnalyticCostModel:
 
     # -- the CostModel protocol ------------------------------------------------------------------
     def layer_cost(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> LayerCost:
-        terms = self._terms(option, layout, micro_batch_size)
-        return LayerCost(self._time(terms).total_s, terms.saved_bytes, terms.transient_bytes)
+        """The slowest rank's time, the largest saved and transient bytes of any rank."""
+        costs = []
+        for terms in self._terms(option, layout, micro_batch_size):
+            costs.append(LayerCost(self._time(terms).total_s, terms.saved_bytes, terms.transient_bytes))
+        return LayerCost(*(max(getattr(c, f) for c in costs) for f in ("time_s", "saved_bytes", "transient_bytes")))
 
     def peak_bytes(
         self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, transient_bytes: float
     ) -> float:
-        logits = 2 * layout.local_len * micro_batch_size * self.vocab_size // self.p * 4
-        slack = self.profile["allocator_slack"]
-        return self.static_bytes + logits + saved_bytes + transient_bytes * (1.0 + slack)
+        transient = transient_bytes * (1.0 + self.profile["allocator_slack"])
+        return self.static_bytes + self.loss_bytes(layout, micro_batch_size) + saved_bytes + transient
+
+    def loss_bytes(self, layout: SequenceLayout, micro_batch_size: int) -> float:
+        """The output layer's working set on a stage that holds it: with sequence parallelism Megatron
+        gathers the sequence before the vocab-parallel projection, so the logits are ``[s, b, V/p]``,
+        in the activation dtype plus an fp32 copy and its gradient for the cross-entropy. An estimate
+        to check against the Megatron integration."""
+        return layout.padded_len * micro_batch_size * self.vocab_size // self.p * (self.element_size + 8)
 
     # -- details ---------------------------------------------------------------------------------
     def time_breakdown(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> TimeBreakdown:
-        return self._time(self._terms(option, layout, micro_batch_size))
+        """Where the slowest rank's time goes."""
+        return max((self._time(t) for t in self._terms(option, layout, micro_batch_size)), key=lambda b: b.total_s)
 
-    def _terms(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int):
+    def _terms(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> list[LayerTerms]:
+        """The layer's terms on every rank whose work differs (ring steps see different blocks)."""
         if layout.p != self.p:
             raise ValueError(f"the layout is for p={layout.p}, the cost model for p={self.p}")
         dims = Dims(self.shape, self.p, layout.padded_len, micro_batch_size, self.element_size)
-        return layer_terms(option, dims, layout)
+        ranks = range(self.p) if option.attention in RANK_DEPENDENT else (0,)
+        return [layer_terms(option, dims, layout, rank) for rank in ranks]
 
-    def _time(self, terms) -> TimeBreakdown:
+    def _time(self, terms: LayerTerms) -> TimeBreakdown:
         forwards = 2 if terms.recompute else 1
         compute = comm = ring = 0.0
         for sub in (terms.attention, terms.mlp):

@@ -46,8 +46,8 @@ class Grid:
     gemm_m: tuple[int, ...]
     gemm_nk: tuple[tuple[int, int], ...]
     attention_blocks: tuple[tuple[int, int], ...]
-    """(length, heads): fewer heads for long blocks keep each sample's time bounded; the rate per
-    (pair x head dim) does not depend on the head count, it does on the length (cache reuse)."""
+    """(length, heads at hn=32): fewer heads for long blocks keep each sample's time bounded; the rate
+    per (pair x head dim) does not depend on the head count, it does on the length (cache reuse)."""
     attention_hn: tuple[int, ...]
     attention_rect_max: int
     """Longest block also measured as a ring rectangle (``length x 2 length``)."""
@@ -68,13 +68,13 @@ GRIDS = {
         correction_lengths=(512, 4096),
     ),
     "full": Grid(
-        gemm_m=(32, 128, 512, 2048, 8192),
-        gemm_nk=((256, 256), (768, 256), (1024, 256), (256, 1024), (1024, 1024), (3072, 1024), (1024, 4096)),
-        attention_blocks=((64, 8), (256, 8), (1024, 8), (2048, 4), (4096, 2), (8192, 1)),
-        attention_hn=(32, 64),
-        attention_rect_max=4096,
+        gemm_m=(32, 256, 1024, 4096),
+        gemm_nk=((256, 256), (768, 256), (1024, 256), (256, 1024), (1024, 1024), (3072, 1024)),
+        attention_blocks=((64, 8), (256, 8), (1024, 4), (2048, 2), (4096, 1), (8192, 1)),
+        attention_hn=(32, 128),
+        attention_rect_max=2048,
         comm_bytes=(1 << 10, 16 << 10, 128 << 10, 1 << 20, 4 << 20, 16 << 20),
-        repeats=5,
+        repeats=3,
         correction_lengths=(512, 4096),
     ),
 }
@@ -173,10 +173,11 @@ def _time_attention(kernel, heads: int, hn: int, sq: int, sk: int, causal: bool,
     return forward, backward
 
 
-def _attention_blocks(grid: Grid) -> list[tuple[int, int, int, bool]]:
+def _attention_blocks(grid: Grid, hn: int) -> list[tuple[int, int, int, bool]]:
     """(heads, sq, sk, causal) of every measured block: causal and full squares, ring rectangles."""
     blocks = []
     for length, heads in grid.attention_blocks:
+        heads = max(1, heads * 32 // hn)  # the grid's head counts are for hn=32: the same work per block
         blocks += [(heads, length, length, True), (heads, length, length, False)]
         if length <= grid.attention_rect_max:
             blocks.append((heads, length, 2 * length, False))
@@ -187,7 +188,7 @@ def _attention_samples(grid: Grid, device, dtype, progress: Progress) -> list[di
     kernel = get_kernel("auto", device, dtype)
     samples = []
     for hn in grid.attention_hn:
-        for heads, sq, sk, causal in _attention_blocks(grid):
+        for heads, sq, sk, causal in _attention_blocks(grid, hn):
             fwd, bwd = _time_attention(kernel, heads, hn, sq, sk, causal, grid.repeats, device, dtype)
             samples.append(
                 {"heads": heads, "hn": hn, "sq": sq, "sk": sk, "causal": causal} | {"forward_s": fwd, "backward_s": bwd}
@@ -294,7 +295,7 @@ def _measure_on_rank(rank: int, world: int, grid: Grid, p_values, device_type: s
     dtype = getattr(torch, dtype_name)
     steps = (
         len(grid.gemm_m) * len(grid.gemm_nk)
-        + len(_attention_blocks(grid)) * len(grid.attention_hn)
+        + sum(len(_attention_blocks(grid, hn)) for hn in grid.attention_hn)
         + 4
         + len(p_values) * len(COLLECTIVE_KINDS) * len(grid.comm_bytes)
         + 1

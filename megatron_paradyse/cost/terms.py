@@ -39,6 +39,7 @@ __all__ = [
     "Dims",
     "Gemm",
     "LayerTerms",
+    "RANK_DEPENDENT",
     "RingStage",
     "SublayerTerms",
     "attention_calls",
@@ -426,6 +427,8 @@ _ATTENTION: dict[str, Callable[[Dims, SequenceLayout, int], SublayerTerms]] = {
     "ring": _ring_attention,
     "lean": _lean_attention,
 }
+RANK_DEPENDENT = frozenset({"ring", "lean"})
+"""Attention strategies whose per-rank work depends on the rank (which ring blocks it sees)."""
 _MLP: dict[str, Callable[[Dims, SequenceLayout, int], SublayerTerms]] = {
     "tp_sp": _tp_sp_mlp,
     "zero3": _zero3_mlp,
