@@ -8,6 +8,7 @@ and exit 2, without a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -20,6 +21,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from megatron_paradyse.cost.calibrate import calibrate
     from megatron_paradyse.cost.profile import save_profile
 
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not os.access(folder, os.W_OK):  # before minutes of measuring, not after
+        raise ValueError(f"cannot write the profile to {args.output}: {folder} is not a writable directory")
     start = time.perf_counter()
     profile = calibrate(
         args.p,

@@ -253,6 +253,10 @@ def test_cli_rejects_bad_arguments(capsys):
         cli_main(["calibrate", "--output", "x.json", "--p", "two"])
     assert exit_info.value.code == 2
     assert "--p takes group sizes like 2,4, got 'two'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["calibrate", "--output", "/nonexistent/profile.json"])
+    assert exit_info.value.code == 2
+    assert "paradyse: error: cannot write the profile to /nonexistent/profile.json" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main([])
 
