@@ -99,15 +99,15 @@ def test_calibrate_writes_a_profile_the_model_reads(tmp_path, monkeypatch, capfd
     assert len(profile["samples"]["gemm"]) == 4 and len(profile["samples"]["attention"]) == 5
     assert set(profile["collectives"]) == {"2"}
     assert all(c >= 0 for c in profile["gemm"]["forward"]["coef"]) and any(profile["gemm"]["forward"]["coef"])
-    causal = profile["attention"]["backward"]["causal"]
+    causal = profile["attention"]["backward"]["causal"]["by_head_dim"]["32"]
     assert causal["lengths"] == [64.0, 256.0] and all(r > 0 for r in causal["per_unit_s"])
-    assert profile["attention"]["forward"]["full"]["lengths"] == pytest.approx([64.0, 64 * 2**0.5, 256.0])
+    full = profile["attention"]["forward"]["full"]["by_head_dim"]["32"]
+    assert full["lengths"] == pytest.approx([64.0, 64 * 2**0.5, 256.0])
     for kind in ("all_gather", "reduce_scatter", "all_to_all", "send_recv"):
         assert profile["collectives"]["2"][kind]["latency_s"] + profile["collectives"]["2"][kind]["per_byte_s"] > 0
     assert 0.0 <= profile["ring_overlap"] <= 1.0
-    assert profile["correction"]["fitted_on"] == [
-        f"{option}@{s}" for s in (64, 128) for option in ("tp_sp/tp_sp", "ulysses/zero3", "ring/zero3")
-    ]
+    pairs = [f"{a}/{m}" for a in ("tp_sp", "ulysses", "ring") for m in ("tp_sp", "zero3")]
+    assert profile["correction"]["fitted_on"] == [f"{option}@{s}" for s in (64, 128) for option in pairs]
 
     model = AnalyticCostModel.from_file(path, SHAPES["mha"], 2)
     for option in OPTIONS:  # longer sequences cost more with measured rates too

@@ -36,8 +36,9 @@ OPTIONS = [
 
 def synthetic_profile(p_values=(2, 4)) -> dict:
     linear = {"coef": [2e-5, 1.5e-11, 1e-11]}
-    attention = {"per_call_s": 5e-5, "lengths": [128.0, 2048.0], "per_unit_s": [3e-11, 2e-11]}
-    attention_bwd = {"per_call_s": 1e-4, "lengths": [128.0, 2048.0], "per_unit_s": [8e-11, 6e-11]}
+    rates = {"lengths": [128.0, 2048.0], "per_unit_s": [3e-11, 2e-11]}
+    attention = {"per_call_s": 5e-5, "by_head_dim": {"32": rates, "128": rates}}
+    attention_bwd = {"per_call_s": 1e-4, "by_head_dim": {"64": {"lengths": [128.0], "per_unit_s": [7e-11]}}}
     comm = {"latency_s": 5e-4, "per_byte_s": 1e-9}
     return {
         "schema": PROFILE_SCHEMA,
@@ -187,7 +188,7 @@ def test_time_is_compute_plus_synchronous_comm():
     profile = synthetic_profile()
     zero = {"coef": [0.0, 0.0, 0.0]}
     profile["gemm"] = {"forward": zero, "backward": zero}
-    no_time = {"per_call_s": 0.0, "lengths": [1.0], "per_unit_s": [0.0]}
+    no_time = {"per_call_s": 0.0, "by_head_dim": {"32": {"lengths": [1.0], "per_unit_s": [0.0]}}}
     profile["attention"].update(
         forward={"causal": no_time, "full": no_time}, backward={"causal": no_time, "full": no_time}
     )
@@ -199,6 +200,11 @@ def test_time_is_compute_plus_synchronous_comm():
     # ring: 4 weight gathers + 4 gradient reduce-scatters for attention and MLP; hops: 3 forward,
     # 4 backward accumulators + 3 K/V blocks, over compute that takes no time
     assert model.layer_cost(LayerOption("ring", "zero3"), layout, 1).time_s == pytest.approx(8.0 + 3 + 4 + 3)
+    # the fitted correction: scales, a cost per synchronisation point (collective or hop), a constant
+    profile["correction"] = {"compute": 1.0, "comm": 2.0, "per_sync_s": 0.5, "per_layer_s": 0.25, "fitted_on": []}
+    corrected = AnalyticCostModel(profile, MHA, 4)
+    assert corrected.time_breakdown(LayerOption("ring", "zero3"), layout, 1).syncs == 8 + 3 + 7
+    assert corrected.layer_cost(LayerOption("tp_sp", "tp_sp"), layout, 1).time_s == pytest.approx(16 + 4 + 0.25)
 
 
 def test_peak_bytes_adds_static_logits_and_slack():
@@ -267,6 +273,8 @@ def test_fit_nonnegative_recovers_coefficients_and_clips():
     assert fit_nonnegative(x, x @ [0.5, 0.0, 0.25]) == pytest.approx([0.5, 0.0, 0.25], abs=1e-9)
     coef = fit_nonnegative(x, x @ [1.0, -0.01, 0.1])  # a negative slope is dropped, never returned
     assert (coef >= 0).all()
+    floored = fit_nonnegative(x, x @ [0.5, 0.0, 0.25], floor=[0.0, 1.0, 0.0])
+    assert floored[1] >= 1.0 and floored[0] >= 0 and floored[2] >= 0
     assert mape([110, 90], [100, 100]) == pytest.approx(10.0)
 
 

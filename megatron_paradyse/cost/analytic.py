@@ -7,13 +7,14 @@ Time of one layer on one rank, forward + backward (+ one more forward with recom
              + elementwise bytes * per_byte + ops * per_op
     comm     = sum over collectives of latency(kind, p) + bytes * per_byte(kind, p)
     ring     = sum over steps of max(c, m) + (1 - overlap) * min(c, m)   (c: the step's kernels, m: its hop)
-    time     = correction.compute * (compute + ring compute share) + correction.comm * comm + per_layer_s
+    time     = k_compute * (compute + ring) + k_comm * comm + per_sync_s * syncs + per_layer_s
 
 ``gemm_*(m, n, k) = c0 + c1 * 2mnk + c2 * e(mk + nk + mn)``; ``attn_*(call) = c0 +
 per_pair(length) * pairs * hn`` summed over batch and heads, the rate interpolated in log length
 between calibrated blocks. Collectives are synchronous in the code, so
-they add up; only the ring overlaps its hops with its kernels. The correction (all 1 and 0 without
-one) is fitted by ``paradyse calibrate --fit-correction`` on a few measured layers.
+they add up; only the ring overlaps its hops with its kernels. ``syncs`` counts collectives and ring
+hops. The correction (``k = 1``, the rest 0 without one) is fitted by ``paradyse calibrate
+--fit-correction`` on a few measured layers.
 
 Memory is :func:`cost.terms.layer_terms`' saved and transient bytes; the stage peak adds the static
 bytes (weights, gradients, optimizer state: the same for every plan, given by the caller), the
@@ -60,6 +61,8 @@ class TimeBreakdown:
     comm_s: float
     ring_s: float
     """Overlapped ring steps (kernels and hops together)."""
+    syncs: int
+    """Collectives and ring hops: points where the ranks wait for each other."""
     total_s: float
 
 
@@ -102,6 +105,7 @@ class AnalyticCostModel:
         self._k_compute = correction["compute"] if correction else 1.0
         self._k_comm = correction["comm"] if correction else 1.0
         self._per_layer = correction["per_layer_s"] if correction else 0.0
+        self._per_sync = correction["per_sync_s"] if correction else 0.0
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, shape: ModelShape, p: int, **kwargs) -> AnalyticCostModel:
@@ -145,15 +149,18 @@ class AnalyticCostModel:
     def _time(self, terms: LayerTerms) -> TimeBreakdown:
         forwards = 2 if terms.recompute else 1
         compute = comm = ring = 0.0
+        syncs = 0
         for sub in (terms.attention, terms.mlp):
             compute += forwards * self._forward_compute(sub) + self._backward_compute(sub)
             comm += forwards * self._comms(sub.fwd_comm) + self._comms(sub.bwd_comm)
             ring += forwards * self._ring(sub, backward=False) + self._ring(sub, backward=True)
+            syncs += forwards * sub.syncs(backward=False) + sub.syncs(backward=True)
         x = terms.norm_saved["output"]
         elementwise = self.profile["elementwise"]["per_byte_s"] * _NORMS_AND_RESIDUALS_PASSES * x * (forwards + 2)
         compute += elementwise
-        total = self._k_compute * (compute + ring) + self._k_comm * comm + self._per_layer
-        return TimeBreakdown(compute, comm, ring, total)
+        syncs = syncs if self.p > 1 else 0
+        total = self._k_compute * (compute + ring) + self._k_comm * comm + self._per_sync * syncs + self._per_layer
+        return TimeBreakdown(compute, comm, ring, syncs, total)
 
     def _gemm(self, gemm: Gemm, direction: str) -> float:
         c0, c1, c2 = self.profile["gemm"][direction]["coef"]
@@ -162,8 +169,10 @@ class AnalyticCostModel:
 
     def _attention(self, call: AttentionCall, direction: str) -> float:
         fit = self.profile["attention"][direction]["causal" if call.causal else "full"]
-        log_lengths = np.log(fit["lengths"])
-        per_unit = np.interp(math.log(call.length), log_lengths, fit["per_unit_s"])  # flat beyond the ends
+        # the rate at the nearest calibrated head dim, interpolated in log length (flat beyond the ends)
+        by_hn = fit["by_head_dim"]
+        rates = by_hn[min(by_hn, key=lambda hn: abs(math.log(int(hn) / call.hn)))]
+        per_unit = np.interp(math.log(call.length), np.log(rates["lengths"]), rates["per_unit_s"])
         return fit["per_call_s"] + per_unit * call.flops / 4
 
     def _elementwise(self, sub: SublayerTerms, factor: float) -> float:

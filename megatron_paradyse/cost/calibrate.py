@@ -83,12 +83,16 @@ REFERENCE_SHAPE = ModelShape(
     hidden_size=256, num_attention_heads=8, num_query_groups=8, kv_channels=32, ffn_hidden_size=1024
 )
 """The layer the correction is fitted on (the benchmark's layer)."""
-CORRECTION_LAYERS = (LayerOption("tp_sp", "tp_sp"), LayerOption("ulysses", "zero3"), LayerOption("ring", "zero3"))
-"""Options the correction is fitted on; the benchmark's held-out MAPE excludes these at the grid's
-``correction_lengths``."""
+CORRECTION_LAYERS = tuple(LayerOption(a, m) for a in ("tp_sp", "ulysses", "ring") for m in ("tp_sp", "zero3"))
+"""Options the correction is fitted on (no recompute); the benchmark's held-out MAPE excludes these at
+the grid's ``correction_lengths``."""
 
 
 _SAMPLE_S = 0.02
+
+
+MIN_SCALE = 0.5
+"""Smallest correction scale of the compute and communication terms."""
 
 
 class Progress:
@@ -345,20 +349,25 @@ def fit_profile(samples: dict[str, Any], element_size: int) -> dict[str, Any]:
 
 
 def _fit_attention(rows: list[dict], key: str) -> dict[str, Any]:
-    """Per-call overhead, and the time per (pair x head dim) at each measured block length: the rate
-    changes with the length (how far K/V outgrow the caches), so it is interpolated, not fitted."""
+    """Per-call overhead, and per head dim the time per (pair x head dim) at each measured block
+    length: the rate changes with the length (how far K/V outgrow the caches) and the head dim (how
+    much work each loaded row carries), so it is interpolated, not fitted."""
     calls = [AttentionCall(1, a["heads"], a["sq"], a["sk"], a["hn"], a["causal"]) for a in rows]
     units = np.array([c.flops / 4 for c in calls])
     seconds = np.array([a[key] for a in rows])
     per_call = fit_nonnegative(np.stack([np.ones_like(units), units], axis=1), seconds)[0]
-    by_length: dict[float, list[float]] = {}
+    rates: dict[int, dict[float, list[float]]] = {}
     for call, unit, t in zip(calls, units, seconds):
-        by_length.setdefault(call.length, []).append(max(t - per_call, 0.1 * t) / unit)
-    lengths = sorted(by_length)
+        rates.setdefault(call.hn, {}).setdefault(call.length, []).append(max(t - per_call, 0.1 * t) / unit)
     return {
         "per_call_s": float(per_call),
-        "lengths": lengths,
-        "per_unit_s": [float(np.mean(by_length[g])) for g in lengths],
+        "by_head_dim": {
+            str(hn): {
+                "lengths": sorted(by_length),
+                "per_unit_s": [float(np.mean(by_length[g])) for g in sorted(by_length)],
+            }
+            for hn, by_length in sorted(rates.items())
+        },
     }
 
 
@@ -432,7 +441,9 @@ def _measure_correction_layers(rank: int, world: int, lengths, device_type: str,
 
 
 def fit_correction_from_layers(profile, world: int, grid: Grid, device: str, dtype, timeout_s: float) -> dict:
-    """Fit ``time = k_compute * compute + k_comm * comm + per_layer_s`` on measured reference layers."""
+    """Fit ``time = k_compute * compute + k_comm * comm + per_sync_s * syncs + per_layer_s`` on measured
+    reference layers (``syncs``: collectives and ring hops, each a point where ranks wait for each
+    other: on an oversubscribed CPU a rank that arrives early waits for the scheduler to run the rest)."""
     from megatron_paradyse.cost.analytic import AnalyticCostModel
     from megatron_paradyse.layout import SequenceLayout
 
@@ -447,12 +458,17 @@ def fit_correction_from_layers(profile, world: int, grid: Grid, device: str, dty
     features, target = [], []
     for option, s, seconds in measured:
         b = model.time_breakdown(LayerOption.parse(option), SequenceLayout.build(s, world, causal=True), 1)
-        features.append([b.compute_s + b.ring_s, b.comm_s, 1.0])
+        features.append([b.compute_s + b.ring_s, b.comm_s, b.syncs, 1.0])
         target.append(seconds)
-    k_compute, k_comm, per_layer = fit_nonnegative(np.array(features), np.array(target))
+    # The scales may stretch the calibrated terms, not delete them: a noisy fit on few layers must not
+    # leave a model in which longer sequences cost nothing more.
+    k_compute, k_comm, per_sync, per_layer = fit_nonnegative(
+        np.array(features), np.array(target), floor=[MIN_SCALE, MIN_SCALE, 0.0, 0.0]
+    )
     return {
         "compute": float(k_compute),
         "comm": float(k_comm),
+        "per_sync_s": float(per_sync),
         "per_layer_s": float(per_layer),
         "fitted_on": [f"{option}@{s}" for option, s, _ in measured],
     }

@@ -17,13 +17,15 @@ Schema (version 1), all times in seconds, sizes in bytes::
                               "send_recv": ...}},
       "ring_overlap": float,                          # fraction of the shorter of comm/compute hidden
       "allocator_slack": float,                       # fraction of the transient (0 on the CPU tracker)
-      "correction": null | {"compute": k, "comm": k, "per_layer_s": c, "fitted_on": [str, ...]},
+      "correction": null | {"compute": k, "comm": k, "per_sync_s": c, "per_layer_s": c,
+                            "fitted_on": ["tp_sp/tp_sp@512", ...]},
       "samples": {...}                                # the raw measurements the fits came from
     }
 
 with ``LINEAR = {"coef": [c0, c1, c2]}`` (time = c0 + c1 * FLOPs + c2 * bytes), ``RATE =
-{"per_call_s": c0, "lengths": [L...], "per_unit_s": [r...]}`` (time = c0 + r(L) * pairs * hn * heads * b,
-``r`` interpolated in log length; ``L`` = sq causal, sqrt(sq sk) full) and
+{"per_call_s": c0, "by_head_dim": {"<hn>": {"lengths": [L...], "per_unit_s": [r...]}}}`` (time = c0 +
+r(L) * pairs * hn * heads * b at the nearest calibrated head dim, ``r`` interpolated in log length;
+``L`` = sq causal, sqrt(sq sk) full) and
 ``ALPHA_BETA = {"latency_s": a, "per_byte_s": b}``. Loading checks everything a cost model reads
 and raises :class:`ProfileError` naming the file and what to do.
 """
@@ -151,8 +153,8 @@ def _required_keys(profile: dict[str, Any]) -> Iterable[str]:
     yield from ("attention.kernel", "ring_overlap", "allocator_slack", "collectives")
     for direction in ("forward", "backward"):
         for mask in ("causal", "full"):
-            for field in ("per_call_s", "lengths", "per_unit_s"):
-                yield f"attention.{direction}.{mask}.{field}"
+            yield f"attention.{direction}.{mask}.per_call_s"
+            yield f"attention.{direction}.{mask}.by_head_dim"
     for p in (profile.get("collectives") or {}) if isinstance(profile.get("collectives"), dict) else ():
         for kind in _COLLECTIVES:
             yield f"collectives.{p}.{kind}.latency_s"

@@ -134,6 +134,13 @@ class SublayerTerms:
     def saved_bytes(self) -> float:
         return float(sum(self.saved.values()))
 
+    def syncs(self, *, backward: bool) -> int:
+        """Collectives and ring hops of the forward or the backward: where the ranks wait for each other."""
+        comms = len(self.bwd_comm if backward else self.fwd_comm)
+        if self.ring is None:
+            return comms
+        return comms + self.ring.fwd_hops + (len(self.ring.steps) if backward else 0)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Dims:
