@@ -87,12 +87,9 @@ CORRECTION_LAYERS = tuple(LayerOption(a, m) for a in ("tp_sp", "ulysses", "ring"
 """Options the correction is fitted on (no recompute); the benchmark's held-out MAPE excludes these at
 the grid's ``correction_lengths``."""
 
-
-_SAMPLE_S = 0.02
-
-
 MIN_SCALE = 0.5
 """Smallest correction scale of the compute and communication terms."""
+_SAMPLE_S = 0.02  # each timing sample lasts at least this long
 
 
 class Progress:
@@ -123,7 +120,7 @@ def _median_time(fn: Callable[[], Any], repeats: int, device: torch.device, grou
     start = time.perf_counter()
     fn()
     _sync(device)
-    once = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    once = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
     dist.all_reduce(once, op=dist.ReduceOp.MAX, group=group)
     calls = max(1, min(1000, int(_SAMPLE_S / max(once.item(), 1e-7))))
     times = []
@@ -291,11 +288,17 @@ def _overlap_sample(grid: Grid, p: int, device, dtype, progress: Progress) -> fl
     return float(np.clip((c + m - o) / max(min(c, m), 1e-12), 0.0, 1.0))
 
 
+def _rank_device(rank: int, device_type: str) -> torch.device:
+    """This rank's device: its own GPU (set as current, as NCCL wants), or the CPU."""
+    if device_type != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    return device
+
+
 def _measure_on_rank(rank: int, world: int, grid: Grid, p_values, device_type: str, dtype_name: str, show: bool):
-    device = torch.device(device_type, rank % max(torch.cuda.device_count(), 1)) if device_type == "cuda" else None
-    device = device or torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = _rank_device(rank, device_type)
     dtype = getattr(torch, dtype_name)
     steps = (
         len(grid.gemm_m) * len(grid.gemm_nk)
@@ -390,6 +393,11 @@ def calibrate(
     if not p_values or p_values[0] < 1:
         raise ValueError(f"group sizes must be >= 1, got {p_values}")
     world = max(p_values)
+    if device == "cuda" and world > torch.cuda.device_count():
+        raise ValueError(
+            f"calibrating p={world} on CUDA needs {world} GPUs (one per rank), this machine has "
+            f"{torch.cuda.device_count()}"
+        )
     backend = "nccl" if device == "cuda" else "gloo"
     dtype_name = str(dtype).removeprefix("torch.")
     samples = run_on_ranks(
@@ -423,6 +431,7 @@ def _measure_correction_layers(rank: int, world: int, lengths, device_type: str,
     from megatron_paradyse.cost.measure import measure_layer
     from megatron_paradyse.layout import SequenceLayout
 
+    device = _rank_device(rank, device_type)
     out = []
     for s in lengths:
         layout = SequenceLayout.build(s, world, causal=True)
@@ -433,7 +442,7 @@ def _measure_correction_layers(rank: int, world: int, lengths, device_type: str,
                 REFERENCE_SHAPE,
                 dist.group.WORLD,
                 dtype=getattr(torch, dtype_name),
-                device=device_type,
+                device=device,
                 memory_runs=0,
             )
             out.append((str(option), s, m.time_s))

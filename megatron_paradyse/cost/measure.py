@@ -190,9 +190,9 @@ def measure_layer(
         times.append(time.perf_counter() - start)
     if not times:  # memory only
         return LayerMeasurement(float("nan"), saved, peak)
-    slowest = torch.tensor(times, dtype=torch.float64)
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    return LayerMeasurement(statistics.median(slowest.tolist()), saved, peak)
+    return LayerMeasurement(statistics.median(slowest.cpu().tolist()), saved, peak)
 
 
 def _synchronize(device: torch.device) -> None:
