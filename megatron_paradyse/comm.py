@@ -19,8 +19,8 @@ __all__ = [
     "all_gather_seq",
     "all_to_all_heads_to_seq",
     "all_to_all_seq_to_heads",
-    "gather_weight",
     "reduce_scatter_seq",
+    "zero3_linear",
 ]
 
 
@@ -155,43 +155,67 @@ def all_to_all_heads_to_seq(x_full: Tensor, group: ProcessGroup) -> Tensor:
     return _HeadsToSeq.apply(x_full, group)
 
 
-class _GatherWeight(torch.autograd.Function):
-    """forward: all-gather a weight shard along ``dim``; backward: reduce-scatter its gradient.
+def _gather_shards(shard: Tensor, group: ProcessGroup, dim: int) -> Tensor:
+    """The full weight from Megatron TP shards split along ``dim`` (0: column-, 1: row-parallel)."""
+    if dim == 0:
+        return _all_gather_dim0(shard, group)
+    # Row-parallel shards [out, in/p] concatenate along dim 1: gather as [p, out, in/p].
+    gathered = _all_gather_dim0(shard, group).view(group.size(), *shard.shape)
+    return gathered.permute(1, 0, 2).reshape(shard.shape[0], group.size() * shard.shape[1])
 
-    ZeRO-3 semantics: every rank multiplies its own tokens by the full weight, so the summed
-    (reduce-scattered) gradient is the full-loss gradient of each rank's shard.
-    """
 
-    @staticmethod
-    def forward(ctx, shard: Tensor, group: ProcessGroup, dim: int) -> Tensor:
-        ctx.group, ctx.dim = group, dim
+def _reduce_scatter_shards(grad_full: Tensor, group: ProcessGroup, dim: int) -> Tensor:
+    """The adjoint of :func:`_gather_shards`: sum over ranks, each keeps its own shard's gradient."""
+    if dim == 1:
         p = group.size()
-        if dim == 0:
-            return _all_gather_dim0(shard, group)
-        # Row-parallel shards [out, in/p] concatenate along dim 1: gather as [p, out, in/p].
-        gathered = _all_gather_dim0(shard, group).view(p, *shard.shape)
-        return gathered.permute(1, 0, 2).reshape(shard.shape[0], p * shard.shape[1])
+        out_features, in_features = grad_full.shape
+        grad_full = grad_full.view(out_features, p, in_features // p).permute(1, 0, 2)
+        grad_full = grad_full.reshape(p * out_features, in_features // p)
+    return _reduce_scatter_dim0(grad_full, group)
+
+
+class _Zero3Linear(torch.autograd.Function):
+    """``y = x W^T + b`` with ``W`` (and ``b``) all-gathered from TP shards for the GEMM only.
+
+    ZeRO-3: the full weight exists while a GEMM needs it and is gathered again in backward; only ``x``
+    and the shards are saved. Every rank multiplies its own tokens by the full weight, so the summed
+    (reduce-scattered) gradient is the full-loss gradient of each rank's shard:
+
+        forward:  W = AG(W_shard);  y = x W^T + b
+        backward: W = AG(W_shard);  dx = dy W;  dW_shard = RS(dy^T x);  db_shard = RS(sum dy)
+    """
 
     @staticmethod
-    def backward(ctx, grad_full: Tensor):
-        group, p = ctx.group, ctx.group.size()
-        if ctx.dim == 1:
-            out_features, in_features = grad_full.shape
-            grad_full = grad_full.view(out_features, p, in_features // p).permute(1, 0, 2)
-            grad_full = grad_full.reshape(p * out_features, in_features // p)
-        return _reduce_scatter_dim0(grad_full, group), None, None
+    def forward(ctx, x: Tensor, w_shard: Tensor, b_shard: Tensor | None, group: ProcessGroup, dim: int) -> Tensor:
+        ctx.group, ctx.dim, ctx.has_bias = group, dim, b_shard is not None
+        ctx.save_for_backward(x, w_shard)
+        b = None if b_shard is None else _all_gather_dim0(b_shard, group)
+        return torch.nn.functional.linear(x, _gather_shards(w_shard, group, dim), b)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, w_shard = ctx.saved_tensors
+        group, dim = ctx.group, ctx.dim
+        dx = torch.matmul(dy, _gather_shards(w_shard, group, dim))
+        dy_2d, x_2d = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        dw_shard = _reduce_scatter_shards(dy_2d.t() @ x_2d, group, dim)
+        db_shard = _reduce_scatter_dim0(dy_2d.sum(dim=0), group) if ctx.has_bias else None
+        return dx, dw_shard, db_shard, None, None
 
 
-def gather_weight(shard: Tensor, group: ProcessGroup, dim: int = 0) -> Tensor:
-    """The full weight from Megatron TP shards split along ``dim`` (0: column-, 1: row-parallel).
+def zero3_linear(x: Tensor, w_shard: Tensor, b_shard: Tensor | None, group: ProcessGroup, dim: int = 0) -> Tensor:
+    """``x W^T + b`` for Megatron TP shards split along ``dim`` (0: column-, 1: row-parallel; a
+    row-parallel bias is replicated, pass it to :func:`~torch.add` instead).
 
-    forward: AG along ``dim``, backward: RS along ``dim``.
+    forward: AG weight + GEMM; backward: AG weight + GEMMs, RS weight (and bias) gradient.
     """
-    if dim not in (0, 1) or (dim == 1 and shard.dim() != 2):
-        raise ValueError(f"gather_weight splits dim 0 (any rank) or dim 1 (2-D), got dim={dim}")
+    if dim not in (0, 1) or w_shard.dim() != 2:
+        raise ValueError(f"zero3_linear takes a 2-D shard split on dim 0 or 1, got {tuple(w_shard.shape)}, dim={dim}")
+    if b_shard is not None and dim != 0:
+        raise ValueError("zero3_linear: only a column-parallel (dim 0) linear has a sharded bias")
     if group.size() == 1:
-        return shard
-    return _GatherWeight.apply(shard, group, dim)
+        return torch.nn.functional.linear(x, w_shard, b_shard)
+    return _Zero3Linear.apply(x, w_shard, b_shard, group, dim)
 
 
 class RingComm:

@@ -15,8 +15,8 @@ from megatron_paradyse.comm import (
     all_gather_seq,
     all_to_all_heads_to_seq,
     all_to_all_seq_to_heads,
-    gather_weight,
     reduce_scatter_seq,
+    zero3_linear,
 )
 from megatron_paradyse.multiprocess import run_on_ranks
 
@@ -80,16 +80,27 @@ def _collective_cases(rank: int, p: int) -> dict[str, bool]:
         torch.cat([g[:, :, cols] for g in gs]),
     )
 
-    # gather_weight: column shards stack on dim 0, row shards on dim 1; gradients reduce-scatter.
+    # zero3_linear: x W^T + b with W gathered from shards (column: dim 0, row: dim 1); the shards'
+    # gradients are the sums over every rank's tokens.
     for dim in (0, 1):
-        shards = [_draw(f"w{dim}", r, 5, 3) for r in ranks]
-        gs = [_draw(f"w{dim}-grad", r, *torch.cat(shards, dim=dim).shape) for r in ranks]
-        results[f"gather_weight_dim{dim}"] = _check(
-            lambda w, d=dim: gather_weight(w, group, d),
-            shards[rank],
-            gs[rank],
-            torch.cat(shards, dim=dim),
-            sum(gs).chunk(p, dim=dim)[rank],
+        shards = [_draw(f"w{dim}", r, 6, 4) for r in ranks]
+        w_full = torch.cat(shards, dim=dim)
+        bias = [_draw(f"b{dim}", r, 6) for r in ranks] if dim == 0 else None
+        xs = [_draw(f"x{dim}", r, S_LOCAL, B, w_full.shape[1]) for r in ranks]
+        gs = [_draw(f"y{dim}-grad", r, S_LOCAL, B, w_full.shape[0]) for r in ranks]
+        x = xs[rank].clone().requires_grad_()
+        w = shards[rank].clone().requires_grad_()
+        b = bias[rank].clone().requires_grad_() if bias else None
+        y = zero3_linear(x, w, b, group, dim)
+        y.backward(gs[rank])
+        b_full = torch.cat(bias) if bias else None
+        dw_full = sum(g.reshape(-1, g.shape[-1]).t() @ xr.reshape(-1, xr.shape[-1]) for g, xr in zip(gs, xs))
+        close = dict(rtol=0, atol=1e-12)
+        results[f"zero3_linear_dim{dim}"] = (
+            torch.allclose(y.detach(), torch.nn.functional.linear(xs[rank], w_full, b_full), **close)
+            and torch.allclose(x.grad, gs[rank] @ w_full, **close)
+            and torch.allclose(w.grad, dw_full.chunk(p, dim=dim)[rank], **close)
+            and (b is None or torch.allclose(b.grad, sum(g.sum(dim=(0, 1)) for g in gs).chunk(p)[rank], **close))
         )
 
     # RingComm: a block arrives from the previous rank; misuse is refused.
@@ -123,8 +134,8 @@ def collective_results(request):
         "reduce_scatter_seq",
         "all_to_all_seq_to_heads",
         "all_to_all_heads_to_seq",
-        "gather_weight_dim0",
-        "gather_weight_dim1",
+        "zero3_linear_dim0",
+        "zero3_linear_dim1",
         "ring_receives_from_previous",
         "ring_refuses_second_transfer",
         "ring_refuses_wait_without_transfer",
@@ -135,7 +146,7 @@ def test_collective_forward_and_adjoint(collective_results, name):
 
 
 def test_group_of_one_is_the_identity():
-    """No process group is touched when p=1: the same tensor comes back."""
+    """No process group is touched when p=1: the same tensor comes back (or a plain GEMM)."""
 
     class One:
         def size(self):
@@ -146,7 +157,7 @@ def test_group_of_one_is_the_identity():
     assert reduce_scatter_seq(x, One()) is x
     assert all_to_all_seq_to_heads(x, One()) is x
     w = x[0]
-    assert gather_weight(w, One(), dim=1) is w
+    torch.testing.assert_close(zero3_linear(x, w, None, One(), dim=1), x @ w.t(), rtol=0, atol=0)
 
 
 def test_bad_shapes_are_refused_before_any_communication():
@@ -158,5 +169,7 @@ def test_bad_shapes_are_refused_before_any_communication():
         all_to_all_seq_to_heads(torch.zeros(4, 2, 5), Three())
     with pytest.raises(ValueError, match=r"expected \[s, b, w\] with s divisible by p=3, got \(4, 2, 6\)"):
         all_to_all_heads_to_seq(torch.zeros(4, 2, 6), Three())
-    with pytest.raises(ValueError, match=r"gather_weight splits dim 0 \(any rank\) or dim 1 \(2-D\), got dim=2"):
-        gather_weight(torch.zeros(2, 2, 2), Three(), dim=2)
+    with pytest.raises(ValueError, match=r"zero3_linear takes a 2-D shard split on dim 0 or 1, got \(2, 2, 2\), dim=1"):
+        zero3_linear(torch.zeros(2, 2), torch.zeros(2, 2, 2), None, Three(), dim=1)
+    with pytest.raises(ValueError, match=r"only a column-parallel \(dim 0\) linear has a sharded bias"):
+        zero3_linear(torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(2), Three(), dim=1)

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
 from megatron_paradyse.attention import segment_attention
-from megatron_paradyse.comm import gather_weight
 from megatron_paradyse.strategies.base import AttentionContext, ModelShape
 
-__all__ = ["activate", "add_bias", "attend_full_sequence", "gather_bias", "heads_first", "split_qkv"]
+__all__ = ["activate", "add_bias", "attend_full_sequence", "heads_first", "split_qkv"]
 
 
 def split_qkv(mixed: Tensor, shape: ModelShape) -> tuple[Tensor, Tensor, Tensor]:
@@ -65,8 +63,3 @@ def activate(h: Tensor, shape: ModelShape, activation, blocks: int) -> Tensor:
 
 def add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
     return y if bias is None else y + bias
-
-
-def gather_bias(bias: Tensor | None, group: ProcessGroup) -> Tensor | None:
-    """The full bias of a column-parallel linear (ZeRO-3 gather; gradient reduce-scattered)."""
-    return None if bias is None else gather_weight(bias, group, dim=0)

@@ -15,7 +15,6 @@ K/V blocks and the gathered weights.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -26,10 +25,10 @@ from megatron_paradyse.attention import (
     segments_backward,
     segments_forward,
 )
-from megatron_paradyse.comm import RingComm, gather_weight
+from megatron_paradyse.comm import RingComm, zero3_linear
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.strategies.base import AttentionContext, AttentionWeights, Strategy
-from megatron_paradyse.strategies.common import add_bias, gather_bias, heads_first, split_qkv
+from megatron_paradyse.strategies.common import add_bias, heads_first, split_qkv
 from megatron_paradyse.strategies.registry import register
 
 __all__ = ["ring_attention", "ring_attention_backward", "ring_attention_forward"]
@@ -135,14 +134,14 @@ def ring_attention(
 def attention(x_local: Tensor, w: AttentionWeights, ctx: AttentionContext) -> Tensor:
     group, layout = ctx.group, ctx.layout
     s_local, b, _ = x_local.shape
-    qkv = F.linear(x_local, gather_weight(w.qkv, group, 0), gather_bias(w.qkv_bias, group))
+    qkv = zero3_linear(x_local, w.qkv, w.qkv_bias, group, dim=0)
     q, k, v = split_qkv(qkv, ctx.shape)  # all heads, local tokens
     if ctx.qk_transform is not None:
         positions = layout.position_ids[layout.local_slice(group.rank())].to(q.device)
         q, k = ctx.qk_transform(q, k, positions)
     out = ring_attention(heads_first(q), heads_first(k), heads_first(v), layout, group, ctx.kernel, ctx.softmax_scale)
     core = out.permute(2, 0, 1, 3).reshape(s_local, b, -1)  # [s/p, b, np*hn]
-    return add_bias(F.linear(core, gather_weight(w.proj, group, 1)), w.proj_bias)
+    return add_bias(zero3_linear(core, w.proj, None, group, dim=1), w.proj_bias)
 
 
 register(

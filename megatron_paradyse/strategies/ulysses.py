@@ -9,22 +9,21 @@ are gathered per call and their gradients reduce-scattered back to the shards.
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_paradyse.comm import all_to_all_heads_to_seq, all_to_all_seq_to_heads, gather_weight
+from megatron_paradyse.comm import all_to_all_heads_to_seq, all_to_all_seq_to_heads, zero3_linear
 from megatron_paradyse.strategies.base import AttentionContext, AttentionWeights, Strategy
-from megatron_paradyse.strategies.common import add_bias, attend_full_sequence, gather_bias
+from megatron_paradyse.strategies.common import add_bias, attend_full_sequence
 from megatron_paradyse.strategies.registry import register
 
 
 def attention(x_local: Tensor, w: AttentionWeights, ctx: AttentionContext) -> Tensor:
     group = ctx.group
-    qkv_local = F.linear(x_local, gather_weight(w.qkv, group, 0), gather_bias(w.qkv_bias, group))
+    qkv_local = zero3_linear(x_local, w.qkv, w.qkv_bias, group, dim=0)
     qkv_full = all_to_all_seq_to_heads(qkv_local, group)  # [s, b, ng/p*(np/ng+2)*hn]
     core = attend_full_sequence(qkv_full, ctx)  # [s, b, np/p*hn]
     core_local = all_to_all_heads_to_seq(core, group)  # [s/p, b, np*hn]
-    return add_bias(F.linear(core_local, gather_weight(w.proj, group, 1)), w.proj_bias)
+    return add_bias(zero3_linear(core_local, w.proj, None, group, dim=1), w.proj_bias)
 
 
 register(

@@ -1,26 +1,26 @@
 """``zero3``: token-local MLP with ZeRO-3 weights.
 
 The MLP needs no other token, so each rank runs its own ``s/p`` tokens through the full weights,
-all-gathered from the TP shards just in time; the weight gradients are reduce-scattered back. No
-activation crosses the wire; the transient cost is the gathered ``fc1``/``fc2`` weights.
+all-gathered from the TP shards for each GEMM (again in backward: nothing full is saved); the weight
+gradients are reduce-scattered back. No activation crosses the wire; the transient cost is one
+gathered weight (and, in backward, its full gradient).
 """
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_paradyse.comm import gather_weight
+from megatron_paradyse.comm import zero3_linear
 from megatron_paradyse.strategies.base import MLPContext, MLPWeights, Strategy
-from megatron_paradyse.strategies.common import activate, add_bias, gather_bias
+from megatron_paradyse.strategies.common import activate, add_bias
 from megatron_paradyse.strategies.registry import register
 
 
 def mlp(x_local: Tensor, w: MLPWeights, ctx: MLPContext) -> Tensor:
     group = ctx.group
-    h = F.linear(x_local, gather_weight(w.fc1, group, 0), gather_bias(w.fc1_bias, group))
+    h = zero3_linear(x_local, w.fc1, w.fc1_bias, group, dim=0)
     h = activate(h, ctx.shape, ctx.activation, blocks=group.size())  # [s/p, b, ffn], rank order
-    return add_bias(F.linear(h, gather_weight(w.fc2, group, 1)), w.fc2_bias)
+    return add_bias(zero3_linear(h, w.fc2, None, group, dim=1), w.fc2_bias)
 
 
 register(
