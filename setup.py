@@ -20,7 +20,9 @@ setup(
         "packaging>=24.2",
         "pyyaml",
         "psutil",  # megatron-core distributed checkpointing
+        "scikit-learn",  # the paper's empirical cost model, for comparison
     ],
+    entry_points={"console_scripts": ["paradyse = megatron_paradyse.cli:main"]},
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn>=2.6"],
         "test": ["pytest", "pytest-timeout"],
