@@ -7,7 +7,7 @@ the parallel layout); flags given on the command line win. ``configs/README.md``
 
 Loading reports every problem at once: unknown keys (with the nearest known name), wrong types,
 values out of range, strategy names the library does not have. Paths are resolved relative to the
-config file. Validation never touches a device.
+config file (``~`` is the user's home). Validation never touches a device.
 """
 
 from __future__ import annotations
@@ -112,6 +112,9 @@ class ParadyseConfig:
     log: LogSection = dataclasses.field(default_factory=LogSection)
     attention_kernel: str = "auto"
     """``torch`` (CPU), ``flash_attn`` (CUDA), ``math`` (anywhere, O(s^2) memory) or ``auto``."""
+    attention_mask: Literal["causal", "bidirectional"] = "causal"
+    """``causal`` (GPT, LLaMA; zigzag canonical order) or ``bidirectional`` (BERT-style encoders;
+    contiguous order): the layers' mask, the data layout and the attention cost terms follow it."""
     megatron_args: tuple[str, ...] = ()
     """Megatron flags of a preset, e.g. ``["--num-layers", "24", ...]``; the command line overrides them."""
 
@@ -145,7 +148,7 @@ def load_config(path: str | Path) -> ParadyseConfig:
 
 def _resolve_paths(config: ParadyseConfig, base: Path) -> ParadyseConfig:
     def resolve(value: str | None) -> str | None:
-        return None if value is None else str((base / value).resolve())
+        return None if value is None else str((base / Path(value).expanduser()).resolve())
 
     data = config.data
     if data.dataset not in ("code", "dna"):
