@@ -1,0 +1,95 @@
+"""``paradyse check-config FILE [--print-config]``: validate a paradyse config before a job starts.
+
+Checks everything :func:`~megatron_paradyse.config.load_config` checks (keys, types, ranges, strategy
+names), then parses the config's ``megatron_args`` with Megatron-LM's own argument parser, so a
+misspelt Megatron flag fails here rather than on every rank of a job. ``--print-config`` prints the
+resolved config (paths made absolute) as YAML; loading that output gives the same config.
+
+A bad config prints ``paradyse: error: ...`` (every problem, one per line) and exits with status 2.
+:func:`calibration_argv` gives the ``paradyse calibrate`` arguments a config's job needs (used by
+``scripts/slurm/calibrate.sbatch``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import warnings
+from collections.abc import Sequence
+
+import yaml
+
+from megatron_paradyse.config import ConfigError, ParadyseConfig, load_config
+
+__all__ = ["calibration_argv", "check_config_main", "format_config", "parse_megatron_args"]
+
+
+def check_config_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="paradyse check-config", description=__doc__.split("\n")[0])
+    parser.add_argument("config", help="paradyse YAML config")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+        try:
+            parse_megatron_args(config.megatron_args)
+        except ValueError as e:
+            raise ConfigError(f"{args.config}:\n  megatron_args: {e}") from e
+    except ConfigError as e:
+        print(f"paradyse: error: {e}", file=sys.stderr)
+        return 2
+    print(format_config(config) if args.print_config else f"{args.config}: valid\n", end="")
+    return 0
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """Megatron's parser, raising its errors rather than printing its whole usage and exiting."""
+
+    def error(self, message: str):
+        raise ValueError(f"{message} (Megatron-LM's argument parser)")
+
+
+def parse_megatron_args(flags: Sequence[str]) -> argparse.Namespace:
+    """``flags`` parsed by Megatron-LM's own parser; ``ValueError`` for an unknown flag or a bad value.
+
+    Only parsing: Megatron's cross-checks (``validate_args``) need the job's world size and run when
+    the job starts. Where a flag repeats, the last one wins, as on a command line.
+    """
+    from megatron_paradyse import compat
+
+    with warnings.catch_warnings():  # Megatron's "TE/apex not installed": irrelevant to parsing flags
+        warnings.simplefilter("ignore")
+        compat.install()  # importing megatron.training needs it on CPU; a no-op with CUDA
+        from megatron.training.arguments import add_megatron_arguments
+
+    return add_megatron_arguments(_RaisingParser(allow_abbrev=False)).parse_args(list(flags))
+
+
+def calibration_argv(config: ParadyseConfig, megatron_flags: Sequence[str] = (), *, p: str | None = None) -> list[str]:
+    """``paradyse calibrate`` arguments for a job run with ``config`` and ``megatron_flags`` (given
+    after the config's ``megatron_args``): its tensor-parallel size (or the group sizes ``p``, e.g.
+    ``"4,8"``), its dtype, on CUDA, the full grid, written where ``cost.profile`` points."""
+    if config.cost.profile is None:
+        raise ConfigError(
+            "cost.profile is not set: name the file that calibration writes and training reads, "
+            "e.g. cost: {profile: profiles/p8-bf16.json}"
+        )
+    args = parse_megatron_args([*config.megatron_args, *megatron_flags])
+    dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+    p = p or str(args.tensor_model_parallel_size)
+    measured = ["--p", p, "--dtype", dtype, "--device", "cuda", "--grid", "full"]
+    return ["calibrate", "--output", config.cost.profile, *measured]
+
+
+def format_config(config: ParadyseConfig) -> str:
+    """The resolved config as YAML that :func:`load_config` reads back to an equal config."""
+
+    def plain(value):
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    return yaml.safe_dump(plain(dataclasses.asdict(config)), sort_keys=False)

@@ -1,0 +1,99 @@
+"""``paradyse check-config`` and configs/README.md: the documented schema and messages are the real ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_paradyse.config import ConfigError, ParadyseConfig, load_config
+from megatron_paradyse.config_cli import calibration_argv, check_config_main, format_config
+
+README = Path(__file__).resolve().parent.parent / "configs" / "README.md"
+
+
+def _readme_rows() -> dict[str, list[str]]:
+    """``{key: [type, default, meaning]}`` of the schema tables."""
+    rows = {}
+    for line in README.read_text().splitlines():
+        match = re.match(r"\| `([a-z_.]+)` \| (.*) \|$", line)
+        if match:
+            rows[match[1]] = [cell.strip() for cell in re.split(r"(?<!\\)\|", match[2])]
+    return rows
+
+
+def _fields(cls: type = ParadyseConfig, prefix: str = ""):
+    for field in dataclasses.fields(cls):
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        yield f"{prefix}{field.name}", default
+        if dataclasses.is_dataclass(default):
+            yield from _fields(type(default), f"{prefix}{field.name}.")
+
+
+def test_the_readme_documents_every_key_with_its_default():
+    rows = _readme_rows()
+    keys = dict(_fields())
+    assert sorted(rows) == sorted(keys), "configs/README.md's schema tables and the config dataclasses differ"
+    for key, default in keys.items():
+        type_, shown, meaning = rows[key]
+        assert type_ and meaning, key
+        if dataclasses.is_dataclass(default):
+            assert (type_, shown) == ("section", ""), key
+        else:
+            as_yaml = yaml.safe_dump(list(default) if isinstance(default, tuple) else default, default_flow_style=True)
+            assert shown == f"`{as_yaml.removesuffix('...' + chr(10)).strip()}`", key
+
+
+def _readme_examples() -> list[tuple[str, str, str]]:
+    """(file name, YAML, expected output) of the README's check-config examples."""
+    text = README.read_text()
+    found = re.findall(r"```yaml\n(.*?)```\n\n```console\n\$ paradyse check-config (\S+)\n(.*?)```", text, re.S)
+    return [(name, config, output) for config, name, output in found]
+
+
+def test_bad_configs_give_the_documented_messages(tmp_path, monkeypatch, capsys):
+    examples = _readme_examples()
+    assert [name for name, _, _ in examples] == ["bad.yaml", "flags.yaml"]
+    monkeypatch.chdir(tmp_path)
+    for name, config, output in examples:
+        Path(name).write_text(config)
+        assert check_config_main([name]) == 2
+        assert capsys.readouterr() == ("", output)
+
+
+def test_a_valid_config_is_printed_resolved_and_reads_back_the_same(tmp_path, capsys):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(
+        "planner: {pairs: [tp_sp/tp_sp, lean/lean]}\ncost: {profile: ~/prof.json}\nattention_mask: bidirectional\n"
+        'megatron_args: [--num-layers, "2", --sequence-parallel]\n'
+    )
+    assert check_config_main([str(path)]) == 0
+    assert capsys.readouterr().out == f"{path}: valid\n"
+    assert check_config_main([str(path), "--print-config"]) == 0
+    printed = tmp_path / "elsewhere" / "printed.yaml"
+    printed.parent.mkdir()
+    printed.write_text(capsys.readouterr().out)
+    config = load_config(path)
+    assert load_config(printed) == config
+    assert config.cost.profile == str(Path.home() / "prof.json")
+    assert config.attention_mask == "bidirectional"
+    assert format_config(config).startswith("planner:\n  method: exact\n  attention: null\n")
+
+
+def test_calibration_covers_the_jobs_group_size_and_dtype(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text('cost: {profile: prof/p4.json}\nmegatron_args: [--tensor-model-parallel-size, "4"]\n')
+    config = load_config(path)
+    output = str(tmp_path / "prof/p4.json")
+    expected = ["calibrate", "--output", output, "--p", "4", "--dtype", "float32", "--device", "cuda", "--grid", "full"]
+    assert calibration_argv(config) == expected
+    assert calibration_argv(config, ["--bf16"])[5:7] == ["--dtype", "bfloat16"]
+    assert calibration_argv(config, ["--fp16"])[5:7] == ["--dtype", "float16"]
+    # flags after the config's win, as on the command line; or the group sizes are given
+    assert calibration_argv(config, ["--tensor-model-parallel-size", "2"])[3:5] == ["--p", "2"]
+    assert calibration_argv(config, p="2,4")[3:5] == ["--p", "2,4"]
+    with pytest.raises(ConfigError, match=r"^cost.profile is not set: name the file that calibration writes"):
+        calibration_argv(ParadyseConfig())
