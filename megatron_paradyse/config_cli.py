@@ -6,6 +6,8 @@ misspelt Megatron flag fails here rather than on every rank of a job. ``--print-
 resolved config (paths made absolute) as YAML; loading that output gives the same config.
 
 A bad config prints ``paradyse: error: ...`` (every problem, one per line) and exits with status 2.
+:func:`check_config_main` is the whole command; ``paradyse``'s own parser uses
+:func:`add_check_config_arguments` and :func:`run_check_config`.
 :func:`calibration_argv` gives the ``paradyse calibrate`` arguments a config's job needs (used by
 ``scripts/slurm/calibrate.sbatch``).
 """
@@ -22,25 +24,41 @@ import yaml
 
 from megatron_paradyse.config import ConfigError, ParadyseConfig, load_config
 
-__all__ = ["calibration_argv", "check_config_main", "format_config", "parse_megatron_args"]
+__all__ = [
+    "add_check_config_arguments",
+    "calibration_argv",
+    "check_config_main",
+    "format_config",
+    "parse_megatron_args",
+    "run_check_config",
+]
+
+
+def add_check_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="paradyse YAML config")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML")
+
+
+def run_check_config(args: argparse.Namespace) -> int:
+    """The command, for ``paradyse``'s parser: raises :class:`ConfigError` for a bad config."""
+    config = load_config(args.config)
+    try:
+        parse_megatron_args(config.megatron_args)
+    except ValueError as e:
+        raise ConfigError(f"{args.config}:\n  megatron_args: {e}") from e
+    print(format_config(config) if args.print_config else f"{args.config}: valid\n", end="")
+    return 0
 
 
 def check_config_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="paradyse check-config", description=__doc__.split("\n")[0])
-    parser.add_argument("config", help="paradyse YAML config")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML")
+    add_check_config_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        config = load_config(args.config)
-        try:
-            parse_megatron_args(config.megatron_args)
-        except ValueError as e:
-            raise ConfigError(f"{args.config}:\n  megatron_args: {e}") from e
+        return run_check_config(args)
     except ConfigError as e:
         print(f"paradyse: error: {e}", file=sys.stderr)
         return 2
-    print(format_config(config) if args.print_config else f"{args.config}: valid\n", end="")
-    return 0
 
 
 class _RaisingParser(argparse.ArgumentParser):
