@@ -1,6 +1,7 @@
 """``paradyse <command>``: the command-line entry point (``python -m megatron_paradyse.cli``).
 
-Commands: ``calibrate`` (measure this machine and write a cost profile). Each command is a
+Commands: ``calibrate`` (measure this machine and write a cost profile), ``check-config`` (validate a
+paradyse config and print it resolved). Each command is a
 ``_cmd_<name>(args) -> int`` registered in :func:`_parser`; user errors print ``paradyse: error: ...``
 and exit 2, without a traceback.
 """
@@ -11,6 +12,8 @@ import argparse
 import os
 import sys
 import time
+
+from megatron_paradyse import config_cli
 
 __all__ = ["main"]
 
@@ -68,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--quiet", action="store_true", help="no progress bar")
     cal.set_defaults(run=_cmd_calibrate)
+    check = commands.add_parser("check-config", help="validate a paradyse config and its megatron_args")
+    config_cli.add_check_config_arguments(check)
+    check.set_defaults(run=config_cli.run_check_config)
     return parser
 
 

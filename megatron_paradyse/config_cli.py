@@ -5,9 +5,9 @@ names), then parses the config's ``megatron_args`` with Megatron-LM's own argume
 misspelt Megatron flag fails here rather than on every rank of a job. ``--print-config`` prints the
 resolved config (paths made absolute) as YAML; loading that output gives the same config.
 
-A bad config prints ``paradyse: error: ...`` (every problem, one per line) and exits with status 2.
-:func:`check_config_main` is the whole command; ``paradyse``'s own parser uses
-:func:`add_check_config_arguments` and :func:`run_check_config`.
+A bad config prints ``paradyse: error: ...`` (every problem, one per line) and exits with status 2;
+``paradyse``'s parser (``megatron_paradyse/cli.py``) wires :func:`add_check_config_arguments` and
+:func:`run_check_config`.
 :func:`calibration_argv` gives the ``paradyse calibrate`` arguments a config's job needs (used by
 ``scripts/slurm/calibrate.sbatch``).
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import warnings
 from collections.abc import Sequence
 
@@ -27,7 +26,6 @@ from megatron_paradyse.config import ConfigError, ParadyseConfig, load_config
 __all__ = [
     "add_check_config_arguments",
     "calibration_argv",
-    "check_config_main",
     "format_config",
     "parse_megatron_args",
     "run_check_config",
@@ -48,17 +46,6 @@ def run_check_config(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.config}:\n  megatron_args: {e}") from e
     print(format_config(config) if args.print_config else f"{args.config}: valid\n", end="")
     return 0
-
-
-def check_config_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="paradyse check-config", description=__doc__.split("\n")[0])
-    add_check_config_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_check_config(args)
-    except ConfigError as e:
-        print(f"paradyse: error: {e}", file=sys.stderr)
-        return 2
 
 
 class _RaisingParser(argparse.ArgumentParser):

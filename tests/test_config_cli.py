@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from megatron_paradyse.cli import main as paradyse
 from megatron_paradyse.config import ConfigError, ParadyseConfig, load_config
-from megatron_paradyse.config_cli import calibration_argv, check_config_main, format_config
+from megatron_paradyse.config_cli import calibration_argv, format_config
 
 README = Path(__file__).resolve().parent.parent / "configs" / "README.md"
 
@@ -60,7 +61,9 @@ def test_bad_configs_give_the_documented_messages(tmp_path, monkeypatch, capsys)
     monkeypatch.chdir(tmp_path)
     for name, config, output in examples:
         Path(name).write_text(config)
-        assert check_config_main([name]) == 2
+        with pytest.raises(SystemExit) as exit_status:
+            paradyse(["check-config", name])
+        assert exit_status.value.code == 2
         assert capsys.readouterr() == ("", output)
 
 
@@ -70,9 +73,9 @@ def test_a_valid_config_is_printed_resolved_and_reads_back_the_same(tmp_path, ca
         "planner: {pairs: [tp_sp/tp_sp, lean/lean]}\ncost: {profile: ~/prof.json}\nattention_mask: bidirectional\n"
         'megatron_args: [--num-layers, "2", --sequence-parallel]\n'
     )
-    assert check_config_main([str(path)]) == 0
+    assert paradyse(["check-config", str(path)]) == 0
     assert capsys.readouterr().out == f"{path}: valid\n"
-    assert check_config_main([str(path), "--print-config"]) == 0
+    assert paradyse(["check-config", str(path), "--print-config"]) == 0
     printed = tmp_path / "elsewhere" / "printed.yaml"
     printed.parent.mkdir()
     printed.write_text(capsys.readouterr().out)
