@@ -216,13 +216,18 @@ class SequenceLayout:
 
     def local_runs(self, rank: int) -> tuple[_Run, ...]:
         """Maximal runs of consecutive natural positions among the tokens ``rank`` holds."""
-        pos = self.natural_positions[self.local_slice(rank)].tolist()
-        runs, start = [], 0
-        for i in range(1, len(pos) + 1):
-            if i == len(pos) or pos[i] != pos[i - 1] + 1:
-                runs.append(_Run(start, pos[start], i - start))
-                start = i
-        return tuple(runs)
+        if rank not in self._runs_cache:
+            pos = self.natural_positions[self.local_slice(rank)]
+            # a run ends where the next token is not the next natural position (vectorised: cost
+            # models ask for every rank pair of sequences of hundreds of thousands of tokens)
+            ends = (torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1).tolist() + [len(pos)]
+            starts = [0, *ends[:-1]]
+            self._runs_cache[rank] = tuple(_Run(a, int(pos[a]), b - a) for a, b in zip(starts, ends))
+        return self._runs_cache[rank]
+
+    @functools.cached_property
+    def _runs_cache(self) -> dict[int, tuple[_Run, ...]]:
+        return {}
 
     def _compute_ring_segments(self, q_rank: int, k_rank: int) -> tuple[Segment, ...]:
         if q_rank == k_rank:
