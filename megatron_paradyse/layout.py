@@ -215,19 +215,17 @@ class SequenceLayout:
         return {}
 
     def local_runs(self, rank: int) -> tuple[_Run, ...]:
-        """Maximal runs of consecutive natural positions among the tokens ``rank`` holds."""
-        if rank not in self._runs_cache:
-            pos = self.natural_positions[self.local_slice(rank)]
-            # a run ends where the next token is not the next natural position (vectorised: cost
-            # models ask for every rank pair of sequences of hundreds of thousands of tokens)
-            ends = (torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1).tolist() + [len(pos)]
-            starts = [0, *ends[:-1]]
-            self._runs_cache[rank] = tuple(_Run(a, int(pos[a]), b - a) for a, b in zip(starts, ends))
-        return self._runs_cache[rank]
-
-    @functools.cached_property
-    def _runs_cache(self) -> dict[int, tuple[_Run, ...]]:
-        return {}
+        """Maximal runs of consecutive natural positions among the tokens ``rank`` holds: its two chunks
+        (zigzag ``r, 2p-1-r`` or contiguous ``2r, 2r+1``), one run where they are adjacent. Computed from
+        the chunk numbers, not from :attr:`natural_positions`: cost models ask for every rank pair of
+        sequences of millions of tokens."""
+        if not 0 <= rank < self.p:
+            raise ValueError(f"rank must be in [0, {self.p}), got {rank}")
+        chunk = self.padded_len // (2 * self.p)
+        first, second = (rank, 2 * self.p - 1 - rank) if self.causal else (2 * rank, 2 * rank + 1)
+        if second == first + 1:
+            return (_Run(0, first * chunk, 2 * chunk),)
+        return (_Run(0, first * chunk, chunk), _Run(chunk, second * chunk, chunk))
 
     def _compute_ring_segments(self, q_rank: int, k_rank: int) -> tuple[Segment, ...]:
         if q_rank == k_rank:

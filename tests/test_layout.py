@@ -28,6 +28,18 @@ def test_bidirectional_order_is_contiguous():
     assert layout.natural_positions.tolist() == list(range(12))
 
 
+@pytest.mark.parametrize(("n", "p"), [(1, 1), (7, 2), (100, 3), (4097, 8)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_local_runs_are_the_maximal_runs_of_each_ranks_natural_positions(n, p, causal):
+    layout = SequenceLayout.build(n, p, causal=causal)
+    for rank in range(p):
+        positions = layout.natural_positions[layout.local_slice(rank)].tolist()
+        runs = layout.local_runs(rank)
+        assert [x for r in runs for x in range(r.natural, r.natural + r.length)] == positions
+        assert [r.local for r in runs] == [sum(r.length for r in runs[:i]) for i in range(len(runs))]
+        assert all(a.natural + a.length != b.natural for a, b in zip(runs, runs[1:]))  # maximal
+
+
 @pytest.mark.parametrize(("docs", "p", "causal"), [((13,), 2, True), ((5, 7, 3), 3, True), ((9, 2), 4, False)])
 def test_to_canonical_and_back_round_trip_ids_labels_masks_positions(docs, p, causal):
     layout = SequenceLayout.build(docs, p, causal=causal)
