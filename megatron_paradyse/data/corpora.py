@@ -23,7 +23,7 @@ import logging
 import os
 import platform
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -33,13 +33,26 @@ from megatron_paradyse.data.prepare import folder_texts, read_manifest, write_da
 from megatron_paradyse.data.stats import BIN_EDGES
 from megatron_paradyse.data.tokenizers import ByteTokenizer, KmerTokenizer
 
-__all__ = ["GRCH38_MAX_LEN", "GRCH38_SHARES", "build_code_corpus", "build_dna_corpus", "dna_lengths"]
+__all__ = [
+    "GITHUBCODE_MAX_LEN",
+    "GITHUBCODE_SHARES",
+    "GRCH38_MAX_LEN",
+    "GRCH38_SHARES",
+    "binned_lengths",
+    "build_code_corpus",
+    "build_dna_corpus",
+    "dna_lengths",
+]
 
 logger = logging.getLogger(__name__)
 
 GRCH38_SHARES = (3.5, 26.4, 28.7, 21.2, 11.9, 5.5, 1.9)
 """Percent of GRCh38 sequences per bin of :data:`~megatron_paradyse.data.stats.BIN_EDGES` (paper, Table 3)."""
 GRCH38_MAX_LEN = 624 * 1024
+GITHUBCODE_SHARES = (65.7, 14.5, 9.8, 5.1, 2.7, 1.1, 1.1)
+"""Percent of GitHubCode sequences (GPT-2 tokens) per bin of :data:`~megatron_paradyse.data.stats.BIN_EDGES`
+(paper, Table 3)."""
+GITHUBCODE_MAX_LEN = 309 * 1024
 _FIRST_BIN_LOW = 512
 _BASE_PROBS = (0.295, 0.205, 0.205, 0.295)  # A, C, G, T: 41% GC
 
@@ -70,16 +83,25 @@ def build_code_corpus(out_dir: str | os.PathLike, *, stdlib: str | os.PathLike |
 
 def dna_lengths(num_sequences: int, max_len: int, seed: int) -> np.ndarray:
     """Sequence lengths in tokens, binned like GRCh38 (scaled to ``max_len``), in a seeded random order."""
-    if num_sequences < len(GRCH38_SHARES):
-        raise ValueError(f"num_sequences must be >= {len(GRCH38_SHARES)} (one per bin), got {num_sequences}")
-    scale = max_len / GRCH38_MAX_LEN
+    return binned_lengths(GRCH38_SHARES, num_sequences, max_len, seed, reference_max=GRCH38_MAX_LEN)
+
+
+def binned_lengths(
+    shares: Sequence[float], num_sequences: int, max_len: int, seed: int, *, reference_max: int
+) -> np.ndarray:
+    """``num_sequences`` lengths with ``shares`` percent in the bins of ``BIN_EDGES`` (a dataset whose
+    longest sequence is ``reference_max``), every edge scaled by ``max_len / reference_max``; log-uniform
+    inside a bin (the open first bin from 512), one sequence of exactly ``max_len``; seeded random order."""
+    if num_sequences < len(shares):
+        raise ValueError(f"num_sequences must be >= {len(shares)} (one per bin), got {num_sequences}")
+    scale = max_len / reference_max
     # Integer lengths n in the scaled bin [lo, hi) are ceil(lo) <= n < ceil(hi).
     low = np.ceil(np.array([_FIRST_BIN_LOW, *BIN_EDGES[1:]]) * scale)
-    high = np.ceil(np.array([*BIN_EDGES[1:], GRCH38_MAX_LEN]) * scale)
+    high = np.ceil(np.array([*BIN_EDGES[1:], reference_max]) * scale)
     if low[0] < 2:
         raise ValueError(f"max_len={max_len} is too small: the first bin would start below 2 tokens")
     # Largest-remainder rounding of the shares; one more sequence, of exactly max_len, joins the last bin.
-    want = np.array(GRCH38_SHARES) / sum(GRCH38_SHARES) * (num_sequences - 1)
+    want = np.array(shares) / sum(shares) * (num_sequences - 1)
     counts = np.floor(want).astype(np.int64)
     counts[np.argsort(counts - want, kind="stable")[: num_sequences - 1 - counts.sum()]] += 1
     rng = np.random.default_rng(seed)
