@@ -22,11 +22,13 @@ from collections.abc import Sequence
 import yaml
 
 from megatron_paradyse.config import ConfigError, ParadyseConfig, load_config
+from megatron_paradyse.strategies import ModelShape
 
 __all__ = [
     "add_check_config_arguments",
     "calibration_argv",
     "format_config",
+    "model_shape_from_args",
     "parse_megatron_args",
     "run_check_config",
 ]
@@ -69,6 +71,20 @@ def parse_megatron_args(flags: Sequence[str]) -> argparse.Namespace:
         from megatron.training.arguments import add_megatron_arguments
 
     return add_megatron_arguments(_RaisingParser(allow_abbrev=False)).parse_args(list(flags))
+
+
+def model_shape_from_args(args: argparse.Namespace) -> ModelShape:
+    """The transformer layer of parsed Megatron flags, with Megatron's defaults (``kv_channels = h / n``,
+    ``ffn_hidden_size = 4h``, MHA unless ``--group-query-attention``)."""
+    heads = args.num_attention_heads
+    return ModelShape(
+        hidden_size=args.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else heads,
+        kv_channels=args.kv_channels or args.hidden_size // heads,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        gated_mlp=args.swiglu,
+    )
 
 
 def calibration_argv(config: ParadyseConfig, megatron_flags: Sequence[str] = (), *, p: str | None = None) -> list[str]:

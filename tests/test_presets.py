@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 
 from megatron_paradyse.config import load_config
-from megatron_paradyse.config_cli import parse_megatron_args
+from megatron_paradyse.config_cli import model_shape_from_args, parse_megatron_args
 from megatron_paradyse.planner import layer_options
-from megatron_paradyse.strategies import ModelShape
 
 PRESETS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 
@@ -23,15 +22,7 @@ def _load(path: Path):
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
 def test_megatron_accepts_the_flags_and_every_strategy_can_run_the_model(preset):
     config, args = _load(preset)
-    heads = args.num_attention_heads
-    shape = ModelShape(
-        hidden_size=args.hidden_size,
-        num_attention_heads=heads,
-        num_query_groups=args.num_query_groups if args.group_query_attention else heads,
-        kv_channels=args.kv_channels or args.hidden_size // heads,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-        gated_mlp=args.swiglu,
-    )
+    shape = model_shape_from_args(args)
     _, excluded = layer_options(config.planner, shape, args.tensor_model_parallel_size)
     assert excluded == {}
     if args.seq_length is not None:  # the longest micro-batch Megatron is told about (RoPE table)
