@@ -1,0 +1,230 @@
+"""Published figures of GPU nodes, as data, and the cost profile they imply: **simulated, not measured**.
+
+``paradyse calibrate`` measures a profile on the machine it runs on. To project the planner and the
+cost model onto hardware we do not have (the paper's node of 8 x A100-SXM4-80GB, and H100/H200 nodes),
+:func:`hardware_profile` builds a profile of the same schema from the figures below instead. Every number
+carries its source; a number marked *assumption* is ours (an order of magnitude we believe, not a
+citation). Sources:
+
+- [A100] NVIDIA A100 Tensor Core GPU datasheet (A100 SXM4 80GB column): 312 TFLOP/s dense BF16,
+  2,039 GB/s HBM2e, 80 GB, NVLink 600 GB/s.
+- [H100] NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column): 1,979 TFLOP/s BF16 *with sparsity*,
+  i.e. 989 dense; 3.35 TB/s HBM3; 80 GB; NVLink 900 GB/s.
+- [H200] NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column): same tensor cores as H100 (989 TFLOP/s
+  dense BF16); 4.8 TB/s HBM3e; 141 GB; NVLink 900 GB/s.
+- [FA2] T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning",
+  arXiv 2307.08691 (ICLR 2024), section 4.1: on A100-SXM4-80GB the forward pass reaches up to 73% and
+  the backward pass up to 63% of the 312 TFLOP/s peak (head dim 128, long sequences); the same code on
+  H100 SXM5 reaches up to 335 TFLOP/s forward + backward; end-to-end GPT training reaches 225 TFLOP/s
+  per A100 (72% model FLOPs utilisation). FLOPs counted as there: forward ``4 s^2 d`` per head (halved
+  causal), backward 2.5 times the forward.
+- [NCCL-A100] NVIDIA/nccl-tests issue #149 (S. Jeaugey, 2023-07-05): 12 NVLinks x ~20 GB/s effective,
+  "~230 GB/s" bus bandwidth on A100 (all-gather, reduce-scatter, ring all-reduce).
+- [NCCL-H100] NVIDIA/nccl-tests issue #212 (S. Jeaugey, 2024-05-06): "effective NVLink bandwidth of
+  370 GB/s" bus bandwidth for non-all-reduce collectives on H100; issue #326 (2025-06-24): all-gather
+  at "360 GB/s is exactly what we'd expect on H100".
+- [P2P-H100] NVIDIA/nccl-tests issue #268 (2024-11-19): ``sendrecv_perf`` between two NVLink-connected
+  H100s plateaus at ~180 GB/s.
+- [SMI] ``nvidia-smi`` memory.total as commonly reported: 81,920 MiB (A100-SXM4-80GB), 81,559 MiB
+  (H100 80GB HBM3), 143,771 MiB (H200).
+
+Collective figures are NCCL bus bandwidths (nccl-tests ``busbw``): an all-gather of ``N`` output bytes
+on ``p`` ranks takes ``N (p-1)/p / busbw``; a reduce-scatter of ``N`` input bytes and an all-to-all of
+``N`` bytes per rank likewise; a ring hop of ``N`` bytes ``N / bw`` (all ranks send at once, each to
+its own neighbour). Figures are for ``p = 8`` GPUs of one node behind NVSwitch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megatron_paradyse.cost.profile import PROFILE_SCHEMA, PROFILE_VERSION
+from megatron_paradyse.cost.terms import COLLECTIVE_KINDS
+
+__all__ = ["HARDWARE", "Link", "NodeSpec", "hardware_profile"]
+
+_MIB = 2**20
+
+# FlashAttention-2's throughput grows with the block length and saturates after a few thousand tokens
+# ([FA2], Figures 4-6: 512 ... 16K). Fraction of the long-sequence rate at each block length,
+# read approximately off those figures (an *assumption* in its detail); causal blocks ramp up later.
+_FLASH_RAMP = {
+    "causal": ((512, 0.50), (1024, 0.65), (2048, 0.80), (4096, 0.90), (8192, 1.00)),
+    "full": ((512, 0.70), (1024, 0.80), (2048, 0.90), (4096, 0.95), (8192, 1.00)),
+}
+# [FA2] plots head dims 64 and 128; 64 runs below 128. *Assumption*: 85% of the head-dim-128 rate.
+_HEAD_DIM_64_FACTOR = 0.85
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Link:
+    """One collective on the node's NVSwitch fabric at ``p = 8``."""
+
+    bytes_per_s: float
+    """NCCL bus bandwidth (``send_recv``: bytes per second one rank sends to its neighbour)."""
+    latency_s: float
+    """Fixed cost per call (small-message time)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class NodeSpec:
+    """One kind of 8-GPU node: each GPU's published figures and the links between them."""
+
+    name: str
+    device_name: str
+    """What ``torch.cuda.get_device_name()`` reports on such a GPU."""
+    memory_bytes: int
+    peak_bf16_flops: float
+    """Dense BF16 tensor-core peak."""
+    gemm_efficiency: float
+    """Fraction of the peak large BF16 GEMMs reach."""
+    attention_flops: dict[str, float]
+    """FlashAttention-2 ``forward`` and ``backward`` FLOP/s at head dim 128 and long blocks."""
+    hbm_bytes_per_s: float
+    hbm_efficiency: float
+    """Fraction of the HBM peak that memory-bound kernels (copies, norms, adds) reach."""
+    links: dict[str, Link]
+    """Per collective kind of :data:`~megatron_paradyse.cost.terms.COLLECTIVE_KINDS`."""
+    p: int = 8
+    gemm_launch_s: float = 5e-6
+    """*Assumption*: per GEMM call (launch and framework overhead)."""
+    attention_call_s: float = 10e-6
+    """*Assumption*: per attention kernel call."""
+    elementwise_op_s: float = 4e-6
+    """*Assumption*: per memory-bound op."""
+    ring_overlap: float = 0.9
+    """*Assumption*: fraction of a ring hop hidden behind the attention kernel it runs beside (NCCL on its
+    own stream takes a few SMs)."""
+    allocator_slack: float = 0.05
+    """Fraction of the transient working set the CUDA caching allocator adds (rounding,
+    fragmentation): the value ``paradyse calibrate`` writes on CUDA."""
+    sources: tuple[str, ...] = ()
+
+
+def _nvswitch_links(collective_bytes_per_s: float, p2p_bytes_per_s: float, latency_s: float, p2p_latency_s: float):
+    # all-to-all over NVSwitch: *assumption*, the all-gather's bus bandwidth (every pair has full links)
+    collective = Link(bytes_per_s=collective_bytes_per_s, latency_s=latency_s)
+    return {
+        "all_gather": collective,
+        "reduce_scatter": collective,
+        "all_to_all": collective,
+        "send_recv": Link(bytes_per_s=p2p_bytes_per_s, latency_s=p2p_latency_s),
+    }
+
+
+_A100_PEAK = 312e12  # [A100]
+_H100_PEAK = 989e12  # [H100], [H200]: 1,979 with sparsity, halved
+# [FA2]: H100 forward + backward up to 335 TFLOP/s; split with A100's forward/backward ratio (73 : 63),
+# weighting the backward's 2.5x FLOPs: 3.5 / (1/f + 2.5/b) = 335 with f/b = 73/63.
+_FA2_RATIO = 0.73 / 0.63
+_H100_FA2_FORWARD = 335e12 * (1 + 2.5 * _FA2_RATIO) / 3.5
+
+HARDWARE: dict[str, NodeSpec] = {
+    "a100": NodeSpec(
+        name="a100",
+        device_name="NVIDIA A100-SXM4-80GB",
+        memory_bytes=81920 * _MIB,  # [SMI]
+        peak_bf16_flops=_A100_PEAK,
+        # *assumption*: 75%; [FA2]'s 72% MFU end to end, attention and memory-bound work included,
+        # bounds large GEMMs from below
+        gemm_efficiency=0.75,
+        attention_flops={"forward": 0.73 * _A100_PEAK, "backward": 0.63 * _A100_PEAK},  # [FA2]
+        hbm_bytes_per_s=2039e9,  # [A100]
+        hbm_efficiency=0.85,  # *assumption*: a streaming copy's share of the HBM peak
+        # [NCCL-A100] 230 GB/s; ring hop *assumption*: [P2P-H100]'s 180 GB/s scaled by 230/370;
+        # latencies *assumption* (small-message times of nccl-tests on NVSwitch nodes)
+        links=_nvswitch_links(230e9, 180e9 * 230 / 370, 20e-6, 12e-6),
+        sources=("A100 datasheet", "FlashAttention-2 (arXiv 2307.08691) 4.1", "nccl-tests #149"),
+    ),
+    "h100": NodeSpec(
+        name="h100",
+        device_name="NVIDIA H100 80GB HBM3",
+        memory_bytes=81559 * _MIB,  # [SMI]
+        peak_bf16_flops=_H100_PEAK,
+        gemm_efficiency=0.70,  # *assumption*: power-limited H100 SXM GEMMs reach ~650-750 TFLOP/s
+        attention_flops={"forward": _H100_FA2_FORWARD, "backward": _H100_FA2_FORWARD / _FA2_RATIO},  # [FA2]
+        hbm_bytes_per_s=3.35e12,  # [H100]
+        hbm_efficiency=0.85,
+        links=_nvswitch_links(360e9, 180e9, 15e-6, 10e-6),  # [NCCL-H100], [P2P-H100]
+        sources=("H100 datasheet", "FlashAttention-2 (arXiv 2307.08691) 4.1", "nccl-tests #212, #326, #268"),
+    ),
+    "h200": NodeSpec(
+        name="h200",
+        device_name="NVIDIA H200",
+        memory_bytes=143771 * _MIB,  # [SMI]
+        peak_bf16_flops=_H100_PEAK,  # [H200]
+        gemm_efficiency=0.70,  # *assumption*: as H100 (same tensor cores)
+        # *assumption*: FlashAttention-2 is compute-bound at these lengths: H100's rates
+        attention_flops={"forward": _H100_FA2_FORWARD, "backward": _H100_FA2_FORWARD / _FA2_RATIO},
+        hbm_bytes_per_s=4.8e12,  # [H200]
+        hbm_efficiency=0.85,
+        links=_nvswitch_links(360e9, 180e9, 15e-6, 10e-6),  # NVLink 4 as H100 [H200]
+        sources=("H200 datasheet", "FlashAttention-2 (arXiv 2307.08691) 4.1", "nccl-tests #212, #326, #268"),
+    ),
+}
+"""The GPU kinds the simulation covers, by short name."""
+
+
+def hardware_profile(spec: NodeSpec) -> dict[str, Any]:
+    """The cost profile (schema of :mod:`~megatron_paradyse.cost.profile`) that ``spec``'s figures imply.
+
+    bf16, CUDA, ``p = spec.p``, no correction; load it with ``check_machine=False`` (its fingerprint
+    names the GPU, not this machine). GEMM time is ``launch + FLOPs / (efficiency x peak) + bytes /
+    achieved HBM bandwidth`` (an additive roofline: above the true time near the ridge point);
+    backward does twice the FLOPs and bytes. Attention per (visible pair x head dim) is ``4 / rate``
+    forward and ``10 / rate`` backward, ramped over block length as :data:`_FLASH_RAMP`.
+    """
+    missing = [kind for kind in COLLECTIVE_KINDS if kind not in spec.links]
+    if missing:
+        raise ValueError(f"hardware {spec.name!r} has no link figures for {', '.join(missing)}; add them to its links")
+    gemm_s_per_flop = 1.0 / (spec.gemm_efficiency * spec.peak_bf16_flops)
+    s_per_byte = 1.0 / (spec.hbm_efficiency * spec.hbm_bytes_per_s)
+    gemm = {
+        "forward": {"coef": [spec.gemm_launch_s, gemm_s_per_flop, s_per_byte]},
+        # the model prices backward with the forward's FLOPs and bytes: dgrad + wgrad do each twice
+        "backward": {"coef": [2 * spec.gemm_launch_s, 2 * gemm_s_per_flop, 2 * s_per_byte]},
+    }
+    flops_per_unit = {"forward": 4.0, "backward": 10.0}  # per (visible pair x head dim) [FA2]
+    attention: dict[str, Any] = {"kernel": "flash_attn"}
+    for direction, flops in flops_per_unit.items():
+        attention[direction] = {}
+        for mask, ramp in _FLASH_RAMP.items():
+            by_head_dim = {}
+            for hn, factor in ((64, _HEAD_DIM_64_FACTOR), (128, 1.0)):
+                rate = factor * spec.attention_flops[direction]
+                by_head_dim[str(hn)] = {
+                    "lengths": [float(n) for n, _ in ramp],
+                    "per_unit_s": [flops / (rate * fraction) for _, fraction in ramp],
+                }
+            attention[direction][mask] = {"per_call_s": spec.attention_call_s, "by_head_dim": by_head_dim}
+    collectives = {}
+    for kind in COLLECTIVE_KINDS:
+        link = spec.links[kind]
+        spread = 1.0 if kind == "send_recv" else (spec.p - 1) / spec.p  # busbw -> bytes counted by the terms
+        collectives[kind] = {"latency_s": link.latency_s, "per_byte_s": spread / link.bytes_per_s}
+    return {
+        "schema": PROFILE_SCHEMA,
+        "version": PROFILE_VERSION,
+        "grid": "published",
+        "simulated": True,
+        "fingerprint": {
+            "device": "cuda",
+            "device_name": spec.device_name,
+            "cpu_count": None,
+            "torch": "n/a (simulated from published figures)",
+            "megatron_core": "n/a (simulated from published figures)",
+            "python": None,
+            "hostname": "simulated",
+        },
+        "dtype": "bfloat16",
+        "concurrency": spec.p,
+        "gemm": gemm,
+        "attention": attention,
+        "elementwise": {"per_byte_s": s_per_byte, "per_op_s": spec.elementwise_op_s},
+        "collectives": {str(spec.p): collectives},
+        "ring_overlap": spec.ring_overlap,
+        "allocator_slack": spec.allocator_slack,
+        "correction": None,
+        "samples": {"sources": list(spec.sources), "see": "megatron_paradyse/cost/hardware.py"},
+    }
