@@ -28,10 +28,15 @@ citation). Sources:
 - [SMI] ``nvidia-smi`` memory.total as commonly reported: 81,920 MiB (A100-SXM4-80GB), 81,559 MiB
   (H100 80GB HBM3), 143,771 MiB (H200).
 
-Collective figures are NCCL bus bandwidths (nccl-tests ``busbw``): an all-gather of ``N`` output bytes
-on ``p`` ranks takes ``N (p-1)/p / busbw``; a reduce-scatter of ``N`` input bytes and an all-to-all of
-``N`` bytes per rank likewise; a ring hop of ``N`` bytes ``N / bw`` (all ranks send at once, each to
-its own neighbour). Figures are for ``p = 8`` GPUs of one node behind NVSwitch.
+- [BUSBW] NVIDIA/nccl-tests ``doc/PERFORMANCE.md``: bus bandwidth is ``algbw (p-1)/p`` for all-gather,
+  reduce-scatter and all-to-all, ``algbw`` itself for broadcast and reduce.
+
+Collective figures are NCCL bus bandwidths (nccl-tests ``busbw``), which [BUSBW] turns into seconds per
+byte of what the cost terms count: an all-gather of ``N`` output bytes on ``p`` ranks takes
+``N (p-1)/p / busbw``, a reduce-scatter of ``N`` input bytes and an all-to-all of ``N`` bytes per rank
+likewise, a broadcast or reduce of an ``N``-byte message ``N / busbw``; a ring hop of ``N`` bytes
+``N / bw`` (all ranks send at once, each to its own neighbour). Figures are for ``p = 8`` GPUs of one
+node behind NVSwitch.
 """
 
 from __future__ import annotations
@@ -103,14 +108,25 @@ class NodeSpec:
 
 
 def _nvswitch_links(collective_bytes_per_s: float, p2p_bytes_per_s: float, latency_s: float, p2p_latency_s: float):
-    # all-to-all over NVSwitch: *assumption*, the all-gather's bus bandwidth (every pair has full links)
+    # all-to-all, broadcast and reduce over NVSwitch: *assumption*, the all-gather's bus bandwidth
     collective = Link(bytes_per_s=collective_bytes_per_s, latency_s=latency_s)
     return {
         "all_gather": collective,
         "reduce_scatter": collective,
         "all_to_all": collective,
+        "broadcast": collective,
+        "reduce": collective,
         "send_recv": Link(bytes_per_s=p2p_bytes_per_s, latency_s=p2p_latency_s),
     }
+
+
+def _bus_fraction(kind: str, p: int) -> float:
+    """Bytes each rank's busiest link carries per byte the cost terms count for ``kind`` [BUSBW]."""
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (p - 1) / p
+    if kind in ("broadcast", "reduce", "send_recv"):
+        return 1.0
+    raise ValueError(f"no bus-bandwidth rule for collective {kind!r}; add it to cost/hardware.py")
 
 
 _A100_PEAK = 312e12  # [A100]
@@ -201,8 +217,7 @@ def hardware_profile(spec: NodeSpec) -> dict[str, Any]:
     collectives = {}
     for kind in COLLECTIVE_KINDS:
         link = spec.links[kind]
-        spread = 1.0 if kind == "send_recv" else (spec.p - 1) / spec.p  # busbw -> bytes counted by the terms
-        collectives[kind] = {"latency_s": link.latency_s, "per_byte_s": spread / link.bytes_per_s}
+        collectives[kind] = {"latency_s": link.latency_s, "per_byte_s": _bus_fraction(kind, spec.p) / link.bytes_per_s}
     return {
         "schema": PROFILE_SCHEMA,
         "version": PROFILE_VERSION,
