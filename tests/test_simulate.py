@@ -4,6 +4,7 @@ planner finds no plan, and the benchmark's output."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 
 import numpy as np
@@ -100,17 +101,14 @@ def test_stage_static_bytes_counts_18_bytes_per_parameter():
 
 
 def test_benchmark_prints_tables_checks_and_the_summary_line(tmp_path, capsys):
-    assert (
-        simulate.main(
-            ["--gpus", "a100", "--models", "bert", "--datasets", "grch38", "--sequences", "40"]
-            + ["--out-dir", str(tmp_path)]
-        )
-        == 0
-    )
+    plots = importlib.util.find_spec("matplotlib") is not None  # an optional dependency
+    argv = ["--gpus", "a100", "--models", "bert", "--datasets", "grch38", "--sequences", "40"]
+    assert simulate.main([*argv, "--out-dir", str(tmp_path)] if plots else [*argv, "--no-plots"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("SIMULATED, NOT MEASURED")
     assert "MegatronTS" in out and "METP" in out and "ParaDySe" in out
     assert re.search(r"^(PASS|FAIL): METP reaches furthest of the static strategies", out, re.M)
     last = out.strip().splitlines()[-1]
     assert re.fullmatch(r"adaptive_max_len_bert_grch38_a100=\d+ paper=329728 ordering_ok=[01]", last), last
-    assert (tmp_path / "figure2_a100.png").stat().st_size > 10_000
+    if plots:
+        assert (tmp_path / "figure2_a100.png").stat().st_size > 10_000

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import sys
@@ -591,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     gpus = _choices("--gpus", args.gpus, HARDWARE)
     models = _choices("--models", args.models, MODELS)
     datasets = _choices("--datasets", args.datasets, DATASETS)
+    if not args.no_plots and importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit("the plots need matplotlib (pip install matplotlib==3.11.2); or pass --no-plots")
 
     print("SIMULATED, NOT MEASURED: the planner and the analytic cost model on cost profiles built from published")
     print("GPU datasheets, FlashAttention-2 and nccl-tests figures (megatron_paradyse/cost/hardware.py).")
