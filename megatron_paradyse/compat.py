@@ -13,6 +13,8 @@ nothing else in the project patches Megatron:
 
 Megatron's optimizer and pipeline schedules also allocate on ``device="cuda"`` and synchronise the
 device; :func:`cuda_to_cpu` runs such calls on the CPU, inside its ``with`` block only.
+:func:`megatron_training_on_cpu` adds what Megatron's own training entry (argument validation,
+``pretrain()``) needs on top, for the CPU demo and tests.
 
 Call :func:`install` before the first ``import megatron.core``; it is idempotent. Every patch is
 skipped when ``torch.cuda.is_available()``, so the same code runs unpatched on GPUs.
@@ -31,7 +33,7 @@ from collections.abc import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["cuda_to_cpu", "install"]
+__all__ = ["cuda_to_cpu", "install", "megatron_training_on_cpu"]
 
 
 def install() -> None:
@@ -130,21 +132,31 @@ def _patch_causal_masks() -> None:
 
 @contextlib.contextmanager
 def cuda_to_cpu() -> Iterator[None]:
-    """Inside the block, tensors requested on a CUDA device are made on the CPU, and
-    ``torch.cuda.synchronize`` / ``current_stream`` have nothing to wait for; with CUDA available,
-    the block runs unchanged.
+    """Inside the block, CPU tensors stand in for CUDA ones; with CUDA available, the block runs unchanged.
 
-    For Megatron's DDP gradient sync (stream waits), optimizer (``device="cuda"`` flags and scales)
-    and pipeline schedules (token counters, shape exchange) in CPU tests.
+    - tensors requested on a CUDA device (``device="cuda"``, ``.cuda()``, ``.to("cuda")``) are made
+      or stay on the CPU;
+    - ``Tensor.type()`` names a CPU tensor by its CUDA type (``torch.cuda.FloatTensor``): Megatron's
+      grad clipping and its mixed-precision and distributed optimizers check parameters that way;
+    - streams, ``synchronize`` and the CUDA generator state have nothing to wait for or keep.
+
+    For Megatron's DDP gradient sync (stream waits), optimizer (``device="cuda"`` flags and scales),
+    pipeline schedules (token counters, shape exchange) and training loop.
     """
     if torch.cuda.is_available():
         yield
         return
-    saved = {name: getattr(torch.cuda, name) for name in ("synchronize", "current_stream")}
+    names = ("synchronize", "current_stream", "Stream", "stream", "get_rng_state", "set_rng_state")
+    saved = {name: getattr(torch.cuda, name) for name in names}
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.current_stream = lambda device=None: _NullStream()
+    torch.cuda.Stream = _NullStream
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    # There is no CUDA generator to save or restore (Megatron's rerun state machine asks).
+    torch.cuda.get_rng_state = lambda device="cuda": torch.empty(0, dtype=torch.uint8)
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": None
     try:
-        with _CudaFactoriesOnCpu():
+        with _CudaOnCpu():
             yield
     finally:
         for name, fn in saved.items():
@@ -154,6 +166,9 @@ def cuda_to_cpu() -> Iterator[None]:
 class _NullStream:
     """The CPU runs everything in order: nothing to wait for."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
     def wait_event(self, event) -> None:
         pass
 
@@ -161,10 +176,61 @@ class _NullStream:
         pass
 
 
-class _CudaFactoriesOnCpu(TorchFunctionMode):
+class _CudaOnCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
+        if device is not None and _is_cuda(device):
             kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
+
+
+def _is_cuda(device) -> bool:
+    """A CUDA device, spelt as Megatron spells them (``"cuda"``, ``torch.device("cuda", i)``, or an index)."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda"
+
+
+@contextlib.contextmanager
+def megatron_training_on_cpu() -> Iterator[None]:
+    """Megatron's training entry (``parse_and_validate_args``, ``pretrain()``) on CPU ranks, inside the
+    block; with CUDA available, the block runs unchanged.
+
+    On top of :func:`install` (call it first) and :func:`cuda_to_cpu` (entered here):
+
+    - argument validation asks the GPU's architecture to check ``CUDA_DEVICE_MAX_CONNECTIONS``: a
+      CPU has no CUDA connections to limit, so it answers as a GPU without that limit (10);
+    - ``initialize_megatron`` asserts CUDA, and creates the model-parallel groups and RNG states only
+      if ``torch.cuda.device_count() > 0``: it runs with ``allow_no_cuda=True`` and sees one device,
+      whose selection does nothing (the groups are gloo groups).
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    from megatron.training import arguments, training
+    from megatron.training.initialize import initialize_megatron
+
+    def initialize_megatron_on_cpu(*args, **kwargs):
+        saved = torch.cuda.device_count, torch.cuda.set_device
+        torch.cuda.device_count = lambda: 1
+        torch.cuda.set_device = lambda device: None
+        try:
+            return initialize_megatron(*args, **{**kwargs, "allow_no_cuda": True})
+        finally:
+            torch.cuda.device_count, torch.cuda.set_device = saved
+
+    saved = arguments.get_device_arch_version, training.initialize_megatron
+    arguments.get_device_arch_version = lambda: 10
+    training.initialize_megatron = initialize_megatron_on_cpu
+    try:
+        with cuda_to_cpu():
+            yield
+    finally:
+        arguments.get_device_arch_version, training.initialize_megatron = saved

@@ -73,6 +73,11 @@ class DataSection:
     """Where the built-in corpora are built (relative to the config file)."""
     max_len: int = 4096
     """Longest sample in tokens; longer documents are split (or truncated, see ``overflow``)."""
+    num_documents: int | None = None
+    """Train on this many documents only, of ``min_len`` to ``max_len`` tokens, spread evenly in log length
+    over that range (quick runs, the demo). None: every document."""
+    min_len: int = 2
+    """Shortest document ``num_documents`` may pick."""
     overflow: Literal["split", "truncate"] = "split"
     token_budget: int | None = None
     """None: one document per micro-batch. Otherwise documents are packed up to this many tokens."""
@@ -87,6 +92,10 @@ class DataSection:
         for name in ("max_len", "bucket_size", "dna_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_documents is not None and self.num_documents < 1:
+            raise ValueError(f"data.num_documents must be >= 1, got {self.num_documents}")
+        if not 2 <= self.min_len <= self.max_len:
+            raise ValueError(f"data.min_len must be in [2, data.max_len={self.max_len}], got {self.min_len}")
         if self.token_budget is not None and self.token_budget < self.max_len:
             raise ValueError(f"data.token_budget={self.token_budget} must be at least data.max_len={self.max_len}")
 
@@ -97,6 +106,9 @@ class LogSection:
     """Print the per-iteration table every this many iterations."""
     plot: str | None = None
     """Write a PNG of lengths and chosen plans over the run here (relative to the config file)."""
+    jsonl: str | None = None
+    """Append one JSON record per iteration here (relative to the config file): the table's content,
+    for tools (``paradyse demo`` reads it)."""
 
     def __post_init__(self) -> None:
         if self.every < 1:
@@ -157,7 +169,7 @@ def _resolve_paths(config: ParadyseConfig, base: Path) -> ParadyseConfig:
         config,
         cost=dataclasses.replace(config.cost, profile=resolve(config.cost.profile)),
         data=dataclasses.replace(data, cache_dir=resolve(data.cache_dir)),
-        log=dataclasses.replace(config.log, plot=resolve(config.log.plot)),
+        log=dataclasses.replace(config.log, plot=resolve(config.log.plot), jsonl=resolve(config.log.jsonl)),
     )
 
 

@@ -78,6 +78,12 @@ class PeakMemory:
             return torch.cuda.memory_allocated(self.device) - self._start
         return self._tracker.live
 
+    def peak_until_now(self) -> int:
+        """The peak so far above the start of the window (inside the ``with`` block; no device sync)."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self._start
+        return self._tracker.peak
+
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -52,7 +52,7 @@ from megatron_paradyse.strategies import (
     unsupported_reason,
 )
 
-__all__ = ["ParadyseMLP", "ParadyseSelfAttention", "ParadyseTransformerLayer", "model_shape"]
+__all__ = ["ParadyseMLP", "ParadyseSelfAttention", "ParadyseTransformerLayer", "config_problems", "model_shape"]
 
 
 def model_shape(config: TransformerConfig) -> ModelShape:
@@ -67,7 +67,7 @@ def model_shape(config: TransformerConfig) -> ModelShape:
     )
 
 
-def _config_problems(config: TransformerConfig) -> list[str]:
+def config_problems(config: TransformerConfig) -> list[str]:
     """What in ``config`` the Paradyse layers cannot run (empty: nothing)."""
     problems = []
     tp = config.tensor_model_parallel_size
@@ -152,7 +152,7 @@ class ParadyseTransformerLayer(TransformerLayer):
         is_mtp_layer: bool = False,
         **kwargs,
     ):
-        problems = _config_problems(config)
+        problems = config_problems(config)
         if problems:
             raise ValueError("the Paradyse layers cannot run this TransformerConfig:\n  - " + "\n  - ".join(problems))
         if is_mtp_layer:

@@ -1,0 +1,138 @@
+"""The training iterator: this data-parallel rank's micro-batches, each with the plan its stage runs.
+
+Megatron's schedules call ``next(data_iterator)`` once per micro-batch on every rank (every pipeline
+stage, every tensor-parallel rank). Each rank builds the same micro-batch itself
+(:class:`~megatron_paradyse.data.DynamicSequenceLoader`) and plans it itself
+(:class:`~megatron_paradyse.planner.Planner`): no broadcast, no collective, the same answer on every
+rank of the group (DESIGN.md invariant 5).
+
+A micro-batch no plan fits must be dropped by every pipeline stage or by none, or the stages would
+run different micro-batches and wait on each other forever. So every rank checks a micro-batch
+against the planners of *all* stages of its pipeline (their layers, static memory and output layer
+differ), not only its own:
+
+- ``on_infeasible = "skip"``: the micro-batch is logged and the next one is taken, on every stage;
+- ``on_infeasible = "stop"``: at the first micro-batch of each step, every micro-batch of the global
+  batch (all data-parallel ranks') is checked, so every rank of the job raises the planner's
+  :class:`~megatron_paradyse.planner.InfeasibleSequenceError` at the same point, before any forward
+  of that step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from megatron_paradyse.data import DynamicSequenceLoader
+from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.planner import Decision, InfeasibleReport, InfeasibleSequenceError, Planner
+
+__all__ = ["PlannedMicroBatch", "PlannedMicroBatches", "SkippedMicroBatch"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedMicroBatch:
+    """A micro-batch (the :mod:`~megatron_paradyse.data.batching` dict) and this stage's decision for it."""
+
+    batch: dict
+    decision: Decision
+
+    @property
+    def layout(self) -> SequenceLayout:
+        return self.batch["layout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedMicroBatch:
+    """A micro-batch left out under ``on_infeasible = "skip"``."""
+
+    layout: SequenceLayout
+    stage: int
+    """The first pipeline stage no plan fits it on."""
+    report: InfeasibleReport
+
+
+class PlannedMicroBatches:
+    """Megatron's train data iterator (``--dataloader-type external``) for one rank.
+
+    Args:
+        loader: this data-parallel rank's micro-batches.
+        planners: one planner per pipeline stage, in stage order (all with the same config).
+        stage: this rank's pipeline stage; its planner's decisions are the plans returned.
+    """
+
+    def __init__(self, loader: DynamicSequenceLoader, planners: Sequence[Planner], stage: int) -> None:
+        if not 0 <= stage < len(planners):
+            raise ValueError(f"stage must be in [0, {len(planners)}), got {stage}")
+        policies = {planner.config.on_infeasible for planner in planners}
+        if len(policies) != 1:
+            raise ValueError(f"every stage's planner needs the same on_infeasible policy, got {sorted(policies)}")
+        self.loader = loader
+        self.planners = tuple(planners)
+        self.stage = stage
+        self.policy = policies.pop()
+        # Feasibility is asked of separate planners, so the checks never move the hysteresis of the
+        # planner that makes this stage's plans.
+        self._checkers = tuple(_checker(planner) for planner in planners)
+        self.skipped: list[SkippedMicroBatch] = []
+        """Micro-batches skipped since the caller last cleared this list."""
+
+    def __iter__(self) -> PlannedMicroBatches:
+        return self
+
+    def __next__(self) -> PlannedMicroBatch:
+        sampler = self.loader.sampler
+        if self.policy == "stop" and sampler.consumed == 0:
+            self._check_global_batch()
+        while True:
+            batch = next(self.loader)
+            problem = self._first_infeasible(batch["layout"])
+            if problem is None:
+                return PlannedMicroBatch(batch, self.planners[self.stage].decide(batch["layout"]))
+            stage, error = problem
+            if self.policy == "stop":  # reached only when resuming in the middle of a step
+                raise self._staged(error, stage)
+            self.skipped.append(SkippedMicroBatch(batch["layout"], stage, error.report))
+
+    def _first_infeasible(self, layout: SequenceLayout) -> tuple[int, InfeasibleSequenceError] | None:
+        for stage, checker in enumerate(self._checkers):
+            try:
+                checker.decide(layout)
+            except InfeasibleSequenceError as e:
+                return stage, e
+        return None
+
+    def _check_global_batch(self) -> None:
+        sampler = self.loader.sampler
+        for micro_batch in sampler.plan_step(sampler.position).micro_batches:
+            problem = self._first_infeasible(sampler.layout(micro_batch))
+            if problem is not None:
+                stage, error = problem
+                raise self._staged(error, stage)
+
+    def _staged(self, error: InfeasibleSequenceError, stage: int) -> InfeasibleSequenceError:
+        if len(self.planners) == 1:
+            return error
+        staged = InfeasibleSequenceError(error.report)
+        staged.args = (f"pipeline stage {stage}: {error}",)
+        return staged
+
+    # -- Megatron's checkpoint hook (``--dataloader-save``) -----------------------------------------
+    def save_state(self) -> dict:
+        """Where the next micro-batch comes from (Megatron saves it with each checkpoint)."""
+        return {"loader": self.loader.state_dict()}
+
+    def load_state(self, state: dict) -> None:
+        self.loader.load_state_dict(state["loader"])
+
+
+def _checker(planner: Planner) -> Planner:
+    """A planner like ``planner`` that raises on a micro-batch no plan fits."""
+    config = dataclasses.replace(planner.config, on_infeasible="stop")
+    return Planner(
+        config,
+        planner.cost_model,
+        options=planner.options,
+        num_layers=planner.num_layers,
+        budget_bytes=planner.budget_bytes,
+    )

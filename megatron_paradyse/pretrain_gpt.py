@@ -1,0 +1,359 @@
+"""Train a GPT with Megatron's own ``pretrain()``, the Paradyse layers and a plan for every micro-batch.
+
+    torchrun --nproc-per-node 8 -m megatron_paradyse.pretrain_gpt --paradyse-config cfg.yaml \\
+        --tensor-model-parallel-size 4 --num-layers 24 --hidden-size 2048 ...   # any Megatron flag
+
+(also ``paradyse-pretrain-gpt``, and Megatron-LM's ``pretrain_gpt.py --paradyse-config`` with the patch
+in ``patches/``). Megatron's flags come from three places, later ones winning: the defaults this entry
+point needs (:func:`entry_defaults`), the config's ``megatron_args``, the command line.
+
+Around ``pretrain()``:
+
+- the model is Megatron's GPT with :func:`megatron_paradyse.spec.get_paradyse_layer_spec`;
+- the data is an external iterator (:class:`~megatron_paradyse.planned_loader.PlannedMicroBatches`):
+  every rank builds its micro-batches itself (one document, or a packing, per micro-batch:
+  ``--micro-batch-size 1``), in the canonical order, without an attention mask; lengths vary from one
+  micro-batch to the next (``variable_seq_lengths``), the loss is normalised by the tokens of the
+  global batch (``--calculate-per-token-loss``), and ``--seq-length`` is the longest micro-batch;
+- each pipeline stage has a planner, priced by the cost profile (``cost.profile``, or a quick
+  calibration at start-up shared by rank 0) within the memory budget; all ranks check at start-up
+  that they plan from the same inputs;
+- the data loader's position is saved with every Megatron checkpoint and restored on ``--load``;
+- after each iteration, the last rank (which holds the loss) prints one row per micro-batch: its
+  length, plan, predicted and measured time and peak (``log`` section; JSONL and a plot on request).
+  Megatron's own logging (console, TensorBoard, W&B) is unchanged: its train loop has no callback,
+  so the entry point wraps ``training_log`` (called once per iteration on every rank), calls it
+  unchanged, then logs.
+
+Configuration errors print ``paradyse: error: ...`` and return 2 before any process group exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from megatron_paradyse import compat
+from megatron_paradyse.config import ParadyseConfig, load_config
+
+__all__ = ["Job", "entry_defaults", "main"]
+
+logger = logging.getLogger(__name__)
+
+_GIB = 2**30
+_BUILT_IN = ("code", "dna")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run this rank of a job, as ``torchrun ... -m megatron_paradyse.pretrain_gpt <flags>`` would
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` from the environment)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        config = _paradyse_config(argv)
+    except ValueError as e:
+        return _error(e)
+    compat.install()
+    from megatron_paradyse.agreement import RankDisagreement
+    from megatron_paradyse.cost import ProfileError
+    from megatron_paradyse.planner import InfeasibleSequenceError
+
+    with compat.megatron_training_on_cpu():
+        try:
+            job = Job.from_argv(config, argv)
+        except ValueError as e:
+            return _error(e)
+        try:
+            job.run()
+        except (InfeasibleSequenceError, RankDisagreement, ProfileError) as e:
+            # Raised on every rank at the same point (before any forward of the step, at start-up):
+            # a message, not a traceback.
+            return _error(e)
+    return 0
+
+
+def _error(e: Exception) -> int:
+    print(f"paradyse: error: {e}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _paradyse_config(argv: list[str]) -> ParadyseConfig | None:
+    """The ``--paradyse-config`` of ``argv``, loaded (None with ``--help``: Megatron prints its help)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    _add_paradyse_args(parser)
+    known, _ = parser.parse_known_args(argv)
+    if known.paradyse_config is None:
+        if {"-h", "--help"} & set(argv):
+            return None
+        raise ValueError("--paradyse-config FILE is required (see configs/README.md)")
+    return load_config(known.paradyse_config)
+
+
+def _add_paradyse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("paradyse", "megatron-paradyse (see configs/README.md)")
+    group.add_argument("--paradyse-config", metavar="FILE", help="paradyse YAML config (planner, memory, cost, data)")
+    return parser
+
+
+def entry_defaults(config: ParadyseConfig, *, cuda: bool) -> list[str]:
+    """The Megatron flags this entry point needs, before the config's and the command line's."""
+    longest = config.data.token_budget or config.data.max_len
+    flags = [
+        "--dataloader-type", "external",
+        "--no-create-attention-mask-in-dataloader",
+        "--calculate-per-token-loss",
+        "--micro-batch-size", "1",
+        "--seq-length", str(longest),
+        "--max-position-embeddings", str(longest),
+        "--sequence-parallel",
+        "--transformer-impl", "local",
+        "--eval-iters", "0",
+        "--eval-interval", "1000",
+    ]  # fmt: skip
+    vocab_size = _dataset_tokenizer(config)[0]
+    if vocab_size is not None:
+        # NullTokenizer(n) has n + 1 ids (it adds an end-of-document id): the dataset's ids all fit.
+        flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab_size - 1)]
+    if not cuda:
+        flags += [
+            "--distributed-backend", "gloo",
+            "--use-cpu-initialization",
+            "--no-gradient-accumulation-fusion",
+            "--no-rope-fusion",
+        ]  # fmt: skip
+    return flags
+
+
+def _dataset_tokenizer(config: ParadyseConfig) -> tuple[int | None, int | None]:
+    """(vocabulary size, padding id) of the dataset's tokenizer, when the dataset says which it is."""
+    from megatron_paradyse.data import ByteTokenizer, KmerTokenizer
+    from megatron_paradyse.data.prepare import read_manifest
+
+    if config.data.dataset == "code":
+        tokenizer = ByteTokenizer()
+        return tokenizer.vocab_size, tokenizer.pad_id
+    if config.data.dataset == "dna":
+        tokenizer = KmerTokenizer(3)
+        return tokenizer.vocab_size, tokenizer.pad_id
+    manifest = read_manifest(config.data.dataset)
+    if manifest is None:
+        return None, None
+    return manifest["vocab_size"], manifest["pad_id"]
+
+
+# -- the job ----------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Job:
+    """One rank's run: validated arguments, the model config, and what the hooks share."""
+
+    config: ParadyseConfig
+    args: argparse.Namespace
+    model_config: object
+    """Megatron's ``GPTModelConfig`` (``.transformer`` is the ``TransformerConfig``)."""
+    profile: dict | None
+    """The cost profile read from ``cost.profile``; None: calibrated at start-up."""
+    budget_bytes: float
+    device: torch.device
+    pad_id: int
+    """Token id of padding (never attended to, never in the loss)."""
+
+    @classmethod
+    def from_argv(cls, config: ParadyseConfig | None, argv: list[str]) -> Job:
+        """Parse and check everything that can be checked without a process group."""
+        from megatron.training.argument_utils import gpt_config_from_args
+        from megatron.training.arguments import parse_and_validate_args
+
+        cuda = torch.cuda.is_available()
+        defaults = [] if config is None else [*entry_defaults(config, cuda=cuda), *config.megatron_args]
+        _use_prebuilt_dataset_helpers()
+        with _command_line([*defaults, *argv]):
+            args = parse_and_validate_args(extra_args_provider=_add_paradyse_args)
+        problems = _argument_problems(args, config)
+        if problems:
+            raise ValueError("the Megatron arguments do not fit this entry point:\n  - " + "\n  - ".join(problems))
+        # Lengths change between micro-batches: pipeline stages exchange shapes first. (Megatron's
+        # allgather token dispatcher refuses variable lengths even without experts.)
+        args.variable_seq_lengths = True
+        args.moe_token_dispatcher_type = "alltoall"
+        args.dataloader_save = args.save  # Megatron then saves the loader's position with each checkpoint
+        model_config = gpt_config_from_args(args)
+        from megatron_paradyse.modules import config_problems
+        from megatron_paradyse.spec import get_paradyse_layer_spec
+
+        problems = config_problems(model_config.transformer)
+        if problems:
+            raise ValueError("the Paradyse layers cannot run this model:\n  - " + "\n  - ".join(problems))
+        model_config.transformer_layer_spec = get_paradyse_layer_spec
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        pad_id = _dataset_tokenizer(config)[1]
+        if pad_id is None:
+            pad_id = _megatron_pad_id()
+        job = cls(
+            config, args, model_config, _read_profile(config, args), _budget_bytes(config, device), device, pad_id
+        )
+        job.cost_models()  # the profile fits the model (group size, dtype): fail here, not after start-up
+        return job
+
+    @property
+    def tp(self) -> int:
+        return self.args.tensor_model_parallel_size
+
+    def run(self) -> None:
+        from megatron.core.enums import ModelType
+        from megatron.training import pretrain
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+        from megatron_paradyse.training import TrainingRun
+
+        run = TrainingRun(self)
+        with _after_each_iteration(run.end_iteration):
+            pretrain(
+                pretrain_cfg_container_from_args(self.args, self.model_config),
+                run.dataset_provider(),
+                ModelType.encoder_or_decoder,
+                run.forward_step,
+            )
+        run.finish()
+
+    # -- planning ---------------------------------------------------------------------------------
+    def footprints(self):
+        from megatron_paradyse.static_memory import pipeline_footprints
+
+        args = self.args
+        states = {"adam": 2, "sgd": 1 if args.sgd_momentum else 0}.get(args.optimizer, 2)
+        return pipeline_footprints(
+            self.model_config.transformer,
+            vocab_size=args.padded_vocab_size,
+            tied_embeddings=not args.untie_embeddings_and_output_weights,
+            learned_positions=args.max_position_embeddings if args.position_embedding_type == "learned_absolute" else 0,
+            optimizer_states=states,
+            grads_in_fp32=args.accumulate_allreduce_grads_in_fp32 or not (args.bf16 or args.fp16),
+            optimizer_shards=args.data_parallel_size if args.use_distributed_optimizer else 1,
+        )
+
+    def cost_models(self, profile: dict | None = None):
+        """One cost model per pipeline stage (``profile``: instead of the configured one)."""
+        from megatron_paradyse.cost import AnalyticCostModel
+        from megatron_paradyse.modules import model_shape
+
+        profile = profile or self.profile
+        if profile is None:
+            return None
+        shape = model_shape(self.model_config.transformer)
+        return [
+            AnalyticCostModel(
+                profile,
+                shape,
+                self.tp,
+                dtype=self.model_config.transformer.params_dtype,
+                static_bytes=f.static_bytes,
+                vocab_size=self.args.padded_vocab_size if f.has_output_layer else 0,
+            )
+            for f in self.footprints()
+        ]
+
+
+def _argument_problems(args: argparse.Namespace, config: ParadyseConfig | None) -> list[str]:
+    if config is None:
+        return ["--paradyse-config FILE is required (see configs/README.md)"]
+    problems = []
+    longest = config.data.token_budget or config.data.max_len
+    wanted = {
+        "dataloader_type": ("external", "--dataloader-type: the entry point feeds Megatron its own iterator"),
+        "micro_batch_size": (1, "--micro-batch-size: a micro-batch is one row (one document or a packing)"),
+        "context_parallel_size": (1, "--context-parallel-size: the strategies parallelise the sequence over TP"),
+        "eval_iters": (0, "--eval-iters: validation is not supported by this entry point yet"),
+        "spec": (None, "--spec: the entry point uses megatron_paradyse.spec"),
+    }
+    for name, (value, why) in wanted.items():
+        if getattr(args, name) != value:
+            problems.append(f"{why}; got {getattr(args, name)!r}, leave it out or set {value!r}")
+    if args.seq_length < longest:
+        problems.append(
+            f"--seq-length {args.seq_length} is shorter than the longest micro-batch, {longest} tokens "
+            f"(data.token_budget or data.max_len); leave it out"
+        )
+    if args.tokenizer_type is None:
+        problems.append(
+            f"the dataset {config.data.dataset} has no manifest naming its tokenizer: pass --tokenizer-type "
+            f"and its flags"
+        )
+    if not torch.cuda.is_available() and config.memory.budget_gib is None:
+        problems.append("memory.budget_gib is required on a machine without CUDA (the config's memory section)")
+    return problems
+
+
+def _megatron_pad_id() -> int:
+    from megatron.training import get_tokenizer
+
+    tokenizer = get_tokenizer()
+    pad = getattr(tokenizer, "pad", None)
+    return tokenizer.eod if pad is None or pad < 0 else pad
+
+
+def _read_profile(config: ParadyseConfig, args: argparse.Namespace) -> dict | None:
+    from megatron_paradyse.cost import load_profile
+
+    if config.cost.profile is None:
+        return None
+    return load_profile(config.cost.profile, p=args.tensor_model_parallel_size, check_machine=config.cost.check_machine)
+
+
+def _budget_bytes(config: ParadyseConfig, device: torch.device) -> float:
+    if config.memory.budget_gib is not None:
+        return config.memory.budget_gib * _GIB
+    return torch.cuda.get_device_properties(device).total_memory * (1.0 - config.memory.margin)
+
+
+@contextlib.contextmanager
+def _command_line(argv: list[str]) -> Iterator[None]:
+    """Megatron's parser reads ``sys.argv``."""
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "pretrain_gpt", *argv]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def _use_prebuilt_dataset_helpers() -> None:
+    """``initialize_megatron`` compiles Megatron's dataset helpers with ``make`` in the package folder;
+    the megatron-core wheel ships them compiled and without the Makefile, so rank 0 would exit. Keep
+    the compiled module when it imports (CUDA or not); a source checkout compiles as before."""
+    from megatron.core.datasets import utils
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+    if not (Path(utils.__file__).parent / "Makefile").exists():
+        utils.compile_helpers = lambda: None
+
+
+@contextlib.contextmanager
+def _after_each_iteration(callback: Callable[[int, dict], None]) -> Iterator[None]:
+    """Call ``callback(iteration, loss_dict)`` after Megatron's ``training_log`` of each iteration."""
+    from megatron.training import training
+
+    original = training.training_log
+
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs):
+        result = original(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs)
+        callback(iteration, loss_dict)
+        return result
+
+    training.training_log = training_log
+    try:
+        yield
+    finally:
+        training.training_log = original
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""What a training run logs per iteration: lengths, plans, predicted against measured cost, loss.
+
+:class:`MicroBatchMeter` measures each micro-batch's forward + backward on this rank: the time from
+the start of its ``forward_step`` until the gradient has left the first transformer layer (CUDA
+events on a GPU), and the peak memory in that window (:class:`~megatron_paradyse.memory.PeakMemory`:
+the CUDA allocator's peak, or on the CPU the bytes held by tensors created in the window) plus the
+stage's static bytes, the same quantity the planner predicts.
+
+Records are plain dataclasses: :func:`format_rows` makes the table the entry point prints,
+:func:`append_jsonl` / :func:`read_jsonl` keep them for tools, :func:`write_plot` draws a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from megatron_paradyse.memory import PeakMemory
+
+__all__ = [
+    "IterationLog",
+    "MicroBatchLog",
+    "MicroBatchMeter",
+    "append_jsonl",
+    "format_header",
+    "format_rows",
+    "plan_switches",
+    "read_jsonl",
+    "write_plot",
+]
+
+_MIB = 2**20
+_PLAN_WIDTH = 40
+
+
+@dataclasses.dataclass
+class MicroBatchLog:
+    """One micro-batch on the logging rank."""
+
+    tokens: int
+    """Real tokens (padding excluded)."""
+    documents: int
+    padded: int
+    plan: str
+    """The stage's plan, compact (``"3x tp_sp/tp_sp, 1x ring/zero3+rc"``)."""
+    predicted_time_s: float
+    predicted_peak_bytes: float
+    cached: bool
+    kept_previous: bool
+    measured_time_s: float | None = None
+    measured_peak_bytes: float | None = None
+    loss: float | None = None
+    """Mean loss per token of this micro-batch (the last pipeline stage only)."""
+
+
+@dataclasses.dataclass
+class IterationLog:
+    iteration: int
+    loss: float | None
+    """Megatron's ``lm loss`` of the iteration (averaged over the global batch's tokens)."""
+    micro_batches: list[MicroBatchLog]
+    skipped: list[dict]
+    """Micro-batches no plan fits (``on_infeasible = "skip"``): ``{"tokens", "stage", "reason"}``."""
+    time_s: float
+    """Wall time since the previous iteration ended (Megatron's step, optimizer and logging included)."""
+    rank: int
+    dp_rank: int
+
+
+# -- measurement ----------------------------------------------------------------------------------
+class MicroBatchMeter:
+    """Forward + backward time and peak memory of each micro-batch, one after the other.
+
+    ``begin()`` in ``forward_step`` before the model runs; the model's transformer block reports the
+    end of its backward through the hook :meth:`attach` installs; ``collect()`` at the end of the
+    iteration returns ``(time_s, peak_bytes)`` per micro-batch. Only for schedules that run each
+    micro-batch's forward and backward back to back (no pipeline parallelism).
+    """
+
+    def __init__(self, device: torch.device, static_bytes: float) -> None:
+        self.device = device
+        self.static_bytes = static_bytes
+        self._open: _Window | None = None
+        self._done: list[_Window] = []
+        self._hooked: set[int] = set()
+
+    def attach(self, block: torch.nn.Module) -> None:
+        """Report the end of ``block``'s backward (a Megatron ``TransformerBlock``); once per block."""
+        if id(block) in self._hooked:
+            return
+        self._hooked.add(id(block))
+
+        def wrap_input(module, args, kwargs):
+            window = self._open
+            if window is None or not torch.is_grad_enabled() or "hidden_states" not in kwargs:
+                return None
+            return args, {**kwargs, "hidden_states": _BackwardEnd.apply(kwargs["hidden_states"], window)}
+
+        block.register_forward_pre_hook(wrap_input, with_kwargs=True)
+
+    def begin(self) -> None:
+        self._close()
+        self._open = _Window(self.device)
+
+    def collect(self) -> list[tuple[float | None, float | None]]:
+        self._close()
+        done, self._done = self._done, []
+        return [w.result(self.static_bytes) for w in done]
+
+    def _close(self) -> None:
+        if self._open is not None:
+            self._open.memory.__exit__(None, None, None)
+            self._done.append(self._open)
+            self._open = None
+
+
+class _Window:
+    """One micro-batch's measurement: opened in its forward step, ended by its backward."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.memory = PeakMemory(device).__enter__()
+        self.cuda = device.type == "cuda"
+        self.peak: int | None = None
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.start, self.end = time.perf_counter(), None
+
+    def finish(self) -> None:
+        self.peak = self.memory.peak_until_now()
+        if self.cuda:
+            self.end.record()
+        else:
+            self.end = time.perf_counter()
+
+    def result(self, static_bytes: float) -> tuple[float | None, float | None]:
+        if self.peak is None:  # no backward seen (a forward-only step)
+            return None, None
+        seconds = self.start.elapsed_time(self.end) / 1e3 if self.cuda else self.end - self.start
+        return seconds, static_bytes + self.peak
+
+
+class _BackwardEnd(torch.autograd.Function):
+    """Identity; its backward runs once the gradient has passed every layer above it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, window: _Window) -> torch.Tensor:
+        ctx.window = window
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.window.finish()
+        return grad, None
+
+
+# -- the table ------------------------------------------------------------------------------------
+def format_header() -> str:
+    return (
+        f"{'iter':>5} {'loss':>8} | {'mb':>2} {'tokens':>6}  {'plan':<{_PLAN_WIDTH}} "
+        f"{'pred s':>7} {'meas s':>7} {'pred MiB':>8} {'meas MiB':>8}"
+    )
+
+
+def format_rows(record: IterationLog) -> list[str]:
+    """One line per micro-batch (the iteration and loss on the first), then one per skipped one."""
+    rows = []
+    for i, mb in enumerate(record.micro_batches):
+        head = f"{record.iteration:>5} {_number(record.loss, '.4f'):>8}" if i == 0 else " " * 14
+        plan = mb.plan if len(mb.plan) <= _PLAN_WIDTH else mb.plan[: _PLAN_WIDTH - 3] + "..."
+        rows.append(
+            f"{head} | {i:>2} {mb.tokens:>6}  {plan:<{_PLAN_WIDTH}} {mb.predicted_time_s:>7.3f} "
+            f"{_number(mb.measured_time_s, '7.3f'):>7} {mb.predicted_peak_bytes / _MIB:>8.1f} "
+            f"{_number(None if mb.measured_peak_bytes is None else mb.measured_peak_bytes / _MIB, '8.1f'):>8}"
+        )
+    if not record.micro_batches:
+        rows.append(f"{record.iteration:>5} {_number(record.loss, '.4f'):>8} |")
+    for skip in record.skipped:
+        rows.append(f"{'':14} |  - {skip['tokens']:>6}  skipped: no plan fits stage {skip['stage']}")
+    return rows
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def plan_switches(records: Iterable[IterationLog]) -> tuple[int, dict[str, int]]:
+    """(how often the plan changed from one micro-batch to the next, micro-batches per plan)."""
+    switches, counts, previous = 0, {}, None
+    for record in records:
+        for mb in record.micro_batches:
+            counts[mb.plan] = counts.get(mb.plan, 0) + 1
+            switches += previous is not None and mb.plan != previous
+            previous = mb.plan
+    return switches, counts
+
+
+# -- files ----------------------------------------------------------------------------------------
+def append_jsonl(record: IterationLog, path: str | os.PathLike) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(dataclasses.asdict(record)) + "\n")
+
+
+def read_jsonl(path: str | os.PathLike) -> list[IterationLog]:
+    """The records of a JSONL file; a last line still being written is left out."""
+    records = []
+    with open(path) as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break
+            data = json.loads(line)
+            data["micro_batches"] = [MicroBatchLog(**mb) for mb in data["micro_batches"]]
+            records.append(IterationLog(**data))
+    return records
+
+
+def write_plot(
+    records: Sequence[IterationLog], path: str | os.PathLike, *, budget_bytes: float | None = None, title: str = ""
+) -> None:
+    """A PNG of the run, per iteration: tokens per micro-batch coloured by plan; predicted and measured
+    forward + backward time; predicted and measured peak against the budget; the loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plans = list(dict.fromkeys(mb.plan for r in records for mb in r.micro_batches))
+    colours = plt.get_cmap("tab10")
+    fig, (ax_len, ax_time, ax_mem, ax_loss) = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
+    for k, plan in enumerate(plans):
+        points = [(r.iteration, mb.tokens) for r in records for mb in r.micro_batches if mb.plan == plan]
+        ax_len.scatter(*zip(*points), s=18, color=colours(k % 10), label=plan)
+    skipped = [(r.iteration, s["tokens"]) for r in records for s in r.skipped]
+    if skipped:
+        ax_len.scatter(*zip(*skipped), s=24, marker="x", color="0.4", label="skipped (no plan fits)")
+    ax_len.set_ylabel("tokens per micro-batch")
+    ax_len.set_yscale("log")
+    ax_len.legend(title="plan of the stage's layers", fontsize=8, title_fontsize=8, loc="upper left")
+    runs = [(r.iteration, mb) for r in records for mb in r.micro_batches]
+    _predicted_and_measured(ax_time, runs, "time_s", 1.0)
+    ax_time.set_ylabel("forward + backward (s)")
+    _predicted_and_measured(ax_mem, runs, "peak_bytes", 1 / _MIB)
+    if budget_bytes is not None:
+        ax_mem.axhline(budget_bytes / _MIB, color="0.3", linestyle="--", linewidth=1, label="budget")
+    ax_mem.set_ylabel("peak per rank (MiB)")
+    ax_mem.legend(fontsize=8, loc="upper left")
+    losses = [(r.iteration, r.loss) for r in records if r.loss is not None]
+    if losses:
+        ax_loss.plot(*zip(*losses), marker=".")
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_xlabel("iteration")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _predicted_and_measured(ax, runs: list[tuple[int, MicroBatchLog]], quantity: str, scale: float) -> None:
+    predicted = [(i, getattr(mb, f"predicted_{quantity}") * scale) for i, mb in runs]
+    measured = [(i, getattr(mb, f"measured_{quantity}") * scale) for i, mb in runs if mb.measured_time_s is not None]
+    if predicted:
+        ax.scatter(*zip(*predicted), s=12, label="predicted")
+    if measured:
+        ax.scatter(*zip(*measured), s=12, marker="^", label="measured")
+    ax.legend(fontsize=8, loc="upper left")

@@ -1,0 +1,358 @@
+"""What Megatron's ``pretrain()`` runs of megatron-paradyse on each rank (:mod:`megatron_paradyse.pretrain_gpt`
+sets it up).
+
+- the dataset provider's train iterator: the dataset (a built-in corpus is built into the cache by the
+  first rank of each node), one planner per pipeline stage, the loader's position restored on
+  ``--load``; on the first call, the cost profile (calibrated by rank 0 and shared when the config
+  names none) and the start-up check that every rank plans from the same inputs;
+- the forward step: the micro-batch's tensors to the device, the model under
+  :func:`~megatron_paradyse.micro_batch.micro_batch_scope` with its plan, Megatron 0.19's per-token
+  loss (with Megatron's NaN, Inf and spiky-loss checks);
+- the end of each iteration: measured time and peak per micro-batch
+  (:class:`~megatron_paradyse.run_log.MicroBatchMeter`), the table on the last rank, JSONL, plot.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from megatron_paradyse.config import ParadyseConfig
+
+if TYPE_CHECKING:
+    from megatron_paradyse.pretrain_gpt import Job
+
+__all__ = ["TrainingRun"]
+
+logger = logging.getLogger(__name__)
+
+_GIB = 2**30
+
+
+class TrainingRun:
+    """What Megatron's ``pretrain()`` calls back into on one rank: the data iterator (from the dataset
+    provider), the forward step and its loss, and the end of each iteration (the log)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.iterators: list = []
+        self.meter = None
+        self.records: list = []
+        self.pending: list = []
+        self._checked_parameters = False
+        self._last_end = time.perf_counter()
+        self.is_logging_rank = False
+
+    # provider ----------------------------------------------------------------------------------
+    def dataset_provider(self):
+        """Megatron's dataset provider: ``(train iterator, no validation, no test)`` on every rank."""
+
+        def provider(train_val_test_num_samples, vp_stage=None):
+            return self.data_iterator(vp_stage), None, None
+
+        provider.is_distributed = True  # every rank builds its own micro-batches (no TP broadcast)
+        return provider
+
+    def data_iterator(self, vp_stage: int | None):
+        from megatron.core import parallel_state as mpu
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        from megatron_paradyse.data import DynamicSequenceLoader, LoaderConfig
+        from megatron_paradyse.planned_loader import PlannedMicroBatches
+        from megatron_paradyse.planner import Planner
+        from megatron_paradyse.run_log import MicroBatchMeter
+
+        job, config = self.job, self.job.config
+        if not self.iterators:  # once per rank, whatever the number of virtual-pipeline chunks
+            self._prepare()
+        data = config.data
+        loader = DynamicSequenceLoader(
+            self.dataset,
+            LoaderConfig(
+                p=job.tp,
+                max_len=data.max_len,
+                overflow=data.overflow,
+                token_budget=data.token_budget,
+                sampler=data.sampler,
+                bucket_size=data.bucket_size,
+                seed=data.seed,
+                micro_batches_per_step=get_num_microbatches(),
+                pad_id=job.pad_id,
+            ),
+            dp_rank=mpu.get_data_parallel_rank(),
+            dp_size=mpu.get_data_parallel_world_size(),
+        )
+        planners = [
+            Planner.for_model(
+                config.planner,
+                cost,
+                shape=cost.shape,
+                p=job.tp,
+                num_layers=footprint.layers,
+                budget_bytes=job.budget_bytes,
+            )
+            for cost, footprint in zip(self.cost_models, self.footprints)
+        ]
+        stage = mpu.get_pipeline_model_parallel_rank()
+        iterator = PlannedMicroBatches(loader, planners, stage=stage)
+        if not self.iterators and self.is_logging_rank:
+            print(
+                f"paradyse: TP={job.tp} PP={mpu.get_pipeline_model_parallel_world_size()} "
+                f"DP={mpu.get_data_parallel_world_size()}; per rank: budget {job.budget_bytes / _GIB:.3f} GiB, "
+                f"static {self.footprints[stage].static_bytes / _GIB:.3f} GiB; layer options: "
+                f"{', '.join(str(o) for o in planners[stage].options)}. The table shows the micro-batches of "
+                f"data-parallel rank {mpu.get_data_parallel_rank()}, pipeline stage {stage}",
+                flush=True,
+            )
+        if job.args.iteration > 0:
+            iterator.load_state(self._saved_loader_state())
+        self.iterators.append(iterator)
+        if mpu.get_pipeline_model_parallel_world_size() == 1:
+            self.meter = MicroBatchMeter(job.device, self.footprints[stage].static_bytes)
+        return iterator
+
+    def _prepare(self) -> None:
+        """Once per rank, on every rank: the dataset, the profile, the start-up agreement check."""
+        from megatron.core import parallel_state as mpu
+
+        from megatron_paradyse.agreement import check_ranks_agree
+        from megatron_paradyse.modules import model_shape
+
+        job = self.job
+        self.dataset = _open_dataset(job.config, job.args.local_rank)
+        profile = job.profile if job.profile is not None else _calibrate_once(job)
+        self.cost_models = job.cost_models(profile)
+        self.footprints = job.footprints()
+        inputs = {
+            "config": job.config,
+            "model": model_shape(job.model_config.transformer),
+            "stages": self.footprints,
+            "budget_bytes": job.budget_bytes,
+        }
+        check_ranks_agree(inputs, [job.config.cost.profile] if job.config.cost.profile else [])
+        self.is_logging_rank = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+        self.dp_rank = mpu.get_data_parallel_rank()
+
+    def _saved_loader_state(self) -> dict:
+        from megatron.core import parallel_state as mpu
+        from megatron.training.checkpointing import get_checkpoint_name
+
+        args = self.job.args
+        path = get_checkpoint_name(
+            args.load,
+            args.iteration,
+            pipeline_parallel=mpu.get_pipeline_model_parallel_world_size() > 1,
+            tensor_rank=0,
+            pipeline_rank=0,
+            expert_parallel=False,
+            expert_rank=0,
+            basename=f"train_dataloader_dprank{mpu.get_data_parallel_rank():03d}.pt",
+        )
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"the checkpoint of iteration {args.iteration} in {args.load} has no data-loader position "
+                f"({path}): it was not saved by this entry point. Pass --finetune to start the data from "
+                f"its beginning"
+            )
+        return torch.load(path, weights_only=False)["dataloader_state_dict"]
+
+    # forward step -------------------------------------------------------------------------------
+    def forward_step(self, data_iterator, model):
+        from megatron.core.utils import get_attr_wrapped_model
+
+        from megatron_paradyse.micro_batch import MicroBatch, micro_batch_scope
+        from megatron_paradyse.run_log import MicroBatchLog
+
+        planned = next(data_iterator)
+        if not self._checked_parameters:
+            self._check_parameter_count(model)
+        batch, decision = planned.batch, planned.decision
+        tokens, labels, loss_mask, position_ids = (
+            batch[k].to(self.job.device, non_blocking=True) for k in ("tokens", "labels", "loss_mask", "position_ids")
+        )
+        record = MicroBatchLog(
+            tokens=planned.layout.valid_len,
+            documents=len(planned.layout.doc_lengths),
+            padded=planned.layout.padded_len,
+            plan=decision.plan.compact(),
+            predicted_time_s=decision.plan.predicted_time_s,
+            predicted_peak_bytes=decision.plan.predicted_peak_bytes,
+            cached=decision.cached,
+            kept_previous=decision.kept_previous,
+        )
+        self.pending.append(record)
+        if self.meter is not None and torch.is_grad_enabled():
+            self.meter.attach(get_attr_wrapped_model(model, "decoder"))
+            self.meter.begin()
+        step = MicroBatch(layout=planned.layout, plan=decision.plan, attention_kernel=self.job.config.attention_kernel)
+        with micro_batch_scope(step):
+            output = model(tokens, position_ids, None, labels=labels)
+        return output, functools.partial(self._loss, loss_mask, record)
+
+    def _loss(self, loss_mask: torch.Tensor, record, output: torch.Tensor):
+        """Megatron 0.19's per-token loss convention: (sum, tokens, report)."""
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        args = self.job.args
+        mask = loss_mask.view(-1).float()
+        loss = torch.sum(output.view(-1).float() * mask)
+        num_tokens = mask.sum().clone().detach().to(torch.int)
+        record.loss = (loss.detach(), num_tokens)
+        rerun = get_rerun_state_machine()
+        if args.check_for_nan_in_loss_and_grad:
+            for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+                rerun.validate_result(
+                    result=loss,
+                    rejection_func=reject,
+                    message=f"found {what} in local forward loss calculation",
+                    tolerance=0.0,
+                    fatal=True,
+                )
+        if args.check_for_spiky_loss:
+            rerun.validate_result(
+                result=loss,
+                rejection_func=functools.partial(rerun.is_unexpectedly_large, threshold=10, context="loss"),
+                message="Spiky loss",
+                tolerance=0.0,
+                fatal=False,
+            )
+        return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1)])}
+
+    def _check_parameter_count(self, model) -> None:
+        """The static bytes the planner budgets for come from a count; compare it with the model."""
+        from megatron.core import parallel_state as mpu
+        from megatron.core.utils import get_attr_wrapped_model
+
+        self._checked_parameters = True
+        stage = mpu.get_pipeline_model_parallel_rank()
+        chunks = model if isinstance(model, list) else [model]
+        held = sum(p.numel() for chunk in chunks for p in get_attr_wrapped_model(chunk, "parameters")())
+        counted = self.footprints[stage].parameters
+        if len(self.iterators) == 1 and held != counted:
+            logger.warning(
+                "paradyse: this rank holds %d parameters, the planner's static memory counts %d: its memory "
+                "predictions are off by the difference",
+                held,
+                counted,
+            )
+
+    # iteration end ------------------------------------------------------------------------------
+    def end_iteration(self, iteration: int, loss_dict: dict) -> None:
+        from megatron_paradyse.run_log import IterationLog, append_jsonl, format_header, format_rows
+
+        now = time.perf_counter()
+        records, self.pending = self.pending, []
+        measured = self.meter.collect() if self.meter is not None else []
+        for record, (seconds, peak) in zip(records, measured):
+            record.measured_time_s, record.measured_peak_bytes = seconds, peak
+        for record in records:
+            if record.loss is not None:
+                loss, tokens = record.loss
+                record.loss = loss.item() / max(int(tokens.item()), 1)
+        skipped = self.iterators[0].skipped if self.iterators else []
+        log = IterationLog(
+            iteration=iteration,
+            loss=float(loss_dict["lm loss"]) if "lm loss" in loss_dict else None,
+            micro_batches=records,
+            skipped=[{"tokens": s.layout.valid_len, "stage": s.stage, "reason": str(s.report)} for s in skipped],
+            time_s=now - self._last_end,
+            rank=torch.distributed.get_rank(),
+            dp_rank=self.dp_rank,
+        )
+        for iterator in self.iterators:
+            iterator.skipped.clear()
+        self._last_end = now
+        if not self.is_logging_rank:
+            return
+        self.records.append(log)
+        if self.job.config.log.jsonl:
+            append_jsonl(log, self.job.config.log.jsonl)
+        if iteration % self.job.config.log.every == 0 or iteration == 1:
+            lines = format_rows(log)
+            if len(self.records) == 1:
+                lines.insert(0, format_header())
+            print("\n".join(lines), flush=True)
+
+    def finish(self) -> None:
+        from megatron_paradyse.run_log import plan_switches, write_plot
+
+        if not self.is_logging_rank or not self.records:
+            return
+        switches, plans = plan_switches(self.records)
+        print(
+            f"paradyse: {sum(plans.values())} micro-batches, {len(plans)} plans, {switches} plan switches: "
+            + "; ".join(f"{n}x [{plan}]" for plan, n in plans.items()),
+            flush=True,
+        )
+        if self.job.config.log.plot:
+            write_plot(
+                self.records,
+                self.job.config.log.plot,
+                budget_bytes=self.job.budget_bytes,
+                title="megatron-paradyse: lengths and plans",
+            )
+            print(f"paradyse: wrote {self.job.config.log.plot}", flush=True)
+
+
+def _open_dataset(config: ParadyseConfig, local_rank: int | None):
+    """The dataset, built into the cache by the first rank of each node if it is a built-in corpus."""
+    from megatron_paradyse.data import DocumentDataset
+    from megatron_paradyse.data.corpora import build_code_corpus, build_dna_corpus
+    from megatron_paradyse.data.subset import DocumentSubset, spread_by_length
+
+    data = config.data
+    builders = {
+        "code": lambda: build_code_corpus(data.cache_dir),
+        "dna": lambda: build_dna_corpus(
+            data.cache_dir, num_sequences=data.dna_sequences, max_len=data.max_len, seed=data.seed
+        ),
+    }
+    prefix = data.dataset
+    if prefix in builders:
+        if local_rank in (0, None):
+            prefix = builders[prefix]()
+        torch.distributed.barrier()
+        prefix = builders[data.dataset]()  # built: now only resolves (and checks) the cached prefix
+    dataset = DocumentDataset(prefix)
+    if data.num_documents is not None:
+        docs = spread_by_length(dataset.lengths, data.num_documents, data.min_len, data.max_len)
+        dataset = DocumentSubset(dataset, docs)
+    return dataset
+
+
+def _calibrate_once(job: Job) -> dict:
+    """No ``cost.profile``: rank 0 calibrates a quick profile (or reuses the one it saved before in the
+    data cache) and every rank plans from rank 0's. A failure on rank 0 raises on every rank."""
+    from megatron_paradyse.cost import ProfileError, load_profile
+    from megatron_paradyse.cost.calibrate import calibrate
+    from megatron_paradyse.cost.profile import save_profile
+
+    device = job.device.type
+    dtype = str(job.model_config.transformer.params_dtype).removeprefix("torch.")
+    path = Path(job.config.data.cache_dir) / f"cost-profile-quick-{device}-p{job.tp}-{dtype}.json"
+    message: list = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            try:
+                message[0] = load_profile(path, p=job.tp)
+                print(f"paradyse: no cost.profile: using the quick profile calibrated before, {path}", flush=True)
+            except ProfileError:
+                print(f"paradyse: no cost.profile: calibrating a quick profile for p={job.tp} ...", flush=True)
+                start = time.perf_counter()
+                profile = calibrate([job.tp], device=device, grid="quick", dtype=getattr(torch, dtype))
+                path.parent.mkdir(parents=True, exist_ok=True)
+                save_profile(profile, path)
+                print(f"paradyse: calibrated in {time.perf_counter() - start:.0f} s, saved {path}", flush=True)
+                message[0] = profile
+        except Exception as e:  # noqa: BLE001 - every rank must hear about it, not wait forever
+            message[0] = RuntimeError(f"rank 0 could not calibrate a cost profile: {e!r}")
+    torch.distributed.broadcast_object_list(message, src=0)
+    if isinstance(message[0], Exception):
+        raise message[0]
+    return message[0]
