@@ -39,23 +39,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="paradyse demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="paradyse config (default: %(default)s)")
     parser.add_argument("--output-dir", type=Path, default=Path("paradyse-demo"), help="default: %(default)s")
+    parser.add_argument("--cache-dir", type=Path, help="corpus and cost profile (default: OUTPUT_DIR/cache)")
     parser.add_argument("--iterations", type=int, help="override the config's --train-iters")
     args = parser.parse_args(argv)
     try:
-        config_path = _write_run_config(args.config, args.output_dir)
+        config_path = _write_run_config(args.config, args.output_dir, args.cache_dir or args.output_dir / "cache")
     except ValueError as e:
         parser.exit(2, f"paradyse: error: {e}\n")
     extra = [] if args.iterations is None else ["--train-iters", str(args.iterations)]
     return _run(config_path, args.output_dir, extra)
 
 
-def _write_run_config(source: Path, out: Path) -> Path:
-    """The config with the demo's cache, log and plot in ``out``; validated."""
+def _write_run_config(source: Path, out: Path, cache: Path) -> Path:
+    """The config with the demo's log and plot in ``out``, its corpus and profile in ``cache``; validated."""
     load_config(source)  # errors name the file the user gave
     data = yaml.safe_load(source.read_text()) or {}
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    data.setdefault("data", {})["cache_dir"] = str(out / "cache")
+    data.setdefault("data", {})["cache_dir"] = str(cache.resolve())
     data.setdefault("log", {}).update(jsonl=str(out / "iterations.jsonl"), plot=str(out / "plot.png"))
     for name in ("iterations.jsonl", "plot.png"):
         (out / name).unlink(missing_ok=True)

@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import logging
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -173,7 +174,10 @@ class Job:
         defaults = [] if config is None else [*entry_defaults(config, cuda=cuda), *config.megatron_args]
         _use_prebuilt_dataset_helpers()
         with _command_line([*defaults, *argv]):
-            args = parse_and_validate_args(extra_args_provider=_add_paradyse_args)
+            try:
+                args = parse_and_validate_args(extra_args_provider=_add_paradyse_args)
+            except AssertionError as e:  # Megatron checks its arguments with asserts
+                raise ValueError(f"Megatron's argument check failed: {_assertion(e)}") from e
         problems = _argument_problems(args, config)
         if problems:
             raise ValueError("the Megatron arguments do not fit this entry point:\n  - " + "\n  - ".join(problems))
@@ -295,6 +299,14 @@ def _megatron_pad_id() -> int:
     tokenizer = get_tokenizer()
     pad = getattr(tokenizer, "pad", None)
     return tokenizer.eod if pad is None or pad < 0 else pad
+
+
+def _assertion(e: AssertionError) -> str:
+    """The assertion's message, or the failing line and where it is when it has none."""
+    if str(e):
+        return str(e)
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    return f"{frame.line} ({Path(frame.filename).name}:{frame.lineno})"
 
 
 def _read_profile(config: ParadyseConfig, args: argparse.Namespace) -> dict | None:

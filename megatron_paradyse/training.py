@@ -351,7 +351,10 @@ def _calibrate_once(job: Job) -> dict:
                 print(f"paradyse: calibrated in {time.perf_counter() - start:.0f} s, saved {path}", flush=True)
                 message[0] = profile
         except Exception as e:  # noqa: BLE001 - every rank must hear about it, not wait forever
-            message[0] = RuntimeError(f"rank 0 could not calibrate a cost profile: {e!r}")
+            message[0] = ProfileError(
+                f"rank 0 could not calibrate a cost profile ({e}); make one with `paradyse calibrate --p {job.tp}` "
+                f"and name it in cost.profile"
+            )
     torch.distributed.broadcast_object_list(message, src=0)
     if isinstance(message[0], Exception):
         raise message[0]

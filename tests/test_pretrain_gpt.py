@@ -1,0 +1,174 @@
+"""The training entry point: Megatron's own pretrain() on gloo ranks with the Paradyse layers, planned
+dynamic-sequence micro-batches and the per-iteration log; clear errors before any process group; the
+CPU demo.
+
+Multi-rank runs go through ``torchrun``, as a user launches them; the first run calibrates a quick cost
+profile at start-up into the shared cache, later runs reuse it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from megatron_paradyse import demo, pretrain_gpt
+from megatron_paradyse.data import DocumentDataset
+from megatron_paradyse.data.corpora import build_code_corpus
+from megatron_paradyse.data.subset import spread_by_length
+from megatron_paradyse.run_log import read_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A 2-layer GPT on TP=2, one file per iteration. Budget 32 MiB per rank: the files of up to ~3.6K tokens
+# fit (the leanest plan peaks at ~21 MiB at 3.6K), the one of ~11K does not (~56 MiB).
+SMALL_GPT = [
+    "--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--ffn-hidden-size", "256", "--position-embedding-type", "rope", "--attention-dropout", "0",
+    "--hidden-dropout", "0", "--global-batch-size", "1", "--lr", "1e-3", "--log-interval", "1",
+]  # fmt: skip
+SMALL_DOCS = dict(num_documents=6, min_len=128, max_len=32768)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """Corpus and calibrated profiles, shared by the runs of this module."""
+    path = tmp_path_factory.mktemp("cache")
+    build_code_corpus(path)
+    return path
+
+
+def _write_config(path: Path, cache: Path, **sections) -> Path:
+    data = {"memory": {"budget_gib": 1.0}, "data": {"dataset": "code", "cache_dir": str(cache)}}
+    for name, values in sections.items():
+        data[name] = {**data.get(name, {}), **values} if isinstance(values, dict) else values
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    command += ["-m", "megatron_paradyse.pretrain_gpt", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# -- errors before any process group ------------------------------------------------------------
+def test_a_config_error_is_a_message_and_exit_code_2(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("planner:\n  pairs: [tp_sp/tp_sp, ringg/zero3]\nmemory:\n  budget_gb: 1\n")
+    assert pretrain_gpt.main(["--paradyse-config", str(path), "--num-layers", "2"]) == 2
+    assert capsys.readouterr().err == (
+        f"paradyse: error: {path}:\n"
+        "  planner.pairs: unknown attention strategy 'ringg'; known: tp_sp, ulysses, ring, lean\n"
+        "  memory.budget_gb: unknown key; did you mean 'budget_gib'?\n"
+    )
+
+    assert pretrain_gpt.main(["--num-layers", "2"]) == 2
+    assert capsys.readouterr().err == "paradyse: error: --paradyse-config FILE is required (see configs/README.md)\n"
+
+
+def _single_rank(config: Path, *flags: str) -> subprocess.CompletedProcess:
+    """``python -m megatron_paradyse.pretrain_gpt`` as rank 0 of 1, without torchrun."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    command = [sys.executable, "-m", "megatron_paradyse.pretrain_gpt", "--paradyse-config", str(config), *flags]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_megatron_arguments_that_cannot_work_are_refused_before_any_process_group(tmp_path, cache):
+    config = _write_config(tmp_path / "cfg.yaml", cache, data={"max_len": 512})
+    one_rank = [*SMALL_GPT, "--tensor-model-parallel-size", "1", "--train-iters", "2"]
+    result = _single_rank(
+        config, *one_rank, "--micro-batch-size", "2", "--global-batch-size", "2", "--seq-length", "256"
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.endswith(
+        "paradyse: error: the Megatron arguments do not fit this entry point:\n"
+        "  - --micro-batch-size: a micro-batch is one row (one document or a packing); got 2, leave it out or set 1\n"
+        "  - --seq-length 256 is shorter than the longest micro-batch, 512 tokens (data.token_budget or "
+        "data.max_len); leave it out\n"
+    )
+    assert "initializing torch distributed" not in result.stdout
+
+    result = _single_rank(config, *one_rank, "--save", str(tmp_path / "ckpt"))  # Megatron's own check
+    assert result.returncode == 2
+    assert result.stderr.endswith(
+        "paradyse: error: Megatron's argument check failed: assert args.save_interval is not None (arguments.py:1322)\n"
+    )
+
+
+# -- training on gloo ranks ---------------------------------------------------------------------
+def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_sequence_no_plan_fits(tmp_path, cache):
+    config = _write_config(
+        tmp_path / "cfg.yaml",
+        cache,
+        memory={"budget_gib": 1 / 32},
+        data=SMALL_DOCS,
+        planner={"on_infeasible": "stop"},
+        log={"jsonl": "log.jsonl"},
+    )
+    lengths = DocumentDataset(build_code_corpus(cache)).lengths
+    files = sorted(lengths[spread_by_length(lengths, *SMALL_DOCS.values())])
+    checkpoints = ["--save", str(tmp_path / "ckpt"), "--save-interval", "2", "--train-iters", "6"]
+
+    first = _torchrun(2, "--paradyse-config", str(config), *SMALL_GPT, *checkpoints, "--exit-interval", "2")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "paradyse: no cost.profile: calibrating a quick profile for p=2" in first.stdout
+    records = read_jsonl(tmp_path / "log.jsonl")
+    assert [r.iteration for r in records] == [1, 2]
+    assert [mb.tokens for r in records for mb in r.micro_batches] == list(files[:2])
+    assert all(math.isfinite(r.loss) for r in records) and records[1].loss < records[0].loss
+    assert all(re.fullmatch(r"2x \S+/\S+", mb.plan) for r in records for mb in r.micro_batches)
+    assert all(mb.measured_time_s > 0 and mb.measured_peak_bytes > 0 for r in records for mb in r.micro_batches)
+    assert "the planner's static memory counts" not in first.stdout + first.stderr
+
+    second = _torchrun(2, "--paradyse-config", str(config), *SMALL_GPT, *checkpoints, "--load", checkpoints[1])
+    assert second.returncode != 0
+    assert "using the quick profile calibrated before" in second.stdout
+    records = read_jsonl(tmp_path / "log.jsonl")
+    assert [r.iteration for r in records] == [1, 2, 3, 4]
+    assert [mb.tokens for r in records[2:] for mb in r.micro_batches] == list(files[2:4])
+    message = re.search(
+        rf"paradyse: error: a sequence of {files[4]} tokens \(padded to \d+, planned at \d+\) with micro-batch "
+        r"size 1 fits no plan: the leanest \(2x \S+\) is predicted to peak at [\d.]+ GiB, over the budget of "
+        r"0\.03 GiB; the longest that fits is (\d+) tokens with this micro-batch size\. Shorten or split",
+        second.stderr,
+    )
+    assert message, second.stderr[-3000:]
+    assert files[3] <= int(message.group(1)) < files[4]
+    # Every rank stops at the same point, with the message and exit code 2, not a traceback (the one
+    # traceback is torchrun's own report of failed workers).
+    assert second.stderr.count("paradyse: error: a sequence of") == 2
+    assert len(re.findall(r"exitcode\s*: 2\b", second.stderr)) == 2
+    assert "InfeasibleSequenceError" not in second.stderr
+
+
+def test_demo_trains_switches_plans_and_skips_what_no_plan_fits(tmp_path, cache, capsys):
+    """The demo's config on fewer, longer files: 8 iterations over 256 to 8192 tokens."""
+    data = yaml.safe_load((ROOT / "configs" / "tiny-cpu.yaml").read_text())
+    data["data"].update(num_documents=16, max_len=8192)
+    variant = tmp_path / "tiny.yaml"
+    variant.write_text(yaml.safe_dump(data))
+    out = tmp_path / "demo"
+    args = ["--config", str(variant), "--output-dir", str(out), "--cache-dir", str(cache), "--iterations", "8"]
+    assert demo.main(args) == 0
+    stdout = capsys.readouterr().out
+    records = read_jsonl(out / "iterations.jsonl")
+    assert [r.iteration for r in records] == list(range(1, 9))
+    losses = np.array([r.loss for r in records])
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+    plans = {mb.plan for r in records for mb in r.micro_batches}
+    assert len(plans) >= 2, plans
+    skipped = [s for r in records for s in r.skipped]
+    assert skipped and all(s["tokens"] > 4096 and s["stage"] == 0 for s in skipped)
+    assert all("fits no plan" in s["reason"] for s in skipped)
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"{len(plans)} different" in stdout and "paradyse demo: done in" in stdout
+    assert re.search(r"^\s+1 +[\d.]+ \|  0 +\d+  4x ", stdout, re.MULTILINE)  # the table's first row
