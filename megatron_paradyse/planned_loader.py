@@ -27,7 +27,11 @@ from megatron_paradyse.data import DynamicSequenceLoader
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.planner import Decision, InfeasibleReport, InfeasibleSequenceError, Planner
 
-__all__ = ["PlannedMicroBatch", "PlannedMicroBatches", "SkippedMicroBatch"]
+__all__ = ["PlannedMicroBatch", "PlannedMicroBatches", "ResumeError", "SkippedMicroBatch"]
+
+
+class ResumeError(ValueError):
+    """The data cannot continue from a checkpoint: its position is missing or was saved by another run."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +127,10 @@ class PlannedMicroBatches:
         return {"loader": self.loader.state_dict()}
 
     def load_state(self, state: dict) -> None:
-        self.loader.load_state_dict(state["loader"])
+        try:
+            self.loader.load_state_dict(state["loader"])
+        except ValueError as e:
+            raise ResumeError(str(e)) from e
 
 
 def _checker(planner: Planner) -> Planner:

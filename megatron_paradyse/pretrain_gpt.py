@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     compat.install()
     from megatron_paradyse.agreement import RankDisagreement
     from megatron_paradyse.cost import ProfileError
+    from megatron_paradyse.planned_loader import ResumeError
     from megatron_paradyse.planner import InfeasibleSequenceError
 
     with compat.megatron_training_on_cpu():
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             return _error(e)
         try:
             job.run()
-        except (InfeasibleSequenceError, RankDisagreement, ProfileError) as e:
+        except (InfeasibleSequenceError, RankDisagreement, ProfileError, ResumeError) as e:
             # Raised on every rank at the same point (before any forward of the step, at start-up):
             # a message, not a traceback.
             return _error(e)

@@ -142,6 +142,8 @@ class _Window:
     def result(self, static_bytes: float) -> tuple[float | None, float | None]:
         if self.peak is None:  # no backward seen (a forward-only step)
             return None, None
+        if self.cuda:
+            self.end.synchronize()
         seconds = self.start.elapsed_time(self.end) / 1e3 if self.cuda else self.end - self.start
         return seconds, static_bytes + self.peak
 

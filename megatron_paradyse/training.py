@@ -45,6 +45,11 @@ class TrainingRun:
         self.meter = None
         self.records: list = []
         self.pending: list = []
+        """This iteration's micro-batch records, in forward order."""
+        self._losses: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Loss sum and tokens of this iteration's micro-batches (last stage), by position in ``pending``."""
+        self._forwards: dict[int, int] = {}
+        """Forward steps of this iteration, per virtual-pipeline chunk."""
         self._checked_parameters = False
         self._last_end = time.perf_counter()
         self.is_logging_rank = False
@@ -143,6 +148,8 @@ class TrainingRun:
         from megatron.core import parallel_state as mpu
         from megatron.training.checkpointing import get_checkpoint_name
 
+        from megatron_paradyse.planned_loader import ResumeError
+
         args = self.job.args
         path = get_checkpoint_name(
             args.load,
@@ -155,7 +162,7 @@ class TrainingRun:
             basename=f"train_dataloader_dprank{mpu.get_data_parallel_rank():03d}.pt",
         )
         if not os.path.isfile(path):
-            raise ValueError(
+            raise ResumeError(
                 f"the checkpoint of iteration {args.iteration} in {args.load} has no data-loader position "
                 f"({path}): it was not saved by this entry point. Pass --finetune to start the data from "
                 f"its beginning"
@@ -167,35 +174,50 @@ class TrainingRun:
         from megatron.core.utils import get_attr_wrapped_model
 
         from megatron_paradyse.micro_batch import MicroBatch, micro_batch_scope
-        from megatron_paradyse.run_log import MicroBatchLog
 
         planned = next(data_iterator)
-        if not self._checked_parameters:
-            self._check_parameter_count(model)
-        batch, decision = planned.batch, planned.decision
+        chunk = get_attr_wrapped_model(model, "vp_stage") or 0
+        index = self._forwards.get(chunk, 0)  # chunks run the step's micro-batches in the same order
+        self._forwards[chunk] = index + 1
+        if chunk == 0:
+            self._record(planned, model)
+        batch = planned.batch
         tokens, labels, loss_mask, position_ids = (
             batch[k].to(self.job.device, non_blocking=True) for k in ("tokens", "labels", "loss_mask", "position_ids")
         )
-        record = MicroBatchLog(
-            tokens=planned.layout.valid_len,
-            documents=len(planned.layout.doc_lengths),
-            padded=planned.layout.padded_len,
-            plan=decision.plan.compact(),
-            predicted_time_s=decision.plan.predicted_time_s,
-            predicted_peak_bytes=decision.plan.predicted_peak_bytes,
-            cached=decision.cached,
-            kept_previous=decision.kept_previous,
+        step = MicroBatch(
+            layout=planned.layout, plan=planned.decision.plan, attention_kernel=self.job.config.attention_kernel
         )
-        self.pending.append(record)
+        with micro_batch_scope(step):
+            output = model(tokens, position_ids, None, labels=labels)
+        return output, functools.partial(self._loss, loss_mask, index)
+
+    def _record(self, planned, model) -> None:
+        """Log the micro-batch (once, from the first model chunk) and start measuring it."""
+        from megatron.core.utils import get_attr_wrapped_model
+
+        from megatron_paradyse.run_log import MicroBatchLog
+
+        if not self._checked_parameters:
+            self._check_parameter_count(model)
+        plan = planned.decision.plan
+        self.pending.append(
+            MicroBatchLog(
+                tokens=planned.layout.valid_len,
+                documents=len(planned.layout.doc_lengths),
+                padded=planned.layout.padded_len,
+                plan=plan.compact(),
+                predicted_time_s=plan.predicted_time_s,
+                predicted_peak_bytes=plan.predicted_peak_bytes,
+                cached=planned.decision.cached,
+                kept_previous=planned.decision.kept_previous,
+            )
+        )
         if self.meter is not None and torch.is_grad_enabled():
             self.meter.attach(get_attr_wrapped_model(model, "decoder"))
             self.meter.begin()
-        step = MicroBatch(layout=planned.layout, plan=decision.plan, attention_kernel=self.job.config.attention_kernel)
-        with micro_batch_scope(step):
-            output = model(tokens, position_ids, None, labels=labels)
-        return output, functools.partial(self._loss, loss_mask, record)
 
-    def _loss(self, loss_mask: torch.Tensor, record, output: torch.Tensor):
+    def _loss(self, loss_mask: torch.Tensor, index: int, output: torch.Tensor):
         """Megatron 0.19's per-token loss convention: (sum, tokens, report)."""
         from megatron.core.rerun_state_machine import get_rerun_state_machine
 
@@ -203,7 +225,7 @@ class TrainingRun:
         mask = loss_mask.view(-1).float()
         loss = torch.sum(output.view(-1).float() * mask)
         num_tokens = mask.sum().clone().detach().to(torch.int)
-        record.loss = (loss.detach(), num_tokens)
+        self._losses[index] = (loss.detach(), num_tokens)  # read at the iteration's end: no sync here
         rerun = get_rerun_state_machine()
         if args.check_for_nan_in_loss_and_grad:
             for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
@@ -225,15 +247,13 @@ class TrainingRun:
         return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1)])}
 
     def _check_parameter_count(self, model) -> None:
-        """The static bytes the planner budgets for come from a count; compare it with the model."""
+        """The static bytes the planner budgets for come from a count; compare it with the model (a
+        virtual-pipeline chunk holds only part of the stage: not checked)."""
         from megatron.core import parallel_state as mpu
-        from megatron.core.utils import get_attr_wrapped_model
 
         self._checked_parameters = True
-        stage = mpu.get_pipeline_model_parallel_rank()
-        chunks = model if isinstance(model, list) else [model]
-        held = sum(p.numel() for chunk in chunks for p in get_attr_wrapped_model(chunk, "parameters")())
-        counted = self.footprints[stage].parameters
+        held = sum(p.numel() for p in model.parameters())
+        counted = self.footprints[mpu.get_pipeline_model_parallel_rank()].parameters
         if len(self.iterators) == 1 and held != counted:
             logger.warning(
                 "paradyse: this rank holds %d parameters, the planner's static memory counts %d: its memory "
@@ -251,10 +271,9 @@ class TrainingRun:
         measured = self.meter.collect() if self.meter is not None else []
         for record, (seconds, peak) in zip(records, measured):
             record.measured_time_s, record.measured_peak_bytes = seconds, peak
-        for record in records:
-            if record.loss is not None:
-                loss, tokens = record.loss
-                record.loss = loss.item() / max(int(tokens.item()), 1)
+        for index, (loss, tokens) in self._losses.items():
+            records[index].loss = loss.item() / max(int(tokens.item()), 1)
+        self._losses, self._forwards = {}, {}
         skipped = self.iterators[0].skipped if self.iterators else []
         log = IterationLog(
             iteration=iteration,
@@ -277,6 +296,7 @@ class TrainingRun:
             lines = format_rows(log)
             if len(self.records) == 1:
                 lines.insert(0, format_header())
+            lines += [f"paradyse: skipped on stage {s['stage']}: {s['reason']}" for s in log.skipped]
             print("\n".join(lines), flush=True)
 
     def finish(self) -> None:

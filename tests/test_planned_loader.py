@@ -1,0 +1,94 @@
+"""The training iterator: plans per micro-batch, a micro-batch no plan fits skipped by every pipeline
+stage alike or stopped on by every data-parallel rank at the same step, the position resumed; and the
+document subset that spreads a quick run over the corpus' lengths."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from planner_cost_models import FunctionCostModel
+
+from megatron_paradyse.cost.base import LayerCost
+from megatron_paradyse.data import DocumentDataset, DynamicSequenceLoader, LoaderConfig
+from megatron_paradyse.data.indexed import write_documents
+from megatron_paradyse.data.subset import DocumentSubset, spread_by_length
+from megatron_paradyse.plan import LayerOption
+from megatron_paradyse.planned_loader import PlannedMicroBatches
+from megatron_paradyse.planner import InfeasibleSequenceError, Planner, PlannerConfig
+
+OPTIONS = (LayerOption("tp_sp", "tp_sp"), LayerOption("tp_sp", "tp_sp", recompute=True))
+BUDGET = 4000.0
+
+
+def _planner(static: float, on_infeasible: str) -> Planner:
+    """Two layers; per layer: saved 4s (s/1 recomputed), transient s. The leanest stage peak is
+    static + 3s, so a stage with static 0 fits s <= 1333, one with static 1000 fits s <= 1000."""
+
+    def costs(option: LayerOption, s: int) -> LayerCost:
+        return LayerCost(s * (2.0 if option.recompute else 1.0), s * (1.0 if option.recompute else 4.0), float(s))
+
+    model = FunctionCostModel(costs, lambda saved, transient: static + saved + transient)
+    config = PlannerConfig(on_infeasible=on_infeasible, bucket_tokens=4)
+    return Planner(config, model, options=OPTIONS, num_layers=2, budget_bytes=BUDGET)
+
+
+def _loader(tmp_path, lengths, *, dp_rank=0, dp_size=1) -> DynamicSequenceLoader:
+    prefix = tmp_path / "docs"
+    if not prefix.with_suffix(".idx").exists():
+        write_documents(prefix, [np.arange(n) % 256 for n in lengths], vocab_size=258)
+    config = LoaderConfig(p=2, max_len=max(lengths), sampler="curriculum", pad_id=257)
+    return DynamicSequenceLoader(DocumentDataset(prefix), config, dp_rank=dp_rank, dp_size=dp_size)
+
+
+def test_every_pipeline_stage_skips_what_one_stage_cannot_fit(tmp_path):
+    # 1100 tokens fit the first stage (3 * 1100 <= 4000) but not the second (1000 + 3300 > 4000).
+    lengths = [100, 1100, 200, 300, 400]
+    stages = [
+        PlannedMicroBatches(_loader(tmp_path, lengths), [_planner(0, "skip"), _planner(1000, "skip")], stage=stage)
+        for stage in (0, 1)
+    ]
+    taken = [[next(it) for _ in range(6)] for it in stages]
+    for it, planned in zip(stages, taken):
+        assert [mb.layout.valid_len for mb in planned] == [100, 200, 300, 400, 100, 200]  # 1100 left out
+        assert [(s.layout.valid_len, s.stage) for s in it.skipped] == [(1100, 1)]
+        assert "a sequence of 1100 tokens" in str(it.skipped[0].report)
+    # Each stage plans with its own planner, untouched by the feasibility checks.
+    for stage, planned in enumerate(taken):
+        fresh = _planner(1000 * stage, "skip")
+        assert [mb.decision.plan for mb in planned] == [fresh.decide(mb.layout).plan for mb in planned]
+
+
+def test_every_data_parallel_rank_stops_at_the_step_holding_a_sequence_no_plan_fits(tmp_path):
+    lengths = [100, 200, 300, 1500]  # curriculum: steps (100, 200) and (300, 1500); 1500 fits no plan
+    ranks = [
+        PlannedMicroBatches(_loader(tmp_path, lengths, dp_rank=r, dp_size=2), [_planner(0, "stop")], stage=0)
+        for r in (0, 1)
+    ]
+    assert sorted(next(it).layout.valid_len for it in ranks) == [100, 200]
+    for it in ranks:  # both raise, whichever of them holds the long sequence
+        with pytest.raises(InfeasibleSequenceError, match=r"^a sequence of 1500 tokens .* longest that fits is 1332 "):
+            next(it)
+
+
+def test_the_position_resumes_from_saved_state(tmp_path):
+    lengths = [100, 200, 300, 400, 500]
+    it = PlannedMicroBatches(_loader(tmp_path, lengths), [_planner(0, "skip")], stage=0)
+    next(it), next(it)
+    state = it.save_state()
+    resumed = PlannedMicroBatches(_loader(tmp_path, lengths), [_planner(0, "skip")], stage=0)
+    resumed.load_state(state)
+    assert [next(resumed).layout.valid_len for _ in range(3)] == [next(it).layout.valid_len for _ in range(3)]
+
+
+def test_spread_by_length_climbs_evenly_in_log_length(tmp_path):
+    lengths = np.array([5, 3000, 40, 100, 100, 101, 700, 2000, 60, 260, 9000, 150])
+    picked = spread_by_length(lengths, 5, 50, 3000)
+    assert list(lengths[picked]) == [60, 150, 700, 2000, 3000]  # the first at or above 50, 139, 388, 1080, 3000
+    assert list(spread_by_length(lengths, 3, 100, 101)) == [3, 4, 5]  # ties by index, each taken once
+    with pytest.raises(ValueError, match=r"the dataset has 3 documents of 100 to 101 tokens, fewer than the 4 asked"):
+        spread_by_length(lengths, 4, 100, 101)
+
+    write_documents(tmp_path / "d", [np.full(n, 7) for n in lengths], vocab_size=258)
+    subset = DocumentSubset(DocumentDataset(tmp_path / "d"), picked)
+    assert list(subset.lengths) == [60, 150, 700, 2000, 3000]
+    assert subset.read(1, 10, 5).tolist() == [7] * 5

@@ -1,0 +1,59 @@
+"""The static memory the planner budgets for is counted from the config; the count must be exactly the
+parameters Megatron builds on each rank, for every pipeline stage, GPT- and LLaMA-style."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_paradyse.multiprocess import run_on_ranks
+
+LAYOUTS = ((2, 1), (1, 2))  # (TP, PP) on 2 ranks
+
+
+def _held_and_counted(rank: int, world: int) -> list[tuple[str, int, int]]:
+    import megatron_harness as h
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_paradyse.compat import cuda_to_cpu
+    from megatron_paradyse.spec import get_paradyse_layer_spec
+    from megatron_paradyse.static_memory import pipeline_footprints
+
+    rows = []
+    for tp, pp in LAYOUTS:
+        h.init_parallel(tp, pp)
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        for variant in ("gpt", "llama"):
+            for tied in (True, False):
+                config = h.make_config(variant, tp, pp)
+                with cuda_to_cpu():  # tied embeddings across stages are synchronised "on the GPU"
+                    model = GPTModel(
+                        config,
+                        get_paradyse_layer_spec(config),
+                        vocab_size=h.VOCAB,
+                        max_sequence_length=512,
+                        position_embedding_type="rope" if variant == "llama" else "learned_absolute",
+                        share_embeddings_and_output_weights=tied,
+                        pre_process=parallel_state.is_pipeline_first_stage(),
+                        post_process=parallel_state.is_pipeline_last_stage(),
+                    )
+                footprint = pipeline_footprints(
+                    config,
+                    vocab_size=h.VOCAB,
+                    tied_embeddings=tied,
+                    learned_positions=0 if variant == "llama" else 512,
+                    optimizer_states=2,
+                    grads_in_fp32=True,
+                    optimizer_shards=1,
+                )[stage]
+                held = sum(p.numel() for p in model.parameters())
+                rows.append((f"{variant} tied={tied} TP{tp} PP{pp} stage {stage}", held, footprint.parameters))
+                assert footprint.static_bytes == footprint.parameters * (4 + 4 + 8)  # fp32 Adam
+    return rows
+
+
+@pytest.mark.timeout(300)
+def test_counted_parameters_are_those_megatron_builds():
+    for rows in run_on_ranks(_held_and_counted, 2, timeout_s=240):
+        for what, held, counted in rows:
+            assert held == counted, what
