@@ -81,7 +81,7 @@ def _run(config_path: Path, out: Path, extra: list[str]) -> int:
     total = _train_iters(config_path, extra)
     jsonl, log_path = out.resolve() / "iterations.jsonl", out.resolve() / "train.log"
     print(f"paradyse demo: {RANKS} gloo ranks; every rank's output goes to {log_path}", flush=True)
-    print(f"  {shlex.join(['torchrun', *command[3:]])}", flush=True)
+    print(f"  {shlex.join(['torchrun', *command[3:]])}", flush=True)  # torchrun is `python -m torch.distributed.run`
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
     progress = _Progress(total, start)
@@ -116,7 +116,7 @@ def _run(config_path: Path, out: Path, extra: list[str]) -> int:
               f"the end of {log_path}:", file=sys.stderr)  # fmt: skip
         print("".join(log_path.read_text().splitlines(keepends=True)[-40:]), file=sys.stderr)
         return 1
-    _summary(read_jsonl(jsonl), wall, out.resolve(), config_path)
+    _summary(read_jsonl(jsonl), wall, out.resolve(), shlex.join(["torchrun", *command[3:]]))
     return 0
 
 
@@ -129,7 +129,7 @@ def _status(log_path: Path) -> str:
     return lines[-1].removeprefix("paradyse: ") if lines else "starting Megatron on 4 ranks"
 
 
-def _summary(records, wall: float, out: Path, config_path: Path) -> None:
+def _summary(records, wall: float, out: Path, command: str) -> None:
     switches, plans = plan_switches(records)
     losses = [r.loss for r in records if r.loss is not None]
     skipped = sum(len(r.skipped) for r in records)
@@ -145,8 +145,7 @@ def _summary(records, wall: float, out: Path, config_path: Path) -> None:
         print(f"    {n:>3} micro-batches  {plan}")
     print(f"  plot: {out / 'plot.png'}")
     print(f"  table: {out / 'iterations.jsonl'}   ranks' output: {out / 'train.log'}")
-    print(f"  again, by hand: torchrun --standalone --nproc-per-node {RANKS} -m megatron_paradyse.pretrain_gpt "
-          f"--paradyse-config {config_path}")  # fmt: skip
+    print(f"  the same run by hand: {command}")
 
 
 class _Progress:
