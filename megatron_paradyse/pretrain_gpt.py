@@ -9,7 +9,8 @@ point needs (:func:`entry_defaults`), the config's ``megatron_args``, the comman
 
 Around ``pretrain()``:
 
-- the model is Megatron's GPT with :func:`megatron_paradyse.spec.get_paradyse_layer_spec`;
+- the model is Megatron's GPT with :func:`megatron_paradyse.spec.get_paradyse_layer_spec`, causal or
+  bidirectional as the config's ``attention_mask`` says (the data's canonical order follows it);
 - the data is an external iterator (:class:`~megatron_paradyse.planned_loader.PlannedMicroBatches`):
   every rank builds its micro-batches itself (one document, or a packing, per micro-batch:
   ``--micro-batch-size 1``), in the canonical order, without an attention mask; lengths vary from one
@@ -33,7 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import logging
+import functools
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -46,10 +47,7 @@ from megatron_paradyse.config import ParadyseConfig, load_config
 
 __all__ = ["Job", "entry_defaults", "main"]
 
-logger = logging.getLogger(__name__)
-
 _GIB = 2**30
-_BUILT_IN = ("code", "dna")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,8 +166,12 @@ class Job:
     @classmethod
     def from_argv(cls, config: ParadyseConfig | None, argv: list[str]) -> Job:
         """Parse and check everything that can be checked without a process group."""
+        from megatron.core.transformer.enums import AttnMaskType
         from megatron.training.argument_utils import gpt_config_from_args
         from megatron.training.arguments import parse_and_validate_args
+
+        from megatron_paradyse.modules import config_problems
+        from megatron_paradyse.spec import get_paradyse_layer_spec
 
         cuda = torch.cuda.is_available()
         defaults = [] if config is None else [*entry_defaults(config, cuda=cuda), *config.megatron_args]
@@ -188,19 +190,21 @@ class Job:
         args.moe_token_dispatcher_type = "alltoall"
         args.dataloader_save = args.save  # Megatron then saves the loader's position with each checkpoint
         model_config = gpt_config_from_args(args)
-        from megatron_paradyse.modules import config_problems
-        from megatron_paradyse.spec import get_paradyse_layer_spec
-
         problems = config_problems(model_config.transformer)
         if problems:
             raise ValueError("the Paradyse layers cannot run this model:\n  - " + "\n  - ".join(problems))
-        model_config.transformer_layer_spec = get_paradyse_layer_spec
+        mask = AttnMaskType.causal if config.attention_mask == "causal" else AttnMaskType.no_mask
+        model_config.transformer_layer_spec = functools.partial(get_paradyse_layer_spec, attn_mask_type=mask)
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         pad_id = _dataset_tokenizer(config)[1]
-        if pad_id is None:
-            pad_id = _megatron_pad_id()
         job = cls(
-            config, args, model_config, _read_profile(config, args), _budget_bytes(config, device), device, pad_id
+            config=config,
+            args=args,
+            model_config=model_config,
+            profile=_read_profile(config, args),
+            budget_bytes=_budget_bytes(config, device),
+            device=device,
+            pad_id=_megatron_pad_id() if pad_id is None else pad_id,
         )
         job.cost_models()  # the profile fits the model (group size, dtype): fail here, not after start-up
         return job
@@ -208,6 +212,10 @@ class Job:
     @property
     def tp(self) -> int:
         return self.args.tensor_model_parallel_size
+
+    @property
+    def causal(self) -> bool:
+        return self.config.attention_mask == "causal"
 
     def run(self) -> None:
         from megatron.core.enums import ModelType

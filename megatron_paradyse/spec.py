@@ -17,6 +17,7 @@ Megatron's stock GPT layer specs, so checkpoints move between the two.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -67,12 +68,20 @@ paradyse_layer_spec = ModuleSpec(
 ``config.normalization``."""
 
 
-def get_paradyse_layer_spec(config: TransformerConfig, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+def get_paradyse_layer_spec(
+    config: TransformerConfig, vp_stage: int | None = None, *, attn_mask_type: AttnMaskType = AttnMaskType.causal
+) -> TransformerBlockSubmodules:
     """The Paradyse block spec of this pipeline stage (chunk ``vp_stage`` with virtual pipelining).
 
     ``config`` is the model's ``TransformerConfig``, or a ``megatron.training`` model config that holds
-    one as ``.transformer``.
+    one as ``.transformer``. ``attn_mask_type``: ``causal`` (GPT) or ``no_mask`` (bidirectional, BERT-style);
+    the micro-batches' layouts must be built alike.
     """
     config = getattr(config, "transformer", config)
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[paradyse_layer_spec] * layers, layer_norm=sequence_parallel_norm)
+    layer = paradyse_layer_spec
+    if attn_mask_type != AttnMaskType.causal:
+        attention = layer.submodules.self_attention
+        attention = dataclasses.replace(attention, params={**attention.params, "attn_mask_type": attn_mask_type})
+        layer = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=sequence_parallel_norm)

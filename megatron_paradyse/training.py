@@ -82,6 +82,7 @@ class TrainingRun:
             LoaderConfig(
                 p=job.tp,
                 max_len=data.max_len,
+                causal=job.causal,
                 overflow=data.overflow,
                 token_budget=data.token_budget,
                 sampler=data.sampler,
