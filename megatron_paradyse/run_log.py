@@ -251,7 +251,7 @@ def write_plot(
     if budget_bytes is not None:
         ax_mem.axhline(budget_bytes / _MIB, color="0.3", linestyle="--", linewidth=1, label="budget")
     ax_mem.set_ylabel("peak per rank (MiB)")
-    ax_mem.legend(fontsize=8, loc="upper left")
+    ax_mem.legend(fontsize=8, loc="lower right")
     losses = [(r.iteration, r.loss) for r in records if r.loss is not None]
     if losses:
         ax_loss.plot(*zip(*losses), marker=".")
