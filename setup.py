@@ -21,8 +21,14 @@ setup(
         "pyyaml",
         "psutil",  # megatron-core distributed checkpointing
         "scikit-learn",  # the paper's empirical cost model, for comparison
+        "matplotlib",  # the demo's and the benchmarks' plots
     ],
-    entry_points={"console_scripts": ["paradyse = megatron_paradyse.cli:main"]},
+    entry_points={
+        "console_scripts": [
+            "paradyse = megatron_paradyse.cli:main",
+            "paradyse-pretrain-gpt = megatron_paradyse.pretrain_gpt:main",
+        ]
+    },
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn>=2.6"],
         "test": ["pytest", "pytest-timeout"],

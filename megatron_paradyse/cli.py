@@ -1,7 +1,7 @@
 """``paradyse <command>``: the command-line entry point (``python -m megatron_paradyse.cli``).
 
 Commands: ``calibrate`` (measure this machine and write a cost profile), ``check-config`` (validate a
-paradyse config and print it resolved). Each command is a
+paradyse config and print it resolved), ``demo`` (the CPU demo; ``paradyse demo --help``). Each command is a
 ``_cmd_<name>(args) -> int`` registered in :func:`_parser`; user errors print ``paradyse: error: ...``
 and exit 2, without a traceback.
 """
@@ -74,10 +74,17 @@ def _parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check-config", help="validate a paradyse config and its megatron_args")
     config_cli.add_check_config_arguments(check)
     check.set_defaults(run=config_cli.run_check_config)
+    # Listed for --help; main() hands "demo ..." to the demo, which parses its own options.
+    commands.add_parser("demo", help="the CPU demo: train a small GPT on 4 gloo ranks, switching plans")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:
+        from megatron_paradyse.demo import main as demo_main
+
+        return demo_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     try:
