@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_paradyse.cli import main as cli_main
-from megatron_paradyse.cost.analytic import AnalyticCostModel
+from megatron_paradyse.cost.analytic import AnalyticCostModel, static_bytes
 from megatron_paradyse.cost.empirical import EmpiricalCostModel, HybridRegressor, Sample, aic_polynomial
 from megatron_paradyse.cost.fitting import fit_nonnegative, mape
 from megatron_paradyse.cost.profile import PROFILE_SCHEMA, ProfileError, fingerprint, load_profile, save_profile
@@ -42,7 +42,7 @@ def synthetic_profile(p_values=(2, 4)) -> dict:
     comm = {"latency_s": 5e-4, "per_byte_s": 1e-9}
     return {
         "schema": PROFILE_SCHEMA,
-        "version": 1,
+        "version": 2,
         "grid": "quick",
         "fingerprint": fingerprint("cpu"),
         "dtype": "float32",
@@ -55,7 +55,10 @@ def synthetic_profile(p_values=(2, 4)) -> dict:
         },
         "elementwise": {"per_byte_s": 2e-11, "per_op_s": 1e-6},
         "collectives": {
-            str(p): {k: dict(comm) for k in ("all_gather", "reduce_scatter", "all_to_all", "send_recv")}
+            str(p): {
+                k: dict(comm)
+                for k in ("all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast", "reduce")
+            }
             for p in p_values
         },
         "ring_overlap": 0.5,
@@ -82,7 +85,7 @@ def test_tp_sp_terms_match_hand_counts():
     # kept: gathered input, natural-order q/k/v copies, output, lse, output in canonical order
     assert attn.saved == {
         "x_full": 2048 * 256 * 4,
-        "qkv": 2048 * 192 * 4,
+        "qkv_natural": 2048 * 192 * 4,
         "attn_out": 2048 * 64 * 4,
         "lse": 2048 * 2 * 4,
         "core": 2048 * 64 * 4,
@@ -93,7 +96,7 @@ def test_tp_sp_terms_match_hand_counts():
     assert layer_terms(LayerOption("tp_sp", "tp_sp"), d, layout).saved_bytes == 12083200
 
 
-def test_zero3_strategies_gather_and_keep_full_weights():
+def test_zero3_strategies_gather_weights_for_each_gemm_and_keep_none():
     p, s = 4, 1024
     layout = SequenceLayout.build(s, p, causal=True)
     d = Dims(GQA, p, s, 2, 2)  # b=2, bf16
@@ -106,17 +109,71 @@ def test_zero3_strategies_gather_and_keep_full_weights():
         ("all_to_all", t * 2 * 256 * 2),
         ("all_gather", 256 * 256 * 2),
     ]
-    assert uly.saved["w_qkv"] == qkv * 256 * 2 and uly.saved["w_proj"] == 256 * 256 * 2
+    # backward gathers each weight again before reduce-scattering its gradient
+    assert [(c.kind, c.nbytes) for c in uly.bwd_comm] == [
+        ("all_gather", 256 * 256 * 2),
+        ("reduce_scatter", 256 * 256 * 2),
+        ("all_to_all", t * 2 * 256 * 2),
+        ("all_to_all", t * 2 * qkv * 2),
+        ("all_gather", qkv * 256 * 2),
+        ("reduce_scatter", qkv * 256 * 2),
+    ]
+    assert set(uly.saved) == {"x_local", "qkv_natural", "attn_out", "lse", "core_local"}
     mlp = sublayer_terms("mlp", "zero3", d, layout)
     assert [(g.m, g.n, g.k) for g in mlp.gemms] == [(t * 2, 1024, 256), (t * 2, 256, 512)]  # gated fc1: 2 ffn rows
     assert mlp.saved == {
         "x_local": t * 2 * 256 * 2,
-        "w_fc1": 1024 * 256 * 2,
         "fc1_out": t * 2 * 1024 * 2,
+        "act_gate": t * 2 * 512 * 2,
         "act_out": t * 2 * 512 * 2,
-        "gated_out": t * 2 * 512 * 2,
-        "w_fc2": 256 * 512 * 2,
     }
+
+
+def test_zero3_mlp_peaks_match_hand_counts():
+    """Ungated, p=4, t=512 local tokens of h=256, ffn=1024, fp32: x = 0.5 MiB, fc1's output and the
+    activation's 2 MiB each, linear_fc2's full weight 1 MiB."""
+    layout = SequenceLayout.build(2048, 4, causal=True)
+    mlp = sublayer_terms("mlp", "zero3", Dims(MHA, 4, 2048, 1, 4), layout)
+    x, hidden, w2 = 512 * 256 * 4, 512 * 1024 * 4, 256 * 1024 * 4
+    # forward: input, fc1's output, the activation, and fc2's weight gathered as [p, h, ffn/p] beside
+    # its [h, ffn] layout
+    assert mlp.fwd_peak == x + 2 * hidden + 2 * w2
+    # backward, linear_fc2: the activation's gradient, the full weight gradient and its transposed
+    # copy for the reduce-scatter (the weight itself was freed after dgrad)
+    assert mlp.bwd_peak == hidden + 2 * w2
+
+
+def test_lean_terms_match_hand_counts():
+    p, s = 4, 2048
+    t, units = s // p, 1024 // p
+    d = Dims(MHA, p, s, 1, 4)
+    layout = SequenceLayout.build(s, p, causal=True)
+    x = t * 256 * 4
+    mlp = sublayer_terms("mlp", "lean", d, layout)
+    shard = (units * 256 + 256 * units + units) * 4  # fc1 rows, fc2 columns, fc1 bias
+    assert mlp.saved == {"x_local": x}
+    assert [c.nbytes for c in mlp.fwd_streamed] == [shard] * (p - 1) and not mlp.fwd_comm
+    assert len(mlp.bwd_streamed) + len(mlp.bwd_comm) == 2 * p - 1  # p - 1 shard hops, p gradient hops
+    assert [(g.m, g.n, g.k) for g in mlp.recompute_gemms] == [(t, units, 256)] * p
+    # forward: input, y, two shards, one shard's [t, ffn/p] before and after the activation
+    assert mlp.fwd_peak == 2 * x + 2 * shard + 2 * t * units * 4
+    # backward: dx, two shards, the gradient being filled, the one leaving and the one arriving,
+    # fc1's output, the activation, its gradient and fc1 output's gradient
+    assert mlp.bwd_peak == x + 5 * shard + 4 * t * units * 4
+
+    attn = sublayer_terms("attention", "lean", d, layout)
+    # kept: the input, each head group's output and log-sum-exp
+    assert attn.saved_bytes == x + t * 8 * 32 * 4 + 8 * t * 4
+    shard = (192 * 256 + 256 * 64 + 192) * 4  # qkv rows, proj columns, qkv bias
+    assert [(c.kind, c.nbytes) for c in attn.fwd_comm + attn.fwd_streamed] == [("broadcast", shard)] * p
+    assert sorted(c.kind for c in attn.bwd_comm + attn.bwd_streamed) == ["broadcast"] * p + ["reduce"] * p
+    assert len(attn.rings) == p and all(ring.steps[0][0].heads == 8 // p for ring in attn.rings)
+    assert attn.rings[0].hop.nbytes == 2 * t * (8 // p) * 32 * 4
+    # rank 0 keeps its own shard's gradient from the first group on: one shard more than the last rank
+    # (bidirectional: every rank's ring steps are alike)
+    bidir = SequenceLayout.build(s, p, causal=False)
+    peaks = [sublayer_terms("attention", "lean", d, bidir, rank).bwd_peak for rank in range(p)]
+    assert peaks[0] - peaks[p - 1] == shard and len(set(peaks[1:])) == 1
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])
@@ -128,7 +185,7 @@ def test_ring_steps_cover_every_visible_pair_once(p, docs):
     d = Dims(MHA, p, layout.padded_len, 1, 4)
     per_rank = []
     for rank in range(p):
-        ring = sublayer_terms("attention", "ring", d, layout, rank).ring
+        (ring,) = sublayer_terms("attention", "ring", d, layout, rank).rings
         assert len(ring.steps) == p and ring.hop.nbytes == 2 * layout.local_len * 8 * 32 * 4
         per_rank.append(sum(c.pairs for step in ring.steps for c in step))
     assert sum(per_rank) == sum((e - s) * (e - s + 1) // 2 for s, e in layout.doc_bounds)
@@ -144,13 +201,16 @@ def test_packed_documents_attend_within_documents():
     assert sum(c.pairs for c in calls) == 100**2 + 28**2
 
 
-def test_recompute_keeps_the_output_only_and_peaks_the_same():
+def test_recompute_keeps_the_output_only():
     layout = SequenceLayout.build(4096, 4, causal=True)
     d = Dims(MHA, 4, 4096, 1, 4)
-    plain = layer_terms(LayerOption("ring", "zero3"), d, layout)
-    rc = layer_terms(LayerOption("ring", "zero3", True), d, layout)
-    assert rc.saved_bytes == 1024 * 256 * 4
-    assert rc.peak_bytes == plain.peak_bytes and rc.transient_bytes > plain.transient_bytes
+    for option in ("ring/zero3", "tp_sp/lean"):
+        plain = layer_terms(LayerOption.parse(option), d, layout)
+        rc = layer_terms(LayerOption.parse(option + "+rc"), d, layout)
+        assert rc.saved_bytes == 1024 * 256 * 4
+        # the backward is the same; rebuilding the layer beside its output may peak higher
+        assert rc.peak_bytes >= plain.peak_bytes and rc.transient_bytes > plain.transient_bytes
+    assert rc.peak_bytes > plain.peak_bytes  # lean's MLP: two shards and the activation on top of everything kept
 
 
 def test_unknown_strategy_is_named():
@@ -197,23 +257,43 @@ def test_time_is_compute_plus_synchronous_comm():
     model = AnalyticCostModel(profile, MHA, 4)
     layout = SequenceLayout.build(512, 4, causal=True)
     assert model.layer_cost(LayerOption("tp_sp", "tp_sp"), layout, 1).time_s == pytest.approx(8.0)
-    # ring: 4 weight gathers + 4 gradient reduce-scatters for attention and MLP; hops: 3 forward,
-    # 4 backward accumulators + 3 K/V blocks, over compute that takes no time
-    assert model.layer_cost(LayerOption("ring", "zero3"), layout, 1).time_s == pytest.approx(8.0 + 3 + 4 + 3)
+    # ring/zero3: 4 weight gathers forward, 4 again + 4 gradient reduce-scatters backward; hops: 3
+    # forward, 4 backward accumulators + 3 K/V blocks, over compute that takes no time
+    assert model.layer_cost(LayerOption("ring", "zero3"), layout, 1).time_s == pytest.approx(12.0 + 3 + 4 + 3)
+    # lean: with nothing to hide behind, every streamed collective counts: attention 4 broadcasts
+    # forward, 4 + 4 reduces backward, 4 rings of 10 hops; MLP 3 shard hops forward, 3 + 4 backward
+    assert model.layer_cost(LayerOption("lean", "lean"), layout, 1).time_s == pytest.approx(4 + 8 + 40 + 3 + 7)
     # the fitted correction: scales, a cost per synchronisation point (collective or hop), a constant
     profile["correction"] = {"compute": 1.0, "comm": 2.0, "per_sync_s": 0.5, "per_layer_s": 0.25, "fitted_on": []}
     corrected = AnalyticCostModel(profile, MHA, 4)
-    assert corrected.time_breakdown(LayerOption("ring", "zero3"), layout, 1).syncs == 8 + 3 + 7
+    assert corrected.time_breakdown(LayerOption("ring", "zero3"), layout, 1).syncs == 12 + 3 + 7
     assert corrected.layer_cost(LayerOption("tp_sp", "tp_sp"), layout, 1).time_s == pytest.approx(16 + 4 + 0.25)
 
 
-def test_peak_bytes_adds_static_logits_and_slack():
+def test_peak_bytes_adds_static_saved_and_the_larger_working_set():
     profile = synthetic_profile()
     profile["allocator_slack"] = 0.1
     model = AnalyticCostModel(profile, MHA, 4, static_bytes=1e9, vocab_size=32000)
     layout = SequenceLayout.build(1024, 4, causal=True)
-    logits = 1024 * 2 * 32000 // 4 * (4 + 8)  # [s, b, V/p] in fp32, an fp32 copy and its gradient
-    assert model.peak_bytes(layout, 2, 100.0, 50.0) == pytest.approx(1e9 + logits + 100 + 55)
+    # fp32: the logits [s, b, V/p] are the cross-entropy's softmax and gradient; in backward the
+    # output layer's input is gathered again ([s, b, h]) beside its gradient
+    loss = 1024 * 2 * 32000 // 4 * 4 + 2 * (1024 * 2 * 256 * 4)
+    assert model.loss_bytes(layout, 2) == loss
+    assert model.peak_bytes(layout, 2, 100.0, 50.0) == pytest.approx(1e9 + 100 + 1.1 * loss)
+    assert model.peak_bytes(layout, 2, 100.0, 2 * loss) == pytest.approx(1e9 + 100 + 2.2 * loss)
+    # bf16 logits: an fp32 copy beside them
+    bf16 = synthetic_profile()
+    bf16["dtype"] = "bfloat16"
+    model = AnalyticCostModel(bf16, MHA, 4, dtype=torch.bfloat16, vocab_size=32000)
+    assert model.loss_bytes(layout, 2) == 1024 * 2 * 8000 * (2 + 4)
+    assert AnalyticCostModel(profile, MHA, 4).loss_bytes(layout, 2) == 0  # no output layer on this stage
+
+
+def test_static_bytes_follow_megatron_mixed_precision_adam():
+    # bf16 weight, fp32 main gradient, fp32 master weight + two moments sharded over 8 DP ranks
+    assert static_bytes(1000, data_parallel_size=8) == 1000 * (2 + 4 + 12 / 8)
+    assert static_bytes(1000, data_parallel_size=8, distributed_optimizer=False) == 1000 * 18
+    assert static_bytes(1000, mixed_precision=False) == 1000 * (4 + 4 + 8)
 
 
 # -- profiles ----------------------------------------------------------------------------------------
@@ -239,8 +319,11 @@ def test_profile_errors_are_clear(tmp_path):
         load_profile(_write(tmp_path, '{"schema": '))
     with pytest.raises(ProfileError, match=r"is not a cost profile \(schema 'other'"):
         load_profile(_write(tmp_path, {**synthetic_profile(), "schema": "other"}))
-    with pytest.raises(ProfileError, match=r"has version 0; this megatron-paradyse reads version 1"):
-        load_profile(_write(tmp_path, {**synthetic_profile(), "version": 0}))
+    with pytest.raises(
+        ProfileError,
+        match=r"has version 1; this megatron-paradyse reads version 2 \(it prices collectives the older one did not",
+    ):
+        load_profile(_write(tmp_path, {**synthetic_profile(), "version": 1}))
     broken = synthetic_profile()
     del broken["collectives"]["4"]["send_recv"]["per_byte_s"], broken["gemm"]["backward"]
     with pytest.raises(ProfileError, match=r"lacks gemm.backward.coef, collectives.4.send_recv.per_byte_s"):

@@ -3,8 +3,10 @@
     python -m megatron_paradyse.bench costmodel --profile profile.json
     python -m megatron_paradyse.bench costmodel                  # calibrates quickly first, and says so
 
-Measures every (attention, MLP, recompute) option on ``p`` gloo ranks over a grid of causal
-sequence lengths (one layer of h=256, 8 heads, ffn=1024, b=1, fp32: :data:`REFERENCE_SHAPE`):
+Measures every (attention, MLP, recompute) option (attention ``tp_sp``/``ulysses``/``ring``/``lean``
+x MLP ``tp_sp``/``zero3``/``lean`` x recompute, or the ``--pairs`` given) on ``p`` gloo ranks over a
+grid of causal sequence lengths (one layer of h=256, 8 heads, ffn=1024, b=1, fp32:
+:data:`REFERENCE_SHAPE`):
 forward + backward time (the slowest rank's, median over passes over the grid after a warm-up) and
 peak memory above the layer's input and static memory (:class:`PeakMemory`). Compared with:
 
@@ -15,13 +17,14 @@ peak memory above the layer's input and static memory (:class:`PeakMemory`). Com
   predicted from the others (forest inside their range, AIC polynomial beyond: the longest length
   is extrapolated).
 
-Prints the table, the empirical MAPEs, and last ``time_mape=<x> mem_mape=<y>`` of the analytic
-model. Timings are only as quiet as the machine.
+Prints the table, the MAPEs per option and of the empirical model, and last ``time_mape=<x>
+mem_mape=<y>`` of the analytic model. Timings are only as quiet as the machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -40,14 +43,7 @@ from megatron_paradyse.plan import LayerOption
 
 __all__ = ["main"]
 
-PAIRS = (
-    ("tp_sp", "tp_sp"),
-    ("tp_sp", "zero3"),
-    ("ulysses", "tp_sp"),
-    ("ulysses", "zero3"),
-    ("ring", "tp_sp"),
-    ("ring", "zero3"),
-)
+PAIRS = tuple(f"{a}/{m}" for a in ("tp_sp", "ulysses", "ring", "lean") for m in ("tp_sp", "zero3", "lean"))
 MIB = 1 << 20
 
 
@@ -93,10 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="256,512,1024,2048,4096,8192")
     parser.add_argument("--profile", help="cost profile from `paradyse calibrate` (default: calibrate quickly)")
     parser.add_argument("--repeats", type=int, default=5, help="timed passes over the grid (median)")
+    parser.add_argument("--pairs", default=",".join(PAIRS), help="attention/mlp pairs, each with and without recompute")
     parser.add_argument("--json", help="write every measurement and prediction here")
     args = parser.parse_args(argv)
     lengths = [int(v) for v in args.lengths.split(",")]
-    options = [LayerOption(a, m, rc) for a, m in PAIRS for rc in (False, True)]
+    options = [
+        dataclasses.replace(LayerOption.parse(pair), recompute=rc)
+        for pair in args.pairs.split(",")
+        for rc in (False, True)
+    ]
 
     if args.profile:
         profile = load_profile(args.profile, p=args.p)
@@ -141,6 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     measured_t = [r[0].time_s for r in rows]
     measured_m = [r[0].peak_bytes for r in rows]
+    print(f"{'option':<20} {'time_mape':>9} {'mem_mape':>9}   (analytic, over lengths)")
+    for option in options:
+        mine = [r for r in rows if r[0].option == option]
+        time_mape = mape([r[1] for r in mine], [r[0].time_s for r in mine])
+        mem_mape = mape([r[2] for r in mine], [r[0].peak_bytes for r in mine])
+        print(f"{str(option):<20} {time_mape:>9.1f} {mem_mape:>9.1f}")
     held = [r for r in rows if r[5]]
     raw = [uncorrected.layer_cost(r[0].option, _layout(r[0].length, args.p), 1).time_s for r in rows]
     print(

@@ -6,19 +6,22 @@ Time of one layer on one rank, forward + backward (+ one more forward with recom
              + sum over kernel calls of attn_fwd(call) + attn_bwd(call)
              + elementwise bytes * per_byte + ops * per_op
     comm     = sum over collectives of latency(kind, p) + bytes * per_byte(kind, p)
+             + per pass, streamed collectives beyond what the pass's compute hides:
+               max(C, M) + (1 - overlap) * min(C, M) - C        (C: its GEMMs and kernels, M: the collectives)
     ring     = sum over steps of max(c, m) + (1 - overlap) * min(c, m)   (c: the step's kernels, m: its hop)
     time     = k_compute * (compute + ring) + k_comm * comm + per_sync_s * syncs + per_layer_s
 
-``gemm_*(m, n, k) = c0 + c1 * 2mnk + c2 * e(mk + nk + mn)``; ``attn_*(call) = c0 +
-per_pair(length) * pairs * hn`` summed over batch and heads, the rate interpolated in log length
-between calibrated blocks. Collectives are synchronous in the code, so
-they add up; only the ring overlaps its hops with its kernels. ``syncs`` counts collectives and ring
-hops. The correction (``k = 1``, the rest 0 without one) is fitted by ``paradyse calibrate
---fit-correction`` on a few measured layers.
+``gemm_*(m, n, k) = c0 + c1 * 2mnk + c2 * e(mk + nk + mn)`` (recomputed GEMMs at the forward rate in
+the backward); ``attn_*(call) = c0 + per_pair(length) * pairs * hn`` summed over batch and heads,
+the rate interpolated in log length between calibrated blocks. Most collectives are waited for where
+they are issued, so they add up; the ring overlaps its hops with its kernels, ``lean`` its shards'
+transfers with its compute. ``syncs`` counts collectives and ring hops. The correction (``k = 1``,
+the rest 0 without one) is fitted by ``paradyse calibrate --fit-correction`` on a few measured layers.
 
 Memory is :func:`cost.terms.layer_terms`' saved and transient bytes; the stage peak adds the static
-bytes (weights, gradients, optimizer state: the same for every plan, given by the caller), the
-embedding/loss working set and the allocator's slack on the transient.
+bytes (the same for every plan, given by the caller: see :func:`static_bytes`), and the larger of
+the largest layer working set and the output layer's (:meth:`AnalyticCostModel.loss_bytes`), with
+the allocator's slack.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.strategies import ModelShape
 
-__all__ = ["AnalyticCostModel", "TimeBreakdown"]
+__all__ = ["AnalyticCostModel", "TimeBreakdown", "static_bytes"]
 
 # Memory-bound ops a layer runs whatever the strategy: two norms and two residual adds, forward.
 _NORMS_AND_RESIDUALS_PASSES = 2 * 2 + 2 * 3
@@ -64,6 +67,28 @@ class TimeBreakdown:
     syncs: int
     """Collectives and ring hops: points where the ranks wait for each other."""
     total_s: float
+
+
+def static_bytes(
+    parameters: int,
+    *,
+    data_parallel_size: int = 1,
+    mixed_precision: bool = True,
+    distributed_optimizer: bool = True,
+) -> float:
+    """Bytes one rank holds whatever the plan, for Megatron with Adam: ``parameters`` is what the rank
+    owns (its pipeline stage's, with every TP-sharded weight divided by ``p``: the strategies use
+    Megatron's TP shards; replicated norms and row biases whole; the embedding/output layer's shard on
+    the stages that hold them).
+
+    Per parameter: the weight (2 bytes in bf16/fp16 mixed precision, else 4), its gradient in the DDP
+    buffer (4: Megatron accumulates bf16 gradients in fp32) and the optimizer state (fp32 exp_avg and
+    exp_avg_sq, and with mixed precision an fp32 master copy: 12 or 8 bytes), which the distributed
+    optimizer shards over the ``data_parallel_size`` ranks.
+    """
+    weight = 2 if mixed_precision else 4
+    optimizer = (12 if mixed_precision else 8) / (data_parallel_size if distributed_optimizer else 1)
+    return parameters * (weight + 4 + optimizer)
 
 
 class AnalyticCostModel:
@@ -84,8 +109,9 @@ class AnalyticCostModel:
         vocab_size: int = 0,
         use_correction: bool = True,
     ):
-        """``static_bytes``: weights, gradients and optimizer state of the stage (plan-independent);
-        ``vocab_size``: nonzero if the stage holds the output layer (see :meth:`loss_bytes`)."""
+        """``static_bytes``: what the rank holds whatever the plan, its weights, gradients and optimizer
+        state (see :func:`static_bytes`) and anything else resident; ``vocab_size``: Megatron's padded
+        vocabulary if the stage holds the output layer, else 0 (see :meth:`loss_bytes`)."""
         if p > 1 and str(p) not in profile["collectives"]:
             raise ValueError(f"the profile has no collectives for p={p}; run `paradyse calibrate --p {p}`")
         dtype_name = str(dtype).removeprefix("torch.")
@@ -123,15 +149,27 @@ class AnalyticCostModel:
     def peak_bytes(
         self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, transient_bytes: float
     ) -> float:
-        transient = transient_bytes * (1.0 + self.profile["allocator_slack"])
-        return self.static_bytes + self.loss_bytes(layout, micro_batch_size) + saved_bytes + transient
+        """Static bytes, every layer's saved activations, and the larger of the largest layer working
+        set and the output layer's (it runs between the last layer's forward and its backward, with
+        every layer's activations kept and no layer working), with the allocator's slack."""
+        working = max(transient_bytes, self.loss_bytes(layout, micro_batch_size))
+        return self.static_bytes + saved_bytes + working * (1.0 + self.profile["allocator_slack"])
 
     def loss_bytes(self, layout: SequenceLayout, micro_batch_size: int) -> float:
-        """The output layer's working set on a stage that holds it: with sequence parallelism Megatron
-        gathers the sequence before the vocab-parallel projection, so the logits are ``[s, b, V/p]``,
-        in the activation dtype plus an fp32 copy and its gradient for the cross-entropy. An estimate
-        to check against the Megatron integration."""
-        return layout.padded_len * micro_batch_size * self.vocab_size // self.p * (self.element_size + 8)
+        """The output layer's working set on a stage that holds it, as Megatron computes it with
+        sequence parallelism and its (unfused) vocab-parallel cross-entropy: the sequence all-gathered
+        ``[s, b, h]`` before the projection (and again in its backward, beside the input gradient),
+        the logits ``[s, b, V/p]``, and for half-precision logits the fp32 copy the cross-entropy
+        turns into its softmax in place and keeps as the logits' gradient (fp32 logits are used in
+        place). Peak: the logits beside the fp32 copy, or beside two ``[s, b, h]`` in backward. The
+        weight gradient is taken as fused into Megatron's gradient buffer (its default on GPU)."""
+        if not self.vocab_size:
+            return 0.0
+        tokens = layout.padded_len * micro_batch_size
+        e = self.element_size
+        logits = tokens * (self.vocab_size // self.p)
+        fp32_copy = 4 * logits if e < 4 else 0
+        return logits * e + max(fp32_copy, 2 * tokens * self.shape.hidden_size * e)
 
     # -- details ---------------------------------------------------------------------------------
     def time_breakdown(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> TimeBreakdown:
@@ -151,11 +189,16 @@ class AnalyticCostModel:
         compute = comm = ring = 0.0
         syncs = 0
         for sub in (terms.attention, terms.mlp):
-            compute += forwards * self._forward_compute(sub) + self._backward_compute(sub)
-            comm += forwards * self._comms(sub.fwd_comm) + self._comms(sub.bwd_comm)
-            ring += forwards * self._ring(sub, backward=False) + self._ring(sub, backward=True)
-            syncs += forwards * sub.syncs(backward=False) + sub.syncs(backward=True)
-        x = terms.norm_saved["output"]
+            for backward, times in ((False, forwards), (True, 1)):
+                sub_compute = self._backward_compute(sub) if backward else self._forward_compute(sub)
+                sub_ring, ring_kernels = self._rings(sub, backward=backward)
+                sync_comm, streamed = (sub.bwd_comm, sub.bwd_streamed) if backward else (sub.fwd_comm, sub.fwd_streamed)
+                compute += times * sub_compute
+                ring += times * sub_ring
+                # asynchronous collectives hide behind computation, not behind other transfers
+                comm += times * (self._comms(sync_comm) + self._streamed(streamed, sub_compute + ring_kernels))
+                syncs += times * sub.syncs(backward=backward)
+        x = terms.activation_bytes
         elementwise = self.profile["elementwise"]["per_byte_s"] * _NORMS_AND_RESIDUALS_PASSES * x * (forwards + 2)
         compute += elementwise
         syncs = syncs if self.p > 1 else 0
@@ -189,6 +232,7 @@ class AnalyticCostModel:
     def _backward_compute(self, sub: SublayerTerms) -> float:
         return (
             sum(self._gemm(g, "backward") for g in sub.gemms)
+            + sum(self._gemm(g, "forward") for g in sub.recompute_gemms)
             + sum(self._attention(c, "backward") for c in sub.attention)
             + self._elementwise(sub, 2.0)
         )
@@ -200,21 +244,31 @@ class AnalyticCostModel:
     def _comms(self, comms: tuple[Collective, ...]) -> float:
         return 0.0 if self.p == 1 else sum(self._comm(c) for c in comms)
 
-    def _ring(self, sub: SublayerTerms, *, backward: bool) -> float:
-        """Ring steps: the kernels of step ``i`` run while the next block travels (hidden by the
-        calibrated overlap fraction); backward also sends the dk/dv accumulator every step."""
-        if sub.ring is None:
+    def _streamed(self, comms: tuple[Collective, ...], compute: float) -> float:
+        """What asynchronous collectives add to ``compute`` seconds of the pass they run beside: the
+        longer of the two, plus the part of the shorter the calibrated overlap does not hide."""
+        if self.p == 1 or not comms:
             return 0.0
         overlap = self.profile["ring_overlap"]
+        streamed = sum(self._comm(c) for c in comms)
+        return max(compute, streamed) + (1.0 - overlap) * min(compute, streamed) - compute
+
+    def _rings(self, sub: SublayerTerms, *, backward: bool) -> tuple[float, float]:
+        """Ring steps: the kernels of step ``i`` run while the next block travels (hidden by the
+        calibrated overlap fraction); backward also sends the dk/dv accumulator every step. Returns
+        the time and the kernels' part of it."""
+        overlap = self.profile["ring_overlap"]
         direction = "backward" if backward else "forward"
-        total = 0.0
-        for i, calls in enumerate(sub.ring.steps):
-            compute = sum(self._attention(c, direction) for c in calls)
-            hops = []
-            if i < sub.ring.fwd_hops:
-                hops.append(sub.ring.hop)
-            if backward and self.p > 1:
-                hops.append(sub.ring.bwd_hop)
-            comm = sum(self._comm(h) for h in hops) if self.p > 1 else 0.0
-            total += max(compute, comm) + (1.0 - overlap) * min(compute, comm)
-        return total
+        total = kernels = 0.0
+        for ring in sub.rings:
+            for i, calls in enumerate(ring.steps):
+                compute = sum(self._attention(c, direction) for c in calls)
+                hops = []
+                if i < ring.fwd_hops:
+                    hops.append(ring.hop)
+                if backward and self.p > 1:
+                    hops.append(ring.bwd_hop)
+                comm = sum(self._comm(h) for h in hops) if self.p > 1 else 0.0
+                total += max(compute, comm) + (1.0 - overlap) * min(compute, comm)
+                kernels += compute
+        return total, kernels

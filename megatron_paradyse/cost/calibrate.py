@@ -18,6 +18,7 @@ the job. Measured:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import sys
 import time
@@ -215,13 +216,16 @@ def _elementwise_samples(grid: Grid, device, dtype, progress: Progress) -> list[
 
 
 def _collective_ops(group, numel: int, device) -> dict[str, Callable[[], None]]:
-    """The collectives exactly as the strategies call them (``comm``), on ``numel`` fp32 elements in
-    the unit their terms count: all-gather output, reduce-scatter input, all-to-all send buffer."""
+    """The collectives exactly as the strategies call them (``comm``, ``streaming``), on ``numel``
+    fp32 elements in the unit their terms count: all-gather output, reduce-scatter input, all-to-all
+    send buffer, broadcast/reduce message (the root rotating, as ``lean``'s shard owners do)."""
     p = group.size()
     full = torch.randn(numel, device=device)
     shard = torch.randn(numel // p, device=device)
     seq_local = full.view(numel // p, 1, p)  # [s/p, b, p*w]: w = 1 column per rank
+    message = torch.zeros(numel, device=device)  # reduced in place: zeros stay finite
     ring = RingComm(group)
+    roots = itertools.cycle([dist.get_global_rank(group, r) for r in range(p)])  # the same on every rank
 
     def send_recv() -> None:
         ring.send_recv(full)
@@ -232,6 +236,8 @@ def _collective_ops(group, numel: int, device) -> dict[str, Callable[[], None]]:
         "reduce_scatter": lambda: reduce_scatter_seq(full, group),
         "all_to_all": lambda: all_to_all_seq_to_heads(seq_local, group),
         "send_recv": send_recv,
+        "broadcast": lambda: dist.broadcast(message, src=next(roots), group=group),
+        "reduce": lambda: dist.reduce(message, dst=next(roots), group=group),
     }
 
 

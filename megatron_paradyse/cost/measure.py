@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 import time
 
 import torch
@@ -139,11 +140,11 @@ def measure_layer(
     """Forward + backward of one layer on every rank of ``group`` (a collective: all ranks call it).
 
     Memory comes from ``memory_runs`` tracked runs (exact on CPU, the allocator's count on CUDA), the
-    smallest: now and then a collective's buffer outlives its last use by a moment (gloo's worker
-    thread still holds its work object until it gets the GIL), which is the race's, not the layer's.
-    Time comes from ``repeats`` untracked runs
-    after ``warmup`` (``repeats=0``: memory only; ``memory_runs=0``: time only, memory 0): per run
-    the slowest rank's, then the median.
+    smallest. A finished collective's buffers are released by gloo's worker thread, which needs the
+    GIL for it: the runs switch threads every microsecond (:func:`sys.setswitchinterval`), or a buffer
+    the code has dropped would outlive it until this thread next waits, by chance and load. Time
+    comes from ``repeats`` untracked runs after ``warmup`` (``repeats=0``: memory only;
+    ``memory_runs=0``: time only, memory 0): per run the slowest rank's, then the median.
     """
     device = torch.device(device)
     rank, p = group.rank(), group.size()
@@ -170,15 +171,20 @@ def measure_layer(
     for _ in range(warmup):
         step()
     saved, peak = [], []
-    for _ in range(memory_runs):
-        with PeakMemory(device) as memory:
-            y_local = run_layer(x_local, params, option, actx, mctx)
-            time.sleep(0.001)  # the GIL for gloo's worker thread to release the last collective's buffers
-            saved.append(memory.current_bytes())
-            y_local.backward(dy_local)
-            del y_local
-            x_local.grad = None
-        peak.append(memory.peak_bytes)
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(memory_runs):
+            with PeakMemory(device) as memory:
+                y_local = run_layer(x_local, params, option, actx, mctx)
+                time.sleep(0.001)  # the GIL for gloo's worker thread to release the last collective's buffers
+                saved.append(memory.current_bytes())
+                y_local.backward(dy_local)
+                del y_local
+                x_local.grad = None
+            peak.append(memory.peak_bytes)
+    finally:
+        sys.setswitchinterval(switch_interval)
     saved, peak = min(saved, default=0), min(peak, default=0)
     times = []
     for _ in range(repeats):

@@ -1,9 +1,10 @@
 """The cost profile: what ``paradyse calibrate`` measured on a machine, as a versioned JSON file.
 
-Schema (version 1), all times in seconds, sizes in bytes::
+Schema (version 2: adds ``broadcast`` and ``reduce``, which ``lean`` streams its shards with),
+all times in seconds, sizes in bytes::
 
     {
-      "schema": "megatron-paradyse/cost-profile", "version": 1,
+      "schema": "megatron-paradyse/cost-profile", "version": 2,
       "created": "2025-01-01T00:00:00+00:00", "grid": "quick" | "full",
       "fingerprint": {"device": "cpu" | "cuda", "device_name": str, "cpu_count": int,
                       "torch": str, "megatron_core": str, "python": str, "hostname": str},
@@ -14,7 +15,7 @@ Schema (version 1), all times in seconds, sizes in bytes::
                     "backward": {"causal": RATE, "full": RATE}},
       "elementwise": {"per_byte_s": float, "per_op_s": float},
       "collectives": {"<p>": {"all_gather": ALPHA_BETA, "reduce_scatter": ..., "all_to_all": ...,
-                              "send_recv": ...}},
+                              "send_recv": ..., "broadcast": ..., "reduce": ...}},
       "ring_overlap": float,                          # fraction of the shorter of comm/compute hidden
       "allocator_slack": float,                       # fraction of the transient (0 on the CPU tracker)
       "correction": null | {"compute": k, "comm": k, "per_sync_s": c, "per_layer_s": c,
@@ -44,11 +45,12 @@ from typing import Any
 
 import torch
 
+from megatron_paradyse.cost.terms import COLLECTIVE_KINDS
+
 __all__ = ["PROFILE_SCHEMA", "PROFILE_VERSION", "ProfileError", "fingerprint", "load_profile", "save_profile"]
 
 PROFILE_SCHEMA = "megatron-paradyse/cost-profile"
-PROFILE_VERSION = 1
-_COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "send_recv")
+PROFILE_VERSION = 2
 # What must match between the machine that calibrated and the one that plans.
 _MUST_MATCH = ("device", "device_name", "torch", "megatron_core")
 
@@ -140,7 +142,8 @@ def _check(profile: Any, where: str) -> None:
     if profile.get("version") != PROFILE_VERSION:
         raise ProfileError(
             f"cost profile {where} has version {profile.get('version')!r}; this megatron-paradyse reads version "
-            f"{PROFILE_VERSION}: recalibrate with `paradyse calibrate`"
+            f"{PROFILE_VERSION} (it prices collectives the older one did not measure): recalibrate with "
+            f"`paradyse calibrate`"
         )
     missing = [key for key in _required_keys(profile) if _lookup(profile, key) is None]
     if missing:
@@ -156,7 +159,7 @@ def _required_keys(profile: dict[str, Any]) -> Iterable[str]:
             yield f"attention.{direction}.{mask}.per_call_s"
             yield f"attention.{direction}.{mask}.by_head_dim"
     for p in (profile.get("collectives") or {}) if isinstance(profile.get("collectives"), dict) else ():
-        for kind in _COLLECTIVES:
+        for kind in COLLECTIVE_KINDS:
             yield f"collectives.{p}.{kind}.latency_s"
             yield f"collectives.{p}.{kind}.per_byte_s"
 

@@ -4,21 +4,26 @@ Every strategy's terms live in one function here, written from its code in ``str
 formulas in the micro-batch's padded length ``s``, local tokens ``t = s/p``, batch ``b``, hidden ``h``,
 heads ``nq`` and key/value groups ``ng`` of head dim ``hn``, MLP width ``f`` (``g = 2`` gated) and the
 element size ``e``. Nothing here is measured: :mod:`cost.analytic` turns the terms into seconds with a
-calibrated profile, and the unit tests check them against hand counts.
+calibrated profile, and the unit tests check them against hand counts and the memory tracker.
 
 - :class:`Gemm` ``(m, n, k)``: ``y[m, n] = x[m, k] @ w[n, k]^T``; ``2mnk`` FLOPs forward, ``4mnk``
-  backward (dgrad + wgrad).
+  backward (dgrad + wgrad). ``recompute_gemms`` run again, forward only, inside the backward.
 - :class:`AttentionCall`: one kernel call on a dense (query block, key block); ``pairs`` visible
   query-key pairs per head (``sq*sk`` full, ``sq(sq+1)/2`` causal); ``4*pairs*hn`` FLOPs per head
   forward, ``10*pairs*hn`` backward (flash recomputes the scores).
-- :class:`Collective`: a synchronous collective (``all_gather``: output bytes; ``reduce_scatter``:
-  input bytes; ``all_to_all``: bytes each rank sends and receives) or one ring hop (``send_recv``:
-  bytes sent to the next rank while receiving as many).
+- :class:`Collective`: a collective (``all_gather``: output bytes; ``reduce_scatter``: input bytes;
+  ``all_to_all``: bytes each rank sends and receives; ``broadcast``/``reduce``: the message) or one
+  ring hop (``send_recv``: bytes sent to the next rank while receiving as many). ``fwd_comm`` and
+  ``bwd_comm`` are waited for where they are issued; ``*_streamed`` run asynchronously while the
+  same pass computes (``lean``'s weight shards, issued one step ahead).
 - :class:`RingStage`: ``p`` steps of kernel calls, each overlapped with the next block's hop.
-- Memory: ``saved`` (named tensors kept from forward to backward) and two peaks above them, the
-  forward's and the backward's, as the code allocates them (see :func:`layer_terms`).
-
-``lean`` (issue 4) is written from its description, not its code: check it when it lands.
+- Memory: each strategy's forward and backward are written as the tensors its code allocates and
+  frees, by name and in its order (a small script per strategy, read against its code); they give
+  what stays for backward (``saved``) and the high-water marks, which :func:`layer_terms` composes
+  with the layer's own tensors (norms, residuals). Checked against allocation traces of
+  :class:`~megatron_paradyse.memory.PeakMemory`: exact for one document per sequence, biases, no
+  ``qk_transform``; tensors smaller than a ``[t, b]`` fp32 row are left out, a packed sequence's
+  per-document merges too.
 """
 
 from __future__ import annotations
@@ -28,14 +33,15 @@ import math
 from collections.abc import Callable
 from typing import Literal
 
-from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.layout import Segment, SequenceLayout
 from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.strategies import ModelShape
 
 __all__ = [
     "AttentionCall",
-    "CollectiveKind",
+    "COLLECTIVE_KINDS",
     "Collective",
+    "CollectiveKind",
     "Dims",
     "Gemm",
     "LayerTerms",
@@ -48,9 +54,15 @@ __all__ = [
     "supported_options",
 ]
 
-CollectiveKind = Literal["all_gather", "reduce_scatter", "all_to_all", "send_recv"]
-COLLECTIVE_KINDS: tuple[CollectiveKind, ...] = ("all_gather", "reduce_scatter", "all_to_all", "send_recv")
-LSE_BYTES = 4  # log-sum-exp and ring accumulators are fp32 whatever the activations' dtype
+CollectiveKind = Literal["all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast", "reduce"]
+COLLECTIVE_KINDS: tuple[CollectiveKind, ...] = (
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "send_recv",
+    "broadcast",
+    "reduce",
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -114,21 +126,27 @@ class SublayerTerms:
     """One sublayer (attention or MLP) under one strategy, on one rank, for one micro-batch."""
 
     gemms: tuple[Gemm, ...]
+    recompute_gemms: tuple[Gemm, ...] = ()
+    """GEMMs the backward runs again, forward only (``lean`` recomputes its projections)."""
     attention: tuple[AttentionCall, ...] = ()
     """Kernel calls run back to back (not overlapped with communication)."""
-    ring: RingStage | None = None
+    rings: tuple[RingStage, ...] = ()
     fwd_comm: tuple[Collective, ...] = ()
     bwd_comm: tuple[Collective, ...] = ()
+    fwd_streamed: tuple[Collective, ...] = ()
+    """Asynchronous collectives in flight while the forward computes."""
+    bwd_streamed: tuple[Collective, ...] = ()
     elementwise_bytes: float = 0.0
     """Bytes read + written by memory-bound ops (norms, copies, merges, activations), forward;
     backward counts twice as many."""
     saved: dict[str, float]
-    """Bytes kept from forward to backward, by tensor."""
+    """Bytes kept from forward to backward, by tensor (the input too where it is kept)."""
     fwd_peak: float
-    """Bytes above the sublayer's input at its forward's high-water mark (its saved bytes included)."""
+    """Bytes alive at the forward's high-water mark, its input included."""
+    recompute_peak: float
+    """The same up to where a recompute stops (once the last tensor autograd keeps is rebuilt)."""
     bwd_peak: float
-    """Bytes above everything saved up to here, the incoming gradient included, at its backward's
-    high-water mark."""
+    """Bytes above the backward's start (what was saved, the output's gradient) at its high-water mark."""
 
     @property
     def saved_bytes(self) -> float:
@@ -136,10 +154,8 @@ class SublayerTerms:
 
     def syncs(self, *, backward: bool) -> int:
         """Collectives and ring hops of the forward or the backward: where the ranks wait for each other."""
-        comms = len(self.bwd_comm if backward else self.fwd_comm)
-        if self.ring is None:
-            return comms
-        return comms + self.ring.fwd_hops + (len(self.ring.steps) if backward else 0)
+        comms = len(self.bwd_comm) + len(self.bwd_streamed) if backward else len(self.fwd_comm) + len(self.fwd_streamed)
+        return comms + sum(ring.fwd_hops + (len(ring.steps) if backward else 0) for ring in self.rings)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -153,6 +169,12 @@ class Dims:
     b: int
     e: int
     """Bytes per activation/weight element."""
+
+    @property
+    def acc(self) -> int:
+        """Bytes per element of the accumulation dtype (log-sum-exp, ring accumulators, norm
+        statistics): fp32 for half precision, the activations' own otherwise."""
+        return max(self.e, 4)
 
     @property
     def t(self) -> int:
@@ -213,64 +235,446 @@ def attention_calls(layout: SequenceLayout, b: int, heads: int, hn: int) -> tupl
     )
 
 
-def _ring_steps(
-    layout: SequenceLayout, rank: int, b: int, heads: int, hn: int
-) -> tuple[tuple[AttentionCall, ...], ...]:
-    """Kernel calls of each ring step of ``rank``: its queries against the K/V block of ``rank - step``."""
-    p = layout.p
-    return tuple(
+def _ring_stage(layout: SequenceLayout, rank: int, d: Dims, heads: int, kv_heads: int) -> RingStage:
+    """Ring attention of ``rank`` on ``heads`` query heads: at step ``i`` its queries against the K/V
+    block (``kv_heads`` heads) of ``rank - i``; the block hops forward, its fp32 gradient backward."""
+    kv_block = 2 * d.t * d.b * kv_heads * d.hn
+    steps = tuple(
         tuple(
-            AttentionCall(b, heads, seg.q_end - seg.q_start, seg.k_end - seg.k_start, hn, seg.causal)
-            for seg in layout.ring_segments(rank, (rank - step) % p)
+            AttentionCall(d.b, heads, seg.q_end - seg.q_start, seg.k_end - seg.k_start, d.hn, seg.causal)
+            for seg in layout.ring_segments(rank, (rank - step) % layout.p)
         )
-        for step in range(p)
+        for step in range(layout.p)
     )
+    return RingStage(steps, Collective("send_recv", kv_block * d.e), Collective("send_recv", kv_block * d.acc))
+
+
+# -- memory: what the code allocates and frees --------------------------------------------------
+class _Memory:
+    """Tensors alive, by name, as code allocates and frees them: the bytes alive and their
+    high-water mark. Names are unique while alive; freeing a name that is not alive is a bug in a
+    script and raises ``KeyError``."""
+
+    def __init__(self, **alive: float):
+        self.sizes: dict[str, float] = dict(alive)
+        self.live = float(sum(alive.values()))
+        self.peak = self.live
+        self.recompute_peak: float | None = None
+
+    def alloc(self, **tensors: float) -> None:
+        for name, nbytes in tensors.items():
+            if name in self.sizes:
+                raise ValueError(f"memory script: {name!r} is allocated twice")
+            self.sizes[name] = float(nbytes)
+            self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def free(self, *names: str) -> None:
+        for name in names:
+            self.live -= self.sizes.pop(name)
+
+    def temporary(self, **tensors: float) -> None:
+        """Tensors that live for one operation."""
+        self.alloc(**tensors)
+        self.free(*tensors)
+
+    def call(self, callee: _Call, prefix: str = "") -> None:
+        """A function whose own tensors die inside it, leaving ``callee.leaves`` (named ``prefix+name``)."""
+        self.peak = max(self.peak, self.live + callee.peak)
+        self.alloc(**{prefix + name: nbytes for name, nbytes in callee.leaves.items()})
+
+    def returns(self, output: str, *keep: str) -> dict[str, float]:
+        """A function returns ``output``: its other locals die, but what autograd saved (``keep``)."""
+        self.free(*(name for name in list(self.sizes) if name != output and name not in keep))
+        return {name: self.sizes[name] for name in keep}
+
+    def recompute_stops(self) -> None:
+        """A recompute ends here: the last tensor autograd keeps has just been rebuilt (a builtin op
+        saves its inputs before it computes; an autograd Function, after its forward returns)."""
+        self.recompute_peak = self.peak
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Call:
+    """A function's memory as its caller sees it: the high-water mark above the caller's bytes, and
+    the tensors it leaves behind (its results)."""
+
+    peak: float
+    leaves: dict[str, float]
+
+
+def _memory(fwd: _Memory, bwd: _Memory, saved: dict[str, float]) -> dict:
+    """The memory fields of :class:`SublayerTerms`; a backward must release everything saved."""
+    if set(bwd.sizes) != {"dy_local", "dx_local"}:
+        raise AssertionError(f"memory script: backward ends with {sorted(bwd.sizes)} alive")
+    return {
+        "saved": saved,
+        "fwd_peak": fwd.peak,
+        "recompute_peak": fwd.peak if fwd.recompute_peak is None else fwd.recompute_peak,
+        "bwd_peak": bwd.peak - sum(saved.values()),
+    }
+
+
+def _gather_weight(m: _Memory, d: Dims, name: str, nbytes: float, *, row: bool) -> str:
+    """``zero3_linear``'s all-gathered weight; row-parallel shards arrive as ``[p, out, in/p]`` and are
+    laid out as ``[out, in]`` (a copy). Returns the name of the full weight."""
+    m.alloc(**{name: nbytes})
+    if row:
+        m.alloc(**{f"{name}_t": nbytes})
+        m.free(name)
+        return f"{name}_t"
+    return name
+
+
+def _zero3_forward(
+    m: _Memory, d: Dims, name: str, out: str, out_bytes: float, w: float, *, bias: float = 0.0, row: bool = False
+) -> None:
+    """``out = zero3_linear(x, W, b)``: the weight (and a column bias) exist for the GEMM only."""
+    if d.p == 1:
+        m.alloc(**{out: out_bytes})
+        return
+    if bias:
+        m.alloc(**{f"{name}_b": bias})
+    weight = _gather_weight(m, d, f"{name}_w", w, row=row)
+    m.alloc(**{out: out_bytes})
+    m.free(weight, *((f"{name}_b",) if bias else ()))
+
+
+def _zero3_backward(
+    m: _Memory,
+    d: Dims,
+    name: str,
+    dx: str,
+    dx_bytes: float,
+    w: float,
+    *,
+    release: tuple[str, ...],
+    bias: float = 0.0,
+    row: bool = False,
+) -> None:
+    """``zero3_linear``'s backward: the weight gathered again for ``dx = dy W``, then the full weight
+    gradient (row: and its transposed copy) reduce-scattered to the shard, the bias's too; then
+    ``release`` (the incoming gradient, the saved input) and the shard gradients (accumulated into
+    ``.grad``) die."""
+    dw, db = f"{name}_dw", f"{name}_db"
+    if d.p == 1:
+        m.alloc(**{dx: dx_bytes, dw: w, **({db: bias} if bias else {})})
+        m.free(*release, dw, *((db,) if bias else ()))
+        return
+    weight = _gather_weight(m, d, f"{name}_w", w, row=row)
+    m.alloc(**{dx: dx_bytes})
+    m.free(weight)
+    full = f"{dw}_full"
+    m.alloc(**{full: w})
+    if row:
+        m.alloc(**{f"{dw}_t": w})
+        m.free(full)
+        full = f"{dw}_t"
+    m.alloc(**{dw: w / d.p})
+    m.free(full)
+    if bias:
+        m.alloc(**{f"{db}_full": bias, db: bias / d.p})
+        m.free(f"{db}_full")
+    m.free(*release, dw, *((db,) if bias else ()))
+
+
+def _row_parallel_backward(
+    m: _Memory, d: Dims, dx: str, dx_bytes: float, w: float, *, release: tuple[str, ...]
+) -> None:
+    """The backward of Megatron's row-parallel linear followed by the sequence reduce-scatter: the
+    output gradient all-gathered to ``[s, b, h]``, the weight gradient and ``dx``; then the gathered
+    gradient, ``release`` (the saved input) and the weight gradient (accumulated) die."""
+    if d.p > 1:
+        m.alloc(dy_full=d.s * d.b * d.h * d.e)
+    m.alloc(row_dw=w, **{dx: dx_bytes})
+    m.free(*(("dy_full",) if d.p > 1 else ()), *release, "row_dw")
+
+
+def _column_parallel_backward(m: _Memory, d: Dims, dy: str, gathered: str, w: float, bias: float) -> None:
+    """The backward of the sequence all-gather followed by Megatron's column-parallel linear, from
+    ``dy``: ``[s, b, h]`` input gradient, weight and bias gradients; then ``dy``, the gathered input
+    and the weight gradients die, and the input gradient is reduce-scattered to ``dx_local``."""
+    dx_full = "dx_full" if d.p > 1 else "dx_local"
+    m.alloc(**{dx_full: d.s * d.b * d.h * d.e, "column_dw": w, "column_db": bias})
+    m.free(dy, gathered, "column_dw", "column_db")
+    if d.p > 1:
+        m.alloc(dx_local=d.x)
+        m.free("dx_full")
+
+
+def _kernel_forward(m: _Memory, d: Dims, out: str, lse: str, heads: int, kv_heads: int, sq: int, sk: int) -> None:
+    """One kernel call: ``out [b, heads, sq, hn]`` and its log-sum-exp; with GQA the key/value heads
+    are first repeated for their query heads (``_expand_kv``, for the call only)."""
+    expanded = {f"{out}_k": d.b * heads * sk * d.hn * d.e, f"{out}_v": d.b * heads * sk * d.hn * d.e}
+    if heads != kv_heads:
+        m.alloc(**expanded)
+    m.alloc(**{out: d.b * heads * sq * d.hn * d.e, lse: d.b * heads * sq * d.acc})
+    if heads != kv_heads:
+        m.free(*expanded)
+
+
+def _kernel_backward(
+    m: _Memory, d: Dims, grads: tuple[str, str, str], heads: int, kv_heads: int, sq: int, sk: int
+) -> None:
+    """One kernel call's backward: the output gradient made contiguous (a copy), ``dq``, ``dk``,
+    ``dv``; with GQA, ``dk``/``dv`` of the repeated heads, summed back to the key/value heads."""
+    dq, dk, dv = grads
+    q_bytes, k_bytes = d.b * heads * sq * d.hn * d.e, d.b * kv_heads * sk * d.hn * d.e
+    expanded_bytes = d.b * heads * sk * d.hn * d.e
+    m.alloc(**{f"{dq}_dout": q_bytes})
+    if heads == kv_heads:
+        m.alloc(**{dq: q_bytes, dk: k_bytes, dv: k_bytes})
+        m.free(f"{dq}_dout")
+        return
+    m.alloc(**{f"{dq}_k": expanded_bytes, f"{dq}_v": expanded_bytes})
+    m.alloc(**{dq: q_bytes, f"{dk}_expanded": expanded_bytes, f"{dv}_expanded": expanded_bytes})
+    m.free(f"{dq}_dout", f"{dq}_k", f"{dq}_v")
+    m.alloc(**{dk: k_bytes, dv: k_bytes})
+    m.free(f"{dk}_expanded", f"{dv}_expanded")
+
+
+def _covers(segments: tuple[Segment, ...], sq: int, sk: int) -> bool:
+    """One segment over the whole block: one kernel call, no partial results to merge."""
+    return len(segments) == 1 and segments[0][:4] == (0, sq, 0, sk)
+
+
+def _full_attention_forward(
+    m: _Memory, d: Dims, layout: SequenceLayout, qkv: str, heads: int, kv_heads: int
+) -> tuple[tuple[str, ...], str]:
+    """``attend_full_sequence`` of ``qkv`` ``[s, b, (heads + 2 kv_heads) hn]`` (alive): q (a copy when
+    several groups' query heads are gathered), q/k/v put in natural order (causal: copies), the
+    kernel's output and log-sum-exp, the output as ``[s, b, heads hn]`` in canonical order (causal: a
+    copy; otherwise a view, the kernel lays its output out sequence-major). Returns what the kernel
+    keeps for backward and the name of that output."""
+    core = d.s * d.b * heads * d.hn * d.e
+    q_copy = d.q_copied(kv_heads)
+    if q_copy:
+        m.alloc(q_copy=core)
+    if layout.is_identity:
+        kept = (qkv, "q_copy") if q_copy else (qkv,)
+    else:
+        m.alloc(qkv_natural=d.s * d.b * (heads + 2 * kv_heads) * d.hn * d.e)
+        if q_copy:
+            m.free("q_copy")
+        kept = ("qkv_natural",)
+    _kernel_forward(m, d, "attn_out", "lse", heads, kv_heads, d.s, d.s)
+    if layout.is_identity:
+        return (*kept, "attn_out", "lse"), "attn_out"
+    m.alloc(core=core)
+    return (*kept, "attn_out", "lse"), "core"
+
+
+def _full_attention_backward(
+    m: _Memory, d: Dims, layout: SequenceLayout, dcore: str, kept: tuple[str, ...], heads: int, kv_heads: int
+) -> str:
+    """The backward of :func:`_full_attention_forward` from ``dcore``: releases it and what was kept,
+    leaves ``d_qkv`` ``[s, b, (heads + 2 kv_heads) hn]``."""
+    core, kv = d.s * d.b * heads * d.hn * d.e, d.s * d.b * kv_heads * d.hn * d.e
+    if not layout.is_identity:  # index_select's backward: zeros, then index_add
+        m.alloc(dcore_zeros=core, dout_natural=core)
+        m.free("dcore_zeros", dcore)
+        dcore = "dout_natural"
+    _kernel_backward(m, d, ("dq", "dk", "dv"), heads, kv_heads, d.s, d.s)
+    m.free(dcore, *kept)
+    grads = ("dq", "dk", "dv")
+    if not layout.is_identity:  # back to canonical order, v, k then q
+        for grad, nbytes in (("dv", kv), ("dk", kv), ("dq", core)):
+            m.alloc(**{f"{grad}_zeros": nbytes, f"{grad}_canonical": nbytes})
+            m.free(f"{grad}_zeros", grad)
+        grads = ("dq_canonical", "dk_canonical", "dv_canonical")
+    m.alloc(d_qkv=core + 2 * kv)  # split's backward: one tensor
+    m.free(*grads)
+    return "d_qkv"
+
+
+def _ring_forward(d: Dims, layout: SequenceLayout, rank: int, heads: int, kv_heads: int) -> _Call:
+    """``ring_attention_forward`` on this rank's ``t`` queries of ``heads`` heads: the stacked K/V
+    block and the one in flight, the running output and log-sum-exp (accumulation dtype), each
+    step's partial result (zeros and per-segment merges when its segments do not cover the block)
+    and its merge. Leaves ``out`` and ``lse``."""
+    t, b, hn, acc = d.t, d.b, d.hn, d.acc
+    out_acc, lse_bytes = b * heads * t * hn * acc, b * heads * t * acc
+    kv_bytes = 2 * b * kv_heads * t * hn * d.e
+    m = _Memory()
+    m.alloc(kv0=kv_bytes, out0=out_acc, lse0=lse_bytes)
+    out, lse, part = "out0", "lse0", ()
+    for step in range(d.p):
+        if step + 1 < d.p:
+            m.alloc(**{f"kv{step + 1}": kv_bytes})
+        segments = layout.ring_segments(rank, (rank - step) % d.p)
+        if segments:
+            new_part = (f"part{step}", f"part_lse{step}")
+            if _covers(segments, t, t):
+                _kernel_forward(m, d, *new_part, heads, kv_heads, t, t)
+            else:
+                m.alloc(**{new_part[0]: out_acc, new_part[1]: lse_bytes})
+                for seg in segments:
+                    rows, cols = seg.q_end - seg.q_start, seg.k_end - seg.k_start
+                    _kernel_forward(m, d, "seg_out", "seg_lse", heads, kv_heads, rows, cols)
+                    # merged into the rows: every temporary of merge_partial dies, the result is copied in
+                    row_lse = b * heads * rows * acc
+                    m.temporary(merge_lse=row_lse, merge_weights=3 * row_lse, merge_scaled=3 * row_lse * hn)
+                    m.free("seg_out", "seg_lse")
+            m.free(*part)
+            part = new_part
+            # merge_partial: the new log-sum-exp, shift and both weights, the two scaled outputs, the sum
+            new_out, new_lse = f"out{step + 1}", f"lse{step + 1}"
+            m.alloc(**{new_lse: lse_bytes, "weights": 3 * lse_bytes})
+            m.alloc(**{"scaled": 2 * out_acc, new_out: out_acc})
+            m.free("scaled", "weights", out, lse)
+            out, lse = new_out, new_lse
+        if step + 1 < d.p:
+            m.free(f"kv{step}")
+    m.free(f"kv{d.p - 1}", *part)
+    if d.e < acc:  # returned in the activations' dtype
+        m.alloc(out_cast=b * heads * t * hn * d.e)
+        m.free(out)
+        out = "out_cast"
+    return _Call(m.peak, {"out": m.sizes[out], "lse": m.sizes[lse]})
+
+
+def _ring_backward(d: Dims, layout: SequenceLayout, rank: int, heads: int, kv_heads: int) -> _Call:
+    """``ring_attention_backward``: the stacked K/V block and the one in flight, ``dq`` and each step's
+    ``dk``/``dv`` accumulator (accumulation dtype), the block gradients of the step (kept until the
+    next step's replace them), the accumulator leaving and the one arriving. Leaves ``dq`` and
+    ``dkv`` (the arrived accumulator; ``dk``/``dv`` are views of it)."""
+    t, b, hn, acc = d.t, d.b, d.hn, d.acc
+    kv_bytes = 2 * b * kv_heads * t * hn * d.e
+    kv_acc = kv_bytes // d.e * acc
+    m = _Memory()
+    m.alloc(kv0=kv_bytes, dq=b * heads * t * hn * acc)
+    block, arrived, sent = (), None, None
+    for step in range(d.p):
+        if step + 1 < d.p:
+            m.alloc(**{f"kv{step + 1}": kv_bytes})
+        dkv = f"dkv{step}"
+        m.alloc(**{dkv: kv_acc})
+        segments = layout.ring_segments(rank, (rank - step) % d.p)
+        if segments:
+            new_block = (f"dq_b{step}", f"dk_b{step}", f"dv_b{step}")
+            if _covers(segments, t, t):
+                _kernel_backward(m, d, new_block, heads, kv_heads, t, t)
+            else:
+                m.alloc(**dict(zip(new_block, (b * heads * t * hn * acc, kv_acc / 2, kv_acc / 2))))
+                for seg in segments:
+                    rows, cols = seg.q_end - seg.q_start, seg.k_end - seg.k_start
+                    m.alloc(seg_lse=b * heads * rows * acc)  # a contiguous slice
+                    _kernel_backward(m, d, ("seg_dq", "seg_dk", "seg_dv"), heads, kv_heads, rows, cols)
+                    m.free("seg_lse", "seg_dq", "seg_dk", "seg_dv")
+            m.free(*block)
+            block = new_block
+        if sent is not None:  # the accumulator sent last step: released once its send completed
+            m.free(sent)
+        if d.p == 1:
+            arrived = dkv
+            break
+        m.alloc(**{f"dkv_in{step}": kv_acc})
+        if arrived is not None:
+            m.free(arrived)
+        arrived, sent = f"dkv_in{step}", dkv
+        if step + 1 < d.p:
+            m.free(f"kv{step}")
+    m.free(f"kv{d.p - 1}", *block, *((sent,) if sent else ()))
+    return _Call(m.peak, {"dq": m.sizes["dq"], "dkv": m.sizes[arrived]})
+
+
+def _activation_forward(m: _Memory, d: Dims, rows: int, units: int) -> tuple[str, ...]:
+    """``activate`` on ``[rows, b, g units]`` (``fc1_out``, alive): the activation's output, gated:
+    the gate's activation and the product. Returns them, the output last."""
+    nbytes = rows * d.b * units * d.e
+    if not d.shape.gated_mlp:
+        m.alloc(act_out=nbytes)
+        return ("act_out",)
+    m.alloc(act_gate=nbytes, act_out=nbytes)
+    return "act_gate", "act_out"
+
+
+def _activation_backward(
+    m: _Memory, d: Dims, rows: int, units: int, *, d_act: str | None, fc1_out: str | None, act_gate: str | None
+) -> str:
+    """The activation's backward: releases ``act_gate`` (gated: kept by the product) and, unless None
+    (the caller holds them), ``d_act`` and ``fc1_out``; leaves ``d_fc1_out``. Gated: both factors'
+    gradients, each gate/up half scattered into a zero ``[rows, b, 2 units]`` tensor (``select``'s
+    backward), then summed."""
+    nbytes = rows * d.b * units * d.e
+    given = {"d_act": d_act, "fc1_out": fc1_out}
+    release = {name: (value,) if value else () for name, value in given.items()}
+    if not d.shape.gated_mlp:
+        m.alloc(d_fc1_out=nbytes)
+        m.free(*release["d_act"], *release["fc1_out"])
+        return "d_fc1_out"
+    m.alloc(d_up=nbytes, d_gate_act=nbytes)  # mul's backward
+    m.free(*release["d_act"], act_gate)
+    m.alloc(d_up_full=2 * nbytes)
+    m.free("d_up")
+    m.alloc(d_gate=nbytes)  # the activation's backward
+    m.free("d_gate_act", *release["fc1_out"])
+    m.alloc(d_gate_full=2 * nbytes)
+    m.free("d_gate")
+    m.alloc(d_fc1_out=2 * nbytes)
+    m.free("d_up_full", "d_gate_full")
+    return "d_fc1_out"
 
 
 # -- attention ------------------------------------------------------------------------------------
-def _core_attention(d: Dims, layout: SequenceLayout, heads: int, kv_heads: int) -> dict[str, float]:
-    """What full-sequence attention (``attend_full_sequence``) on ``heads`` heads keeps: q/k/v (views
-    of the QKV tensor, or natural-order copies when causal), a copied q, the output and its
-    log-sum-exp."""
-    s, b, e = d.s, d.b, d.e
-    saved = {"qkv": s * b * (heads + 2 * kv_heads) * d.hn * e}
-    if d.q_copied(kv_heads) and layout.is_identity:
-        saved["q_copy"] = s * b * heads * d.hn * e
-    saved["attn_out"] = s * b * heads * d.hn * e
-    saved["lse"] = s * b * heads * LSE_BYTES
-    return saved
-
-
 def _tp_sp_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
     s, b, e, p = d.s, d.b, d.e, d.p
     heads, kv_heads = d.nq // p, d.ng // p
-    x_full = s * b * d.h * e
-    core = s * b * heads * d.hn * e  # the output in canonical order, kept by linear_proj
-    saved = {"x_full": x_full, **_core_attention(d, layout, heads, kv_heads), "core": core}
-    w_proj = d.h * heads * d.hn * e
+    x_full, core = s * b * d.h * e, s * b * heads * d.hn * e
+    gathered = "x_full" if p > 1 else "x_local"  # a group of one gathers nothing
+
+    fwd = _Memory(x_local=d.x)
+    if p > 1:
+        fwd.alloc(x_full=x_full)
+    fwd.alloc(qkv_out=s * b * d.qkv // p * e)
+    kept, core_name = _full_attention_forward(fwd, d, layout, "qkv_out", heads, kv_heads)
+    fwd.alloc(y_partial=x_full)  # linear_proj, before the sum over ranks
+    if p > 1:
+        fwd.alloc(y_reduced=d.x)
+    fwd.alloc(y_local=d.x)  # + bias
+    proj_input = () if core_name in kept else (core_name,)  # kept by linear_proj
+    saved = fwd.returns("y_local", gathered, *kept, *proj_input)
+
+    bwd = _Memory(dy_local=0.0, **saved)
+    _row_parallel_backward(bwd, d, "d_core", core, d.h * d.a // p * e, release=proj_input)
+    d_qkv = _full_attention_backward(bwd, d, layout, "d_core", kept, heads, kv_heads)
+    _column_parallel_backward(bwd, d, d_qkv, gathered, d.qkv // p * d.h * e, d.qkv // p * e)
     return SublayerTerms(
         gemms=(Gemm(s * b, d.qkv // p, d.h), Gemm(s * b, d.h, d.a // p)),
         attention=attention_calls(layout, b, heads, d.hn),
         fwd_comm=(Collective("all_gather", x_full), Collective("reduce_scatter", x_full)),
         bwd_comm=(Collective("reduce_scatter", x_full), Collective("all_gather", x_full)),
         elementwise_bytes=2 * (s * b * d.qkv // p * e) * (2 if layout.causal else 1) + 4 * core,
-        saved=saved,
-        # the row-parallel output [s, b, h] and its reduce-scattered shard, on top of everything kept
-        fwd_peak=sum(saved.values()) + x_full + 2 * d.x,
-        # linear_proj backward (the all-gathered gradient, dgrad, wgrad), or the kernel's backward
-        # (dq, dk, dv beside a contiguous copy of the output gradient)
-        bwd_peak=max(x_full + core + w_proj, saved["qkv"] + core),
+        **_memory(fwd, bwd, saved),
     )
 
 
 def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
-    s, t, b, e, p = d.s, d.t, d.b, d.e, d.p
+    t, b, e, p = d.t, d.b, d.e, d.p
     heads, kv_heads = d.nq // p, d.ng // p
     w_qkv, w_proj = d.qkv * d.h * e, d.h * d.a * e
-    qkv_local = t * b * d.qkv * e
-    core_local = t * b * d.a * e
-    saved = {"x_local": d.x, "w_qkv": w_qkv, **_core_attention(d, layout, heads, kv_heads)}
-    saved.update(core_local=core_local, w_proj=w_proj)
+    qkv_local = t * b * d.qkv * e  # = [s, b, qkv/p] after the all-to-all
+    core_local = t * b * d.a * e  # = [s, b, a/p] before it
+
+    fwd = _Memory(x_local=d.x)
+    _zero3_forward(fwd, d, "qkv", "qkv_local", qkv_local, w_qkv, bias=d.qkv * e)
+    fwd.alloc(a2a_send=qkv_local, qkv_full=qkv_local)  # sequence -> heads: a permuted send copy, the receive
+    fwd.free("a2a_send")
+    kept, _ = _full_attention_forward(fwd, d, layout, "qkv_full", heads, kv_heads)
+    fwd.alloc(a2a_recv=core_local, core_local=core_local)  # heads -> sequence: the receive, then permuted
+    fwd.free("a2a_recv")
+    _zero3_forward(fwd, d, "proj", "proj_out", d.x, w_proj, row=True)
+    fwd.alloc(y_local=d.x)
+    saved = fwd.returns("y_local", "x_local", *kept, "core_local")
+
+    bwd = _Memory(dy_local=0.0, **saved)
+    _zero3_backward(bwd, d, "proj", "d_core_local", core_local, w_proj, row=True, release=("core_local",))
+    bwd.alloc(a2a_send=core_local, d_core=core_local)
+    bwd.free("a2a_send", "d_core_local")
+    d_qkv = _full_attention_backward(bwd, d, layout, "d_core", kept, heads, kv_heads)
+    bwd.alloc(a2a_recv=qkv_local, d_qkv_local=qkv_local)
+    bwd.free("a2a_recv", d_qkv)
+    _zero3_backward(bwd, d, "qkv", "dx_local", d.x, w_qkv, bias=d.qkv * e, release=("d_qkv_local", "x_local"))
     return SublayerTerms(
         gemms=(Gemm(t * b, d.qkv, d.h), Gemm(t * b, d.h, d.a)),
         attention=attention_calls(layout, b, heads, d.hn),
@@ -280,19 +684,17 @@ def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTe
             Collective("all_to_all", core_local),
             Collective("all_gather", w_proj),
         ),
+        # zero3_linear gathers each weight again for its backward
         bwd_comm=(
+            Collective("all_gather", w_proj),
             Collective("reduce_scatter", w_proj),
             Collective("all_to_all", core_local),
             Collective("all_to_all", qkv_local),
+            Collective("all_gather", w_qkv),
             Collective("reduce_scatter", w_qkv),
         ),
         elementwise_bytes=4 * qkv_local * (2 if layout.causal else 1) + 6 * core_local,
-        saved=saved,
-        # the QKV projection and the all-to-all's send and receive buffers
-        fwd_peak=sum(saved.values()) + 3 * qkv_local,
-        # linear_proj backward (dgrad, wgrad), or the kernel's backward (dq, dk, dv beside a contiguous
-        # copy of the output gradient)
-        bwd_peak=max(core_local + w_proj, saved["qkv"] + s * b * heads * d.hn * e),
+        **_memory(fwd, bwd, saved),
     )
 
 
@@ -301,130 +703,237 @@ def _ring_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
     w_qkv, w_proj = d.qkv * d.h * e, d.h * d.a * e
     qkv_local = t * b * d.qkv * e
     core_local = t * b * d.a * e
-    kv_block = 2 * t * b * d.ng * d.hn * e
-    out32 = t * b * d.a * LSE_BYTES
-    kv32 = kv_block // e * LSE_BYTES
-    saved = {"x_local": d.x, "w_qkv": w_qkv, "qkv": qkv_local}
-    if d.q_copied(d.ng):
-        saved["q_copy"] = core_local
-    saved.update(attn_out=out32, lse=t * b * d.nq * LSE_BYTES, core=core_local, w_proj=w_proj)
-    ring = RingStage(
-        steps=_ring_steps(layout, rank, b, d.nq, d.hn),
-        hop=Collective("send_recv", kv_block),
-        bwd_hop=Collective("send_recv", kv32),
-    )
+    q_copy = ("q_copy",) if d.q_copied(d.ng) else ()
+
+    fwd = _Memory(x_local=d.x)
+    _zero3_forward(fwd, d, "qkv", "qkv_local", qkv_local, w_qkv, bias=d.qkv * e)
+    if q_copy:
+        fwd.alloc(q_copy=core_local)
+    fwd.call(_ring_forward(d, layout, rank, d.nq, d.ng))
+    fwd.alloc(core=core_local)  # [s/p, b, nq hn]: the output permuted
+    _zero3_forward(fwd, d, "proj", "proj_out", d.x, w_proj, row=True)
+    fwd.alloc(y_local=d.x)
+    # q, k, v are views of the projection (and the q copy)
+    saved = fwd.returns("y_local", "x_local", "qkv_local", *q_copy, "out", "lse", "core")
+
+    bwd = _Memory(dy_local=0.0, **saved)
+    _zero3_backward(bwd, d, "proj", "d_core", core_local, w_proj, row=True, release=("core",))
+    bwd.call(_ring_backward(d, layout, rank, d.nq, d.ng))
+    bwd.free("d_core", "qkv_local", *q_copy, "out", "lse")
+    bwd.alloc(d_qkv_local=qkv_local)
+    bwd.free("dq", "dkv")
+    _zero3_backward(bwd, d, "qkv", "dx_local", d.x, w_qkv, bias=d.qkv * e, release=("d_qkv_local", "x_local"))
+    ring = _ring_stage(layout, rank, d, d.nq, d.ng)
+    out_acc = t * b * d.a * d.acc
     return SublayerTerms(
         gemms=(Gemm(t * b, d.qkv, d.h), Gemm(t * b, d.h, d.a)),
-        ring=ring,
+        rings=(ring,),
         fwd_comm=(Collective("all_gather", w_qkv), Collective("all_gather", w_proj)),
-        bwd_comm=(Collective("reduce_scatter", w_proj), Collective("reduce_scatter", w_qkv)),
-        # per step: the block's partial output and lse merged into the running ones (fp32)
-        elementwise_bytes=p * 8 * out32 + 4 * core_local + 2 * kv_block,
-        saved=saved,
-        # two K/V blocks (current and in flight) and a partial result beside the running one
-        fwd_peak=sum(saved.values()) + 2 * kv_block + 2 * out32,
-        # At a step with several segments: K/V held, in flight (not on the last step, so not for p=2)
-        # and stacked, the step's and the travelling dk/dv accumulators (fp32) both ways, dq (fp32),
-        # the kernel's block gradients, and with GQA the kernel's K/V heads expanded to the queries'.
-        bwd_peak=max(
-            3 * core_local + w_proj,
-            (4 if p > 2 else 3) * kv_block
-            + 4 * kv32
-            + 2 * out32
-            + 2 * core_local
-            + 2 * (d.shape.heads_per_group - 1) * kv_block,
+        bwd_comm=(
+            Collective("all_gather", w_proj),
+            Collective("reduce_scatter", w_proj),
+            Collective("all_gather", w_qkv),
+            Collective("reduce_scatter", w_qkv),
         ),
+        # per step: the block's partial output and lse merged into the running ones
+        elementwise_bytes=p * 8 * out_acc + 4 * core_local + 2 * ring.hop.nbytes,
+        **_memory(fwd, bwd, saved),
     )
 
 
 def _lean_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
-    """METP-style (issue 4, from its description): the QKV/proj shards stream round the ring one group
-    at a time, each head group's K/V blocks circulate for ring attention, only the input and the
-    per-group attention outputs are kept, the rest is recomputed in backward."""
+    """Head group ``j`` (``nq/p`` heads, ``ng/p`` groups): its shard broadcast by rank ``j`` (the next
+    one in flight), its q/k/v projected, ring attention, ``y += core_j proj_j^T``; backward
+    broadcasts again, recomputes q/k/v, runs the ring backward and reduces the shard's gradient to
+    its owner while the next group runs."""
     t, b, e, p = d.t, d.b, d.e, d.p
-    w_qkv_shard, w_proj_shard = d.qkv // p * d.h * e, d.h * d.a // p * e
-    kv_block = 2 * t * b * d.ng // p * d.hn * e
-    core_local = t * b * d.a * e
-    saved = {"x_local": d.x, "core": core_local, "lse": t * b * d.nq * LSE_BYTES}
-    steps = _ring_steps(layout, rank, b, d.nq // p, d.hn)
+    heads, kv_heads = d.nq // p, d.ng // p
+    qkv_rows = d.qkv // p
+    shard = (qkv_rows * d.h + d.h * d.a // p + qkv_rows) * e  # qkv rows, proj columns, qkv bias: one message
+    qkv_group, core_group = t * b * qkv_rows * e, t * b * heads * d.hn * e
+    copies_q = d.q_copied(kv_heads)
+
+    ring_forward = _ring_forward(d, layout, rank, heads, kv_heads)  # the same for every group
+    fwd = _Memory(x_local=d.x)
+    fwd.alloc(y_sum=d.x, shard0=shard)
+    for j in range(p):
+        if j:
+            fwd.free(f"shard{j - 1}")
+        if j + 1 < p:
+            fwd.alloc(**{f"shard{j + 1}": shard})
+        fwd.alloc(qkv=qkv_group)
+        if copies_q:
+            fwd.alloc(q_copy=core_group)
+        fwd.call(ring_forward, prefix=f"g{j}_")
+        fwd.temporary(core_rows=core_group)  # the output as [t b, heads hn] for y.addmm_
+        fwd.free("qkv", *(("q_copy",) if copies_q else ()))
+    fwd.free(f"shard{p - 1}")
+    fwd.alloc(y_local=d.x)
+    saved = fwd.returns("y_local", "x_local", *(f"g{j}_{name}" for j in range(p) for name in ring_forward.leaves))
+
+    ring_backward = _ring_backward(d, layout, rank, heads, kv_heads)
+    bwd = _Memory(dy_local=0.0, **saved)
+    bwd.alloc(dx_local=d.x, shard0=shard)  # dx accumulates group by group
+    own = reducing = None
+    for j in range(p):
+        if j:
+            bwd.free(f"shard{j - 1}")
+        if j + 1 < p:
+            bwd.alloc(**{f"shard{j + 1}": shard})
+        grad = f"grad{j}"
+        bwd.alloc(**{grad: shard})
+        bwd.temporary(core_rows=core_group)  # for the proj gradient
+        bwd.alloc(dout=core_group, qkv=qkv_group)  # dy proj_j, the recomputed projection
+        if copies_q:
+            bwd.alloc(q_copy=core_group)
+        bwd.call(ring_backward)
+        bwd.alloc(d_qkv=qkv_group)  # qkv.grad, through split (and qk_transform)
+        bwd.free("dout", "qkv", *(("q_copy",) if copies_q else ()), "dq", "dkv", "d_qkv")
+        if reducing is not None and reducing != own:
+            bwd.free(reducing)  # its reduce is complete
+        reducing = grad if p > 1 else None
+        own = grad if j == rank else own
+    bwd.free(f"shard{p - 1}", *((reducing,) if reducing not in (None, own) else ()))
+    bwd.free(*saved, own)  # the function's backward returns; the shard gradient is accumulated
+    ring = _ring_stage(layout, rank, d, heads, kv_heads)
+    # the first shard's broadcast (and the last gradient's reduce) are waited for; the others run
+    # while a group computes
+    broadcast, reduce = Collective("broadcast", shard), Collective("reduce", shard)
     return SublayerTerms(
-        # the projections run group by group: the same FLOPs as one GEMM; recompute adds the QKV again
-        gemms=(Gemm(t * b, d.qkv, d.h), Gemm(t * b, d.h, d.a)),
-        ring=RingStage(
-            steps=steps * p,
-            hop=Collective("send_recv", kv_block + w_qkv_shard // p),
-            bwd_hop=Collective("send_recv", kv_block // e * LSE_BYTES + w_qkv_shard // p),
-        ),
-        fwd_comm=(Collective("send_recv", w_proj_shard),) * (p - 1),
-        bwd_comm=(Collective("send_recv", w_proj_shard),) * (2 * (p - 1)),
-        elementwise_bytes=p * 8 * t * b * d.a // p * LSE_BYTES + 4 * core_local,
-        saved=saved,
-        fwd_peak=sum(saved.values()) + 2 * (w_qkv_shard + kv_block) + t * b * d.qkv // p * e,
-        bwd_peak=2 * (w_qkv_shard + kv_block) + 2 * t * b * d.qkv // p * e + core_local,
+        gemms=(Gemm(t * b, qkv_rows, d.h), Gemm(t * b, d.h, d.a // p)) * p,
+        recompute_gemms=(Gemm(t * b, qkv_rows, d.h),) * p,
+        rings=(ring,) * p,
+        fwd_comm=(broadcast,) if p > 1 else (),
+        fwd_streamed=(broadcast,) * (p - 1),
+        bwd_comm=(broadcast, reduce) if p > 1 else (),
+        bwd_streamed=(broadcast, reduce) * (p - 1),
+        # per group and step a merge, the output copied to rows, the shard packed
+        elementwise_bytes=p * 8 * t * b * d.a * d.acc + 2 * t * b * d.a * e + 2 * shard,
+        **_memory(fwd, bwd, saved),
     )
 
 
 # -- MLP ------------------------------------------------------------------------------------------
-def _activation_saved(tokens: int, d: Dims, units: int) -> dict[str, float]:
-    """fc1 output (kept by the activation) and the activation's output (kept by fc2); gated: the
-    gate's activation and the product as well."""
-    g = 2 if d.shape.gated_mlp else 1
-    saved = {"fc1_out": tokens * d.b * g * units * d.e, "act_out": tokens * d.b * units * d.e}
-    if d.shape.gated_mlp:
-        saved["gated_out"] = tokens * d.b * units * d.e
-    return saved
-
-
 def _tp_sp_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
     s, b, e, p = d.s, d.b, d.e, d.p
-    x_full = s * b * d.h * e
-    units = d.f // p
-    saved = {"x_full": x_full, **_activation_saved(s, d, units)}
+    x_full, units = s * b * d.h * e, d.f // p
+    gathered = "x_full" if p > 1 else "x_local"
+
+    fwd = _Memory(x_local=d.x)
+    if p > 1:
+        fwd.alloc(x_full=x_full)
+    fwd.alloc(fc1_out=s * b * d.f1 // p * e)
+    act = _activation_forward(fwd, d, s, units)
+    fwd.recompute_stops()  # linear_fc2 saves its input
+    fwd.alloc(y_partial=x_full)
+    if p > 1:
+        fwd.alloc(y_reduced=d.x)
+    fwd.alloc(y_local=d.x)
+    saved = fwd.returns("y_local", gathered, "fc1_out", *act)
+
+    bwd = _Memory(dy_local=0.0, **saved)
+    _row_parallel_backward(bwd, d, "d_act", s * b * units * e, d.h * units * e, release=(act[-1],))
+    gate = act[0] if len(act) > 1 else None
+    d_fc1 = _activation_backward(bwd, d, s, units, d_act="d_act", fc1_out="fc1_out", act_gate=gate)
+    _column_parallel_backward(bwd, d, d_fc1, gathered, d.f1 // p * d.h * e, d.f1 // p * e)
     return SublayerTerms(
         gemms=(Gemm(s * b, d.f1 // p, d.h), Gemm(s * b, d.h, units)),
         fwd_comm=(Collective("all_gather", x_full), Collective("reduce_scatter", x_full)),
         bwd_comm=(Collective("reduce_scatter", x_full), Collective("all_gather", x_full)),
         elementwise_bytes=3 * s * b * d.f1 // p * e,
-        saved=saved,
-        fwd_peak=sum(saved.values()) + x_full + 2 * d.x,
-        # linear_fc2 backward: the all-gathered gradient, dgrad and wgrad
-        bwd_peak=x_full + s * b * units * e + d.h * units * e,
+        **_memory(fwd, bwd, saved),
     )
 
 
 def _zero3_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
     t, b, e = d.t, d.b, d.e
     w1, w2 = d.f1 * d.h * e, d.h * d.f * e
-    saved = {"x_local": d.x, "w_fc1": w1, **_activation_saved(t, d, d.f), "w_fc2": w2}
+
+    fwd = _Memory(x_local=d.x)
+    _zero3_forward(fwd, d, "fc1", "fc1_out", t * b * d.f1 * e, w1, bias=d.f1 * e)
+    act = _activation_forward(fwd, d, t, d.f)
+    _zero3_forward(fwd, d, "fc2", "fc2_out", d.x, w2, row=True)
+    fwd.recompute_stops()
+    fwd.alloc(y_local=d.x)
+    saved = fwd.returns("y_local", "x_local", "fc1_out", *act)
+
+    bwd = _Memory(dy_local=0.0, **saved)
+    _zero3_backward(bwd, d, "fc2", "d_act", t * b * d.f * e, w2, row=True, release=(act[-1],))
+    gate = act[0] if len(act) > 1 else None
+    d_fc1 = _activation_backward(bwd, d, t, d.f, d_act="d_act", fc1_out="fc1_out", act_gate=gate)
+    _zero3_backward(bwd, d, "fc1", "dx_local", d.x, w1, bias=d.f1 * e, release=(d_fc1, "x_local"))
     return SublayerTerms(
         gemms=(Gemm(t * b, d.f1, d.h), Gemm(t * b, d.h, d.f)),
         fwd_comm=(Collective("all_gather", w1), Collective("all_gather", w2)),
-        bwd_comm=(Collective("reduce_scatter", w2), Collective("reduce_scatter", w1)),
+        # zero3_linear gathers each weight again for its backward
+        bwd_comm=(
+            Collective("all_gather", w2),
+            Collective("reduce_scatter", w2),
+            Collective("all_gather", w1),
+            Collective("reduce_scatter", w1),
+        ),
         elementwise_bytes=3 * t * b * d.f1 * e,
-        saved=saved,
-        fwd_peak=sum(saved.values()) + d.x,
-        # linear_fc2 backward: dgrad and the full weight's gradient; then (fc2's saved input and weight
-        # released) that gradient's reduce-scatter copy and shard
-        bwd_peak=max(t * b * d.f * e + w2, w2 + w2 // d.p),
+        **_memory(fwd, bwd, saved),
     )
 
 
 def _lean_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
-    """METP-style (issue 4, from its description): fc1/fc2 shards stream round the ring, partial
-    outputs accumulate; only the input is kept, the rest is recomputed in backward."""
+    """The fc1/fc2 shards circulate (at step ``i`` rank ``r`` holds shard ``r - i``, the next one
+    arriving): ``y += act(x fc1_j^T + b1_j) fc2_j^T``; backward circulates them again, recomputes the
+    intermediate, and each shard's gradient accumulator travels with it back to its owner."""
     t, b, e, p = d.t, d.b, d.e, d.p
-    w1_shard, w2_shard = d.f1 // p * d.h * e, d.h * d.f // p * e
     units = d.f // p
-    saved = {"x_local": d.x}
-    hidden = sum(_activation_saved(t, d, units).values())
+    shard = (d.f1 // p * d.h + d.h * units + d.f1 // p) * e  # fc1 rows, fc2 columns, fc1 bias: one message
+    pre = t * b * d.f1 // p * e
+
+    fwd = _Memory(x_local=d.x)
+    fwd.alloc(y_sum=d.x, shard0=shard)
+    for step in range(p):
+        if step + 1 < p:
+            fwd.alloc(**{f"shard{step + 1}": shard})
+        fwd.alloc(fc1_out=pre)
+        act = _activation_forward(fwd, d, t, units)
+        fwd.free("fc1_out", *act)  # after y.addmm_
+        fwd.free(f"shard{step}")
+    fwd.recompute_stops()
+    fwd.alloc(y_local=d.x)
+    saved = fwd.returns("y_local", "x_local")
+
+    bwd = _Memory(dy_local=0.0, **saved)
+    bwd.alloc(dx_local=d.x, shard0=shard)  # dx accumulates shard by shard
+    arrived = sent = None
+    for step in range(p):
+        if step + 1 < p:
+            bwd.alloc(**{f"shard{step + 1}": shard})
+        grad = f"grad{step}"
+        bwd.alloc(**{grad: shard, "fc1_out": pre})
+        act = _activation_forward(bwd, d, t, units)  # recomputed
+        bwd.alloc(d_act=t * b * units * e)  # dy fc2_j
+        gate = act[0] if len(act) > 1 else None
+        d_fc1 = _activation_backward(bwd, d, t, units, d_act=None, fc1_out=None, act_gate=gate)
+        bwd.free("d_act", act[-1], "fc1_out", d_fc1)  # when autograd.grad and the step return
+        if sent is not None:  # the accumulator sent last step: released once its send completed
+            bwd.free(sent)
+        if p > 1:
+            bwd.alloc(**{f"arrived{step}": shard})
+            if arrived is not None:
+                bwd.free(arrived)
+            arrived, sent = f"arrived{step}", grad
+            if step + 1 < p:
+                bwd.free(f"shard{step}")
+        else:
+            arrived = grad
+    bwd.free(f"shard{p - 1}", *((sent,) if sent else ()), "x_local", arrived)
+    hop = Collective("send_recv", shard)
     return SublayerTerms(
-        gemms=(Gemm(t * b, d.f1, d.h), Gemm(t * b, d.h, d.f), Gemm(t * b, d.f1, d.h)),  # fc1 again in backward
-        fwd_comm=(Collective("send_recv", w1_shard + w2_shard),) * (p - 1),
-        bwd_comm=(Collective("send_recv", 2 * (w1_shard + w2_shard)),) * (p - 1),
-        elementwise_bytes=3 * t * b * d.f1 * e,
-        saved=saved,
-        fwd_peak=d.x + 2 * (w1_shard + w2_shard) + hidden + d.x,
-        bwd_peak=2 * (w1_shard + w2_shard) + 2 * hidden + 2 * d.x,
+        gemms=(Gemm(t * b, d.f1 // p, d.h), Gemm(t * b, d.h, units)) * p,
+        recompute_gemms=(Gemm(t * b, d.f1 // p, d.h),) * p,
+        fwd_streamed=(hop,) * (p - 1),
+        # the shards' hops and the accumulators' but the last, waited for at the end
+        bwd_comm=(hop,) if p > 1 else (),
+        bwd_streamed=(hop,) * (2 * p - 2),
+        elementwise_bytes=3 * t * b * d.f1 * e + 2 * shard,
+        **_memory(fwd, bwd, saved),
     )
 
 
@@ -435,7 +944,8 @@ _ATTENTION: dict[str, Callable[[Dims, SequenceLayout, int], SublayerTerms]] = {
     "lean": _lean_attention,
 }
 RANK_DEPENDENT = frozenset({"ring", "lean"})
-"""Attention strategies whose per-rank work depends on the rank (which ring blocks it sees)."""
+"""Attention strategies whose per-rank work and memory depend on the rank (which ring blocks it
+sees; which shard gradient it keeps)."""
 _MLP: dict[str, Callable[[Dims, SequenceLayout, int], SublayerTerms]] = {
     "tp_sp": _tp_sp_mlp,
     "zero3": _zero3_mlp,
@@ -464,9 +974,10 @@ class LayerTerms:
     attention: SublayerTerms
     mlp: SublayerTerms
     recompute: bool
-    norm_saved: dict[str, float]
-    """LayerNorm statistics, the residual sum (LN2's input) and the layer output."""
+    activation_bytes: float
+    """One ``[t, b, h]`` activation (the layer's input, output, residual)."""
     saved_bytes: float
+    """Kept from the layer's forward to its backward (with recompute: its output only)."""
     peak_bytes: float
     """High-water mark over forward (+ recompute) and backward, above the layer's input."""
 
@@ -476,21 +987,54 @@ class LayerTerms:
 
 
 def layer_terms(option: LayerOption, d: Dims, layout: SequenceLayout, rank: int = 0) -> LayerTerms:
-    """Terms of one layer, and its memory composed from its sublayers'.
+    """Terms of one layer; its memory from its sublayers' between the layer's own tensors.
 
-    Forward: LN1's output, the attention sublayer, the residual ``x1``, LN2's output, the MLP, the
-    output. Backward runs the MLP first with everything saved alive, then the attention with the MLP's
-    part released. Recompute keeps only the output (the next layer's input) and rebuilds the rest when
-    the backward reaches the layer, so its peak is the same, its saved bytes one ``[t, b, h]``.
+    Forward: LN1 (output and statistics), the attention, the residual ``x1``, LN2, the MLP, the
+    output. Backward from the output's gradient (the next layer's or the loss's: not counted here):
+    the MLP, LN2's backward, the residual's summed gradient, the attention, LN1's. Recompute keeps
+    only the output; its forward keeps nothing, and the backward first rebuilds the layer (beside
+    the output) up to the MLP's last kept tensor, then runs as without recompute.
     """
     attn = sublayer_terms("attention", option.attention, d, layout, rank)
     mlp = sublayer_terms("mlp", option.mlp, d, layout, rank)
-    ln_stats = 2 * d.t * d.b * LSE_BYTES  # mean and rstd, fp32
-    norm_saved = {"ln1_stats": ln_stats, "x1": d.x, "ln2_stats": ln_stats, "output": d.x}
-    # LN outputs are kept by strategies whose first op saves its input (their terms count them).
-    attn_done = ln_stats + attn.saved_bytes + d.x
-    saved = attn_done + ln_stats + mlp.saved_bytes + d.x
-    fwd_peak = max(ln_stats + d.x + attn.fwd_peak, attn_done + ln_stats + d.x + mlp.fwd_peak)
-    bwd_peak = max(saved + mlp.bwd_peak, attn_done + d.x + attn.bwd_peak)
-    peak = max(fwd_peak, bwd_peak)
-    return LayerTerms(attn, mlp, option.recompute, norm_saved, d.x if option.recompute else saved, peak)
+    x, stats = d.x, 2 * d.t * d.b * d.acc  # LayerNorm keeps its mean and rstd
+
+    def forward(m: _Memory, sub: SublayerTerms, prefix: str, peak: float) -> None:
+        """On ``{prefix}x_local``: the high-water mark ``peak`` (the input in it), then what it keeps
+        and its output."""
+        m.free(f"{prefix}x_local")
+        m.call(_Call(peak, {**sub.saved, "y_local": x}), prefix)
+
+    def backward(m: _Memory, sub: SublayerTerms, prefix: str) -> None:
+        m.peak = max(m.peak, m.live + sub.bwd_peak)
+        m.free(*(prefix + name for name in sub.saved))
+        m.alloc(**{f"{prefix}dx_local": x})
+
+    def layer_forward(m: _Memory, mlp_peak: float) -> None:
+        m.alloc(ln1_stats=stats, **{"attn.x_local": x})
+        forward(m, attn, "attn.", attn.fwd_peak)
+        m.alloc(x1=x)
+        m.free("attn.y_local")
+        m.alloc(ln2_stats=stats, **{"mlp.x_local": x})
+        forward(m, mlp, "mlp.", mlp_peak)
+
+    m = _Memory()
+    layer_forward(m, mlp.fwd_peak)
+    m.alloc(output=x)
+    m.free("mlp.y_local")
+    saved, forward_peak = m.live, m.peak
+    m.peak = m.live  # the backward's high-water mark from here
+    backward(m, mlp, "mlp.")
+    m.alloc(ln2_dx=x)
+    m.free("mlp.dx_local", "x1", "ln2_stats")
+    m.alloc(attn_dy=x)  # the output's gradient plus LN2's
+    m.free("ln2_dx")
+    backward(m, attn, "attn.")
+    m.alloc(ln1_dx=x)
+    m.free("attn.dx_local", "ln1_stats")
+    m.alloc(dx=x)
+    if not option.recompute:
+        return LayerTerms(attn, mlp, False, x, saved, max(forward_peak, m.peak))
+    rebuilt = _Memory(output=x)  # the first forward's output, alive while the layer is rebuilt
+    layer_forward(rebuilt, mlp.recompute_peak)
+    return LayerTerms(attn, mlp, True, x, x, max(rebuilt.peak, m.peak))
