@@ -3,13 +3,13 @@
 Time of one layer on one rank, forward + backward (+ one more forward with recompute)::
 
     compute  = sum over GEMMs  of gemm_fwd(m, n, k) + gemm_bwd(m, n, k)
-             + sum over kernel calls of attn_fwd(call) + attn_bwd(call)
+             + sum over kernel calls of attn_fwd(call) + attn_bwd(call)     (ring steps' too)
              + elementwise bytes * per_byte + ops * per_op
     comm     = sum over collectives of latency(kind, p) + bytes * per_byte(kind, p)
-             + per pass, streamed collectives beyond what the pass's compute hides:
-               max(C, M) + (1 - overlap) * min(C, M) - C        (C: its GEMMs and kernels, M: the collectives)
-    ring     = sum over steps of max(c, m) + (1 - overlap) * min(c, m)   (c: the step's kernels, m: its hop)
-    time     = k_compute * (compute + ring) + k_comm * comm + per_sync_s * syncs + per_layer_s
+             + what communication adds to the compute it overlaps, exposed(c, m) = max(c, m) +
+               (1 - overlap) * min(c, m) - c: per ring step (c: its kernels, m: its hops) and per
+               pass for streamed collectives (c: the pass's GEMMs and kernels, m: the collectives)
+    time     = k_compute * compute + k_comm * comm + per_sync_s * syncs + per_layer_s
 
 ``gemm_*(m, n, k) = c0 + c1 * 2mnk + c2 * e(mk + nk + mn)`` (recomputed GEMMs at the forward rate in
 the backward); ``attn_*(call) = c0 + per_pair(length) * pairs * hn`` summed over batch and heads,
@@ -61,9 +61,9 @@ _OPS_PER_SUBLAYER = 12
 @dataclasses.dataclass(frozen=True, slots=True)
 class TimeBreakdown:
     compute_s: float
+    """GEMMs, attention kernels (ring steps' included) and memory-bound work."""
     comm_s: float
-    ring_s: float
-    """Overlapped ring steps (kernels and hops together)."""
+    """Collectives, and the part of ring hops and streamed collectives that computation does not hide."""
     syncs: int
     """Collectives and ring hops: points where the ranks wait for each other."""
     total_s: float
@@ -186,24 +186,25 @@ class AnalyticCostModel:
 
     def _time(self, terms: LayerTerms) -> TimeBreakdown:
         forwards = 2 if terms.recompute else 1
-        compute = comm = ring = 0.0
+        compute = comm = 0.0
         syncs = 0
         for sub in (terms.attention, terms.mlp):
             for backward, times in ((False, forwards), (True, 1)):
                 sub_compute = self._backward_compute(sub) if backward else self._forward_compute(sub)
-                sub_ring, ring_kernels = self._rings(sub, backward=backward)
+                ring_kernels, ring_hops = self._rings(sub, backward=backward)
                 sync_comm, streamed = (sub.bwd_comm, sub.bwd_streamed) if backward else (sub.fwd_comm, sub.fwd_streamed)
-                compute += times * sub_compute
-                ring += times * sub_ring
+                sub_compute += ring_kernels
                 # asynchronous collectives hide behind computation, not behind other transfers
-                comm += times * (self._comms(sync_comm) + self._streamed(streamed, sub_compute + ring_kernels))
+                sub_comm = self._comms(sync_comm) + ring_hops + self._streamed(streamed, sub_compute)
+                compute += times * sub_compute
+                comm += times * sub_comm
                 syncs += times * sub.syncs(backward=backward)
         x = terms.activation_bytes
         elementwise = self.profile["elementwise"]["per_byte_s"] * _NORMS_AND_RESIDUALS_PASSES * x * (forwards + 2)
         compute += elementwise
         syncs = syncs if self.p > 1 else 0
-        total = self._k_compute * (compute + ring) + self._k_comm * comm + self._per_sync * syncs + self._per_layer
-        return TimeBreakdown(compute, comm, ring, syncs, total)
+        total = self._k_compute * compute + self._k_comm * comm + self._per_sync * syncs + self._per_layer
+        return TimeBreakdown(compute, comm, syncs, total)
 
     def _gemm(self, gemm: Gemm, direction: str) -> float:
         c0, c1, c2 = self.profile["gemm"][direction]["coef"]
@@ -244,31 +245,33 @@ class AnalyticCostModel:
     def _comms(self, comms: tuple[Collective, ...]) -> float:
         return 0.0 if self.p == 1 else sum(self._comm(c) for c in comms)
 
+    def _exposed(self, compute: float, comm: float) -> float:
+        """What ``comm`` seconds of communication add to ``compute`` seconds it runs beside: the
+        longer of the two, plus the part of the shorter the calibrated overlap does not hide, less
+        the compute."""
+        overlap = self.profile["ring_overlap"]
+        return max(compute, comm) + (1.0 - overlap) * min(compute, comm) - compute
+
     def _streamed(self, comms: tuple[Collective, ...], compute: float) -> float:
-        """What asynchronous collectives add to ``compute`` seconds of the pass they run beside: the
-        longer of the two, plus the part of the shorter the calibrated overlap does not hide."""
+        """Asynchronous collectives issued during a pass of ``compute`` seconds."""
         if self.p == 1 or not comms:
             return 0.0
-        overlap = self.profile["ring_overlap"]
-        streamed = sum(self._comm(c) for c in comms)
-        return max(compute, streamed) + (1.0 - overlap) * min(compute, streamed) - compute
+        return self._exposed(compute, sum(self._comm(c) for c in comms))
 
     def _rings(self, sub: SublayerTerms, *, backward: bool) -> tuple[float, float]:
-        """Ring steps: the kernels of step ``i`` run while the next block travels (hidden by the
-        calibrated overlap fraction); backward also sends the dk/dv accumulator every step. Returns
-        the time and the kernels' part of it."""
-        overlap = self.profile["ring_overlap"]
+        """Ring steps: the kernels of step ``i`` run while the next block travels; backward also
+        sends the dk/dv accumulator every step. Returns the kernels' time and the hops' exposed time."""
         direction = "backward" if backward else "forward"
-        total = kernels = 0.0
+        kernels = hops = 0.0
         for ring in sub.rings:
             for i, calls in enumerate(ring.steps):
                 compute = sum(self._attention(c, direction) for c in calls)
-                hops = []
+                step_hops = []
                 if i < ring.fwd_hops:
-                    hops.append(ring.hop)
-                if backward and self.p > 1:
-                    hops.append(ring.bwd_hop)
-                comm = sum(self._comm(h) for h in hops) if self.p > 1 else 0.0
-                total += max(compute, comm) + (1.0 - overlap) * min(compute, comm)
+                    step_hops.append(ring.hop)
+                if backward:
+                    step_hops.append(ring.bwd_hop)
                 kernels += compute
-        return total, kernels
+                if self.p > 1:
+                    hops += self._exposed(compute, sum(self._comm(h) for h in step_hops))
+        return kernels, hops

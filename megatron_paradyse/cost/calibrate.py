@@ -473,7 +473,7 @@ def fit_correction_from_layers(profile, world: int, grid: Grid, device: str, dty
     features, target = [], []
     for option, s, seconds in measured:
         b = model.time_breakdown(LayerOption.parse(option), SequenceLayout.build(s, world, causal=True), 1)
-        features.append([b.compute_s + b.ring_s, b.comm_s, b.syncs, 1.0])
+        features.append([b.compute_s, b.comm_s, b.syncs, 1.0])
         target.append(seconds)
     # The scales may stretch the calibrated terms, not delete them: a noisy fit on few layers must not
     # leave a model in which longer sequences cost nothing more.
