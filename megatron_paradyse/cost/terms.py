@@ -390,16 +390,29 @@ def _row_parallel_backward(
     m.free(*(("dy_full",) if d.p > 1 else ()), *release, "row_dw")
 
 
-def _column_parallel_backward(m: _Memory, d: Dims, dy: str, gathered: str, w: float, bias: float) -> None:
-    """The backward of the sequence all-gather followed by Megatron's column-parallel linear, from
-    ``dy``: ``[s, b, h]`` input gradient, weight and bias gradients; then ``dy``, the gathered input
-    and the weight gradients die, and the input gradient is reduce-scattered to ``dx_local``."""
-    dx_full = "dx_full" if d.p > 1 else "dx_local"
-    m.alloc(**{dx_full: d.s * d.b * d.h * d.e, "column_dw": w, "column_db": bias})
-    m.free(dy, gathered, "column_dw", "column_db")
+def _sequence_parallel_forward(m: _Memory, d: Dims, out: str, out_bytes: float) -> None:
+    """``out = sequence_parallel_linear(x_local, W, b)``: the gathered ``[s, b, h]`` input exists for
+    the GEMM only; autograd keeps ``x_local``."""
     if d.p > 1:
-        m.alloc(dx_local=d.x)
-        m.free("dx_full")
+        m.alloc(x_full=d.s * d.b * d.h * d.e)
+    m.alloc(**{out: out_bytes})
+    if d.p > 1:
+        m.free("x_full")
+
+
+def _sequence_parallel_backward(m: _Memory, d: Dims, dy: str, w: float, bias: float) -> None:
+    """``sequence_parallel_linear``'s backward from ``dy``: the ``[s, b, h]`` input gradient,
+    reduce-scattered to ``dx_local``; the input gathered again for the weight and bias gradients; then
+    ``dy``, the saved ``x_local`` and the weight gradients (accumulated) die."""
+    if d.p == 1:
+        m.alloc(dx_local=d.x, column_dw=w, column_db=bias)
+        m.free(dy, "x_local", "column_dw", "column_db")
+        return
+    full = d.s * d.b * d.h * d.e
+    m.alloc(dx_full=full, dx_local=d.x)
+    m.free("dx_full")
+    m.alloc(x_full=full, column_dw=w, column_db=bias)
+    m.free("x_full", dy, "x_local", "column_dw", "column_db")
 
 
 def _kernel_forward(m: _Memory, d: Dims, out: str, lse: str, heads: int, kv_heads: int, sq: int, sk: int) -> None:
@@ -621,29 +634,31 @@ def _tp_sp_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerm
     s, b, e, p = d.s, d.b, d.e, d.p
     heads, kv_heads = d.nq // p, d.ng // p
     x_full, core = s * b * d.h * e, s * b * heads * d.hn * e
-    gathered = "x_full" if p > 1 else "x_local"  # a group of one gathers nothing
 
     fwd = _Memory(x_local=d.x)
-    if p > 1:
-        fwd.alloc(x_full=x_full)
-    fwd.alloc(qkv_out=s * b * d.qkv // p * e)
+    _sequence_parallel_forward(fwd, d, "qkv_out", s * b * d.qkv // p * e)
     kept, core_name = _full_attention_forward(fwd, d, layout, "qkv_out", heads, kv_heads)
     fwd.alloc(y_partial=x_full)  # linear_proj, before the sum over ranks
     if p > 1:
         fwd.alloc(y_reduced=d.x)
     fwd.alloc(y_local=d.x)  # + bias
     proj_input = () if core_name in kept else (core_name,)  # kept by linear_proj
-    saved = fwd.returns("y_local", gathered, *kept, *proj_input)
+    saved = fwd.returns("y_local", "x_local", *kept, *proj_input)
 
     bwd = _Memory(dy_local=0.0, **saved)
     _row_parallel_backward(bwd, d, "d_core", core, d.h * d.a // p * e, release=proj_input)
     d_qkv = _full_attention_backward(bwd, d, layout, "d_core", kept, heads, kv_heads)
-    _column_parallel_backward(bwd, d, d_qkv, gathered, d.qkv // p * d.h * e, d.qkv // p * e)
+    _sequence_parallel_backward(bwd, d, d_qkv, d.qkv // p * d.h * e, d.qkv // p * e)
     return SublayerTerms(
         gemms=(Gemm(s * b, d.qkv // p, d.h), Gemm(s * b, d.h, d.a // p)),
         attention=attention_calls(layout, b, heads, d.hn),
         fwd_comm=(Collective("all_gather", x_full), Collective("reduce_scatter", x_full)),
-        bwd_comm=(Collective("reduce_scatter", x_full), Collective("all_gather", x_full)),
+        # sequence_parallel_linear gathers its input again for the weight gradient
+        bwd_comm=(
+            Collective("all_gather", x_full),
+            Collective("reduce_scatter", x_full),
+            Collective("all_gather", x_full),
+        ),
         elementwise_bytes=2 * (s * b * d.qkv // p * e) * (2 if layout.causal else 1) + 4 * core,
         **_memory(fwd, bwd, saved),
     )
@@ -817,29 +832,31 @@ def _lean_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
 def _tp_sp_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
     s, b, e, p = d.s, d.b, d.e, d.p
     x_full, units = s * b * d.h * e, d.f // p
-    gathered = "x_full" if p > 1 else "x_local"
 
     fwd = _Memory(x_local=d.x)
-    if p > 1:
-        fwd.alloc(x_full=x_full)
-    fwd.alloc(fc1_out=s * b * d.f1 // p * e)
+    _sequence_parallel_forward(fwd, d, "fc1_out", s * b * d.f1 // p * e)
     act = _activation_forward(fwd, d, s, units)
     fwd.recompute_stops()  # linear_fc2 saves its input
     fwd.alloc(y_partial=x_full)
     if p > 1:
         fwd.alloc(y_reduced=d.x)
     fwd.alloc(y_local=d.x)
-    saved = fwd.returns("y_local", gathered, "fc1_out", *act)
+    saved = fwd.returns("y_local", "x_local", "fc1_out", *act)
 
     bwd = _Memory(dy_local=0.0, **saved)
     _row_parallel_backward(bwd, d, "d_act", s * b * units * e, d.h * units * e, release=(act[-1],))
     gate = act[0] if len(act) > 1 else None
     d_fc1 = _activation_backward(bwd, d, s, units, d_act="d_act", fc1_out="fc1_out", act_gate=gate)
-    _column_parallel_backward(bwd, d, d_fc1, gathered, d.f1 // p * d.h * e, d.f1 // p * e)
+    _sequence_parallel_backward(bwd, d, d_fc1, d.f1 // p * d.h * e, d.f1 // p * e)
     return SublayerTerms(
         gemms=(Gemm(s * b, d.f1 // p, d.h), Gemm(s * b, d.h, units)),
         fwd_comm=(Collective("all_gather", x_full), Collective("reduce_scatter", x_full)),
-        bwd_comm=(Collective("reduce_scatter", x_full), Collective("all_gather", x_full)),
+        # sequence_parallel_linear gathers its input again for the weight gradient
+        bwd_comm=(
+            Collective("all_gather", x_full),
+            Collective("reduce_scatter", x_full),
+            Collective("all_gather", x_full),
+        ),
         elementwise_bytes=3 * s * b * d.f1 // p * e,
         **_memory(fwd, bwd, saved),
     )
