@@ -259,6 +259,8 @@ class Job:
         if profile is None:
             return None
         shape = model_shape(self.model_config.transformer)
+        rope = self.args.position_embedding_type == "rope"
+        rotary_dim = int(shape.kv_channels * self.args.rotary_percent) if rope else 0
         return [
             AnalyticCostModel(
                 profile,
@@ -267,6 +269,7 @@ class Job:
                 dtype=self.model_config.transformer.params_dtype,
                 static_bytes=f.static_bytes,
                 vocab_size=self.args.padded_vocab_size if f.has_output_layer else 0,
+                rotary_dim=rotary_dim,
             )
             for f in self.footprints()
         ]

@@ -15,5 +15,11 @@ __all__ = ["recompute"]
 
 
 def recompute(fn: Callable[..., Tensor], *args) -> Tensor:
-    """``fn(*args)``, saving only ``args`` for backward and recomputing the rest there."""
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+    """``fn(*args)``, saving only ``args`` for backward and recomputing the rest there.
+
+    The rerun runs to the end (``early_stop=False``): stopping it at the last saved tensor, as
+    PyTorch does by default, left the rebuilt tensors of a Megatron layer (custom autograd
+    functions, RoPE) alive after its backward, one layer's worth more for every layer of the step
+    (measured on the CPU tracker: 4 layers at 4096 tokens, 30 MiB peak against 16 MiB without).
+    """
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, early_stop=False)

@@ -46,7 +46,7 @@ def _measure_memory(rank: int, p: int) -> dict:
         for s in lengths:
             layout = SequenceLayout.build(s, p, causal=causal)
             for option in OPTIONS:
-                m = measure_layer(option, layout, SHAPES[shape_name], dist.group.WORLD, repeats=0, memory_runs=3)
+                m = measure_layer(option, layout, SHAPES[shape_name], dist.group.WORLD, repeats=0, memory_runs=5)
                 out[(shape_name, causal, s, str(option))] = (m.saved_bytes, m.peak_bytes)
     return out
 

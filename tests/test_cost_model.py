@@ -202,6 +202,27 @@ def test_packed_documents_attend_within_documents():
     assert sum(c.pairs for c in calls) == 100**2 + 28**2
 
 
+def test_rope_keeps_its_angles_and_the_rotated_q_k_where_attention_keeps_them():
+    p, s, b, e, rot = 4, 1024, 1, 4, 16
+    causal, bidir = SequenceLayout.build(s, p, causal=True), SequenceLayout.build(s, p, causal=False)
+    plain, rope = Dims(MHA, p, s, b, e), Dims(MHA, p, s, b, e, rotary_dim=rot)
+    nq_hn = 8 * 32
+
+    def extra(option: str, layout: SequenceLayout) -> float:
+        with_rope = layer_terms(LayerOption.parse(option), rope, layout)
+        return with_rope.saved_bytes - layer_terms(LayerOption.parse(option), plain, layout).saved_bytes
+
+    angles = 4 * rot * e  # cos and sin, for q and for k, per row
+    assert extra("tp_sp/tp_sp", causal) == angles * s  # rotated q/k copied into natural order, not kept
+    assert extra("tp_sp/tp_sp", bidir) == angles * s + s * b * 2 * nq_hn // p * e  # kept by the kernel
+    assert extra("ring/zero3", causal) == angles * (s // p) + s // p * b * 2 * nq_hn * e
+    assert extra("lean/lean", causal) == 0
+    assert extra("ulysses/zero3+rc", causal) == 0  # recompute keeps the input only
+    # backward through the rotation: three q-sized temporaries on top
+    peak = layer_terms(LayerOption("ring", "zero3"), rope, causal).peak_bytes
+    assert peak >= layer_terms(LayerOption("ring", "zero3"), plain, causal).peak_bytes + 3 * s // p * nq_hn * e
+
+
 def test_recompute_keeps_the_output_only():
     layout = SequenceLayout.build(4096, 4, causal=True)
     d = Dims(MHA, 4, 4096, 1, 4)
@@ -277,19 +298,24 @@ def test_time_is_compute_plus_synchronous_comm():
 def test_peak_bytes_adds_static_saved_and_the_larger_working_set():
     profile = synthetic_profile()
     profile["allocator_slack"] = 0.1
-    model = AnalyticCostModel(profile, MHA, 4, static_bytes=1e9, vocab_size=32000)
+    model = AnalyticCostModel(profile, MHA, 4, static_bytes=1e9, vocab_size=32000, rotary_dim=32)
     layout = SequenceLayout.build(1024, 4, causal=True)
     # fp32: the logits [s, b, V/p] are the cross-entropy's softmax and gradient; in backward the
-    # output layer's input is gathered again ([s, b, h]) beside its gradient
-    loss = 1024 * 2 * 32000 // 4 * 4 + 2 * (1024 * 2 * 256 * 4)
+    # output layer's input is gathered again ([s, b, h]) beside its gradient, and beside them the
+    # final norm's output and the input gradient reduce-scattered to it ([s/p, b, h] each)
+    full = 1024 * 2 * 256 * 4
+    loss = 1024 * 2 * 32000 // 4 * 4 + 2 * full + 2 * full // 4
     assert model.loss_bytes(layout, 2) == loss
-    assert model.peak_bytes(layout, 2, 100.0, 50.0) == pytest.approx(1e9 + 100 + 1.1 * loss)
-    assert model.peak_bytes(layout, 2, 100.0, 2 * loss) == pytest.approx(1e9 + 100 + 2.2 * loss)
+    # the stage's input [s/p, b, h] and the rotary table [s, 1, 1, 32] fp32, whatever the plan
+    stage = full // 4 + 1024 * 32 * 4
+    assert model.stage_bytes(layout, 2) == stage
+    assert model.peak_bytes(layout, 2, 100.0, 50.0) == pytest.approx(1e9 + stage + 100 + 1.1 * loss)
+    assert model.peak_bytes(layout, 2, 100.0, 2 * loss) == pytest.approx(1e9 + stage + 100 + 2.2 * loss)
     # bf16 logits: an fp32 copy beside them
     bf16 = synthetic_profile()
     bf16["dtype"] = "bfloat16"
     model = AnalyticCostModel(bf16, MHA, 4, dtype=torch.bfloat16, vocab_size=32000)
-    assert model.loss_bytes(layout, 2) == 1024 * 2 * 8000 * (2 + 4)
+    assert model.loss_bytes(layout, 2) == 1024 * 2 * 8000 * (2 + 4) + 2 * (1024 * 2 * 256 * 2) // 4
     assert AnalyticCostModel(profile, MHA, 4).loss_bytes(layout, 2) == 0  # no output layer on this stage
 
 

@@ -107,11 +107,13 @@ class AnalyticCostModel:
         dtype: torch.dtype = torch.float32,
         static_bytes: float = 0.0,
         vocab_size: int = 0,
+        rotary_dim: int = 0,
         use_correction: bool = True,
     ):
         """``static_bytes``: what the rank holds whatever the plan, its weights, gradients and optimizer
         state (see :func:`static_bytes`) and anything else resident; ``vocab_size``: Megatron's padded
-        vocabulary if the stage holds the output layer, else 0 (see :meth:`loss_bytes`)."""
+        vocabulary if the stage holds the output layer, else 0 (see :meth:`loss_bytes`);
+        ``rotary_dim``: the channels of each head RoPE rotates (0: the model has no RoPE)."""
         if p > 1 and str(p) not in profile["collectives"]:
             raise ValueError(f"the profile has no collectives for p={p}; run `paradyse calibrate --p {p}`")
         dtype_name = str(dtype).removeprefix("torch.")
@@ -127,6 +129,7 @@ class AnalyticCostModel:
         self.element_size = torch.empty((), dtype=dtype).element_size()
         self.static_bytes = float(static_bytes)
         self.vocab_size = vocab_size
+        self.rotary_dim = rotary_dim
         correction = profile.get("correction") if use_correction else None
         self._k_compute = correction["compute"] if correction else 1.0
         self._k_comm = correction["comm"] if correction else 1.0
@@ -149,11 +152,20 @@ class AnalyticCostModel:
     def peak_bytes(
         self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, transient_bytes: float
     ) -> float:
-        """Static bytes, every layer's saved activations, and the larger of the largest layer working
-        set and the output layer's (it runs between the last layer's forward and its backward, with
-        every layer's activations kept and no layer working), with the allocator's slack."""
+        """Static bytes, the stage's own activations (:meth:`stage_bytes`), every layer's saved
+        activations, and the larger of the largest layer working set and the output layer's (it runs
+        between the last layer's forward and its backward, with every layer's activations kept and no
+        layer working), with the allocator's slack."""
         working = max(transient_bytes, self.loss_bytes(layout, micro_batch_size))
-        return self.static_bytes + saved_bytes + working * (1.0 + self.profile["allocator_slack"])
+        resident = self.static_bytes + self.stage_bytes(layout, micro_batch_size) + saved_bytes
+        return resident + working * (1.0 + self.profile["allocator_slack"])
+
+    def stage_bytes(self, layout: SequenceLayout, micro_batch_size: int) -> float:
+        """What the stage keeps outside its layers for the whole step: its input ``[t, b, h]`` (the
+        embedding's output or the previous stage's activation; the first layer's norm keeps it) and
+        GPTModel's rotary table ``[s, 1, 1, rotary_dim]`` (fp32)."""
+        tokens = layout.padded_len * micro_batch_size
+        return tokens // self.p * self.shape.hidden_size * self.element_size + layout.padded_len * self.rotary_dim * 4
 
     def loss_bytes(self, layout: SequenceLayout, micro_batch_size: int) -> float:
         """The output layer's working set on a stage that holds it, as Megatron computes it with
@@ -161,15 +173,18 @@ class AnalyticCostModel:
         ``[s, b, h]`` before the projection (and again in its backward, beside the input gradient),
         the logits ``[s, b, V/p]``, and for half-precision logits the fp32 copy the cross-entropy
         turns into its softmax in place and keeps as the logits' gradient (fp32 logits are used in
-        place). Peak: the logits beside the fp32 copy, or beside two ``[s, b, h]`` in backward. The
-        weight gradient is taken as fused into Megatron's gradient buffer (its default on GPU)."""
+        place). Peak: the logits beside the fp32 copy, or beside two ``[s, b, h]`` in backward; with
+        them the final norm's output ``[t, b, h]`` (kept by the projection) and in backward the input
+        gradient reduce-scattered to ``[t, b, h]``. The weight gradient is taken as fused into
+        Megatron's gradient buffer (its default on GPU)."""
         if not self.vocab_size:
             return 0.0
         tokens = layout.padded_len * micro_batch_size
         e = self.element_size
         logits = tokens * (self.vocab_size // self.p)
         fp32_copy = 4 * logits if e < 4 else 0
-        return logits * e + max(fp32_copy, 2 * tokens * self.shape.hidden_size * e)
+        full = tokens * self.shape.hidden_size * e
+        return logits * e + max(fp32_copy, 2 * full) + 2 * full // self.p
 
     # -- details ---------------------------------------------------------------------------------
     def time_breakdown(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> TimeBreakdown:
@@ -180,7 +195,7 @@ class AnalyticCostModel:
         """The layer's terms on every rank whose work differs (ring steps see different blocks)."""
         if layout.p != self.p:
             raise ValueError(f"the layout is for p={layout.p}, the cost model for p={self.p}")
-        dims = Dims(self.shape, self.p, layout.padded_len, micro_batch_size, self.element_size)
+        dims = Dims(self.shape, self.p, layout.padded_len, micro_batch_size, self.element_size, self.rotary_dim)
         ranks = range(self.p) if option.attention in RANK_DEPENDENT else (0,)
         return [layer_terms(option, dims, layout, rank) for rank in ranks]
 

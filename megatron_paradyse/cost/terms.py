@@ -169,6 +169,8 @@ class Dims:
     b: int
     e: int
     """Bytes per activation/weight element."""
+    rotary_dim: int = 0
+    """Channels of each head that RoPE rotates (0: no RoPE)."""
 
     @property
     def acc(self) -> int:
@@ -984,6 +986,25 @@ def sublayer_terms(
     return table[name](d, layout, rank)
 
 
+def _with_rotary(attn: SublayerTerms, strategy: str, d: Dims, layout: SequenceLayout) -> SublayerTerms:
+    """RoPE as Megatron applies it (``apply_rotary_pos_emb``, unfused): for q and for k, ``cos`` and
+    ``sin`` of the rows' angles ``[rows, 1, 1, rotary_dim]``, kept by the products until backward, and
+    the rotated q and k (new tensors) where the attention keeps them instead of views of the QKV
+    projection: ``ring`` always, ``tp_sp``/``ulysses`` when no reordering copies them (contiguous
+    layouts). Rows: the whole sequence where heads are split (``tp_sp``, ``ulysses``), the local
+    tokens for ``ring``; ``lean`` rotates inside its own forward and rebuilds in backward. Backward
+    through the rotation adds about three q-sized temporaries (the two products' gradients and the
+    rotated half's) beside the attention's input gradients."""
+    if not d.rotary_dim or strategy not in ("tp_sp", "ulysses", "ring"):
+        return attn
+    rows, heads = (d.t, d.nq + d.ng) if strategy == "ring" else (d.s, (d.nq + d.ng) // d.p)
+    kept = {"rope_cos_sin": 4 * rows * d.rotary_dim * d.e}
+    if strategy == "ring" or layout.is_identity:
+        kept["rope_qk"] = rows * d.b * heads * d.hn * d.e
+    rotation_grads = 3 * d.t * d.b * d.a * d.e  # t * nq == s * nq / p: the same for every strategy
+    return dataclasses.replace(attn, saved={**attn.saved, **kept}, bwd_peak=attn.bwd_peak + rotation_grads)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class LayerTerms:
     """A whole layer (``x + attn(LN1(x))``, ``+ mlp(LN2(.))``) under one option."""
@@ -1012,7 +1033,7 @@ def layer_terms(option: LayerOption, d: Dims, layout: SequenceLayout, rank: int 
     only the output; its forward keeps nothing, and the backward first rebuilds the layer (beside
     the output) up to the MLP's last kept tensor, then runs as without recompute.
     """
-    attn = sublayer_terms("attention", option.attention, d, layout, rank)
+    attn = _with_rotary(sublayer_terms("attention", option.attention, d, layout, rank), option.attention, d, layout)
     mlp = sublayer_terms("mlp", option.mlp, d, layout, rank)
     x, stats = d.x, 2 * d.t * d.b * d.acc  # LayerNorm keeps its mean and rstd
 
