@@ -1,9 +1,9 @@
 """Synthetic cost models and a brute-force oracle for the planner tests.
 
-The physical model (strategies' real trade-offs) is the benchmark's
-:class:`~megatron_paradyse.bench.planner.AnalyticStandIn`; here are the models that stress the
-solver: random option costs (integer-valued, so sums are exact and ties are common, or real-valued),
-under affine, stepped (allocator granularity) or convex peaks.
+The physical model (strategies' real trade-offs) is the analytic cost model on an H100 node's published
+figures, as the planner benchmark builds it; here are the models that stress the solver: random option
+costs (integer-valued, so sums are exact and ties are common, or real-valued), under affine, stepped
+(allocator granularity) or convex peaks.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megatron_paradyse.bench.planner import AnalyticStandIn, bench_shape
+from megatron_paradyse.bench.planner import bench_shape, build_cost_model
 from megatron_paradyse.cost.base import LayerCost
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.plan import LayerOption
@@ -25,14 +25,15 @@ PEAK_KINDS = ("affine", "stepped", "convex")
 
 
 def physical_planner(num_layers: int, budget_bytes: float, p: int = 8, **config) -> Planner:
-    """A planner over every strategy the benchmark's physical stand-in knows (``lean`` included), 24 options."""
+    """A planner over every strategy (``lean`` included), 24 options, on the benchmark's physical costs:
+    a LLaMA-3-8B-sized layer on an H100 node (``p`` must be 8, the node's size)."""
     options = tuple(
         LayerOption(a, m, rc)
         for a in ("tp_sp", "ulysses", "ring", "lean")
         for m in ("tp_sp", "zero3", "lean")
         for rc in (False, True)
     )
-    model = AnalyticStandIn(bench_shape(), p, num_layers)
+    model, _ = build_cost_model(bench_shape(), p, num_layers, gpu="h100")
     return Planner(PlannerConfig(**config), model, options=options, num_layers=num_layers, budget_bytes=budget_bytes)
 
 

@@ -12,8 +12,8 @@ import pytest
 from planner_cost_models import FunctionCostModel, physical_planner, random_scaling_model, synthetic_options
 
 from megatron_paradyse.bench import planner as planner_bench
-from megatron_paradyse.bench.planner import AnalyticStandIn, Hardware
 from megatron_paradyse.cost.base import LayerCost
+from megatron_paradyse.cost.hardware import HARDWARE
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.planner import (
@@ -72,7 +72,7 @@ def test_excluded_strategies_are_reported_once_with_their_reason(monkeypatch, ca
     library = dict(registry._LIBRARY)
     library[("attention", "ring")] = dataclasses.replace(ring, unsupported=lambda shape, p: "ring needs a test")
     monkeypatch.setattr(registry, "_LIBRARY", library)
-    model = AnalyticStandIn(SHAPE, 4, 2)
+    model = FunctionCostModel(lambda option, s: LayerCost(1.0, 1.0, 1.0), lambda saved, transient: saved + transient)
     with caplog.at_level(logging.WARNING, logger="megatron_paradyse.planner"):
         planner = Planner.for_model(
             PlannerConfig(pairs=("tp_sp/tp_sp", "ring/zero3")),
@@ -264,7 +264,7 @@ def test_shrinking_the_budget_replans():
 
 # -- monotone behaviour --------------------------------------------------------------------------------
 def test_longer_sequences_never_plan_faster_and_move_from_tp_sp_to_lean_options():
-    """Physical costs (the benchmark's stand-in), 24 options, a fixed 72 GiB budget, lengths growing.
+    """Physical costs (the benchmark's: analytic, H100 figures), 24 options, a fixed 72 GiB budget, lengths growing.
 
     "Toward lean", precisely: the number of ``tp_sp/tp_sp`` layers never grows (all at first, none at
     the end), and while memory binds (the fastest option alone does not fit), each plan's predicted
@@ -272,7 +272,7 @@ def test_longer_sequences_never_plan_faster_and_move_from_tp_sp_to_lean_options(
     speed for memory. (Where memory does not bind the planner just follows the fastest option.)
     """
     p, num_layers = 8, 24
-    planner = physical_planner(num_layers, 0.9 * Hardware().memory_bytes, p)
+    planner = physical_planner(num_layers, 0.9 * HARDWARE["h100"].memory_bytes, p)
     options = planner.options
     longest = planner.max_feasible_length(p, causal=True)
     reference = planner.stage_problem(SequenceLayout.build(longest, p, causal=True))
@@ -326,5 +326,13 @@ def test_decisions_never_get_faster_as_lengths_grow_on_random_monotone_costs():
 def test_bench_prints_the_headline_last(capsys):
     assert planner_bench.main(["--layers", "8", "--uncached-calls", "5", "--cached-calls", "20"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0] == "cost model: analytic stand-in (textbook FLOP/byte counts, NOT calibrated)"
+    assert lines[0] == "cost model: analytic, h100 node from published figures (simulated, not measured)"
     assert re.fullmatch(r"planner_us_cached=\d+\.\d\d planner_us_uncached=\d+", lines[-1])
+
+
+def test_bench_refuses_a_group_the_published_figures_do_not_cover(capsys):
+    assert planner_bench.main(["--p", "4"]) == 2
+    assert capsys.readouterr().err == (
+        "error: the published figures are for p=8 GPUs of one node, not p=4: pass --p 8, or --profile with a "
+        "profile calibrated for p=4\n"
+    )
