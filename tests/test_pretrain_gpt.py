@@ -109,7 +109,7 @@ def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_s
     config = _write_config(
         tmp_path / "cfg.yaml",
         cache,
-        memory={"budget_gib": 1 / 32},
+        memory={"budget_gib": 1 / 64},
         data=SMALL_DOCS,
         planner={"on_infeasible": "stop"},
         log={"jsonl": "log.jsonl"},

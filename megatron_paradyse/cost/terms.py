@@ -143,8 +143,6 @@ class SublayerTerms:
     """Bytes kept from forward to backward, by tensor (the input too where it is kept)."""
     fwd_peak: float
     """Bytes alive at the forward's high-water mark, its input included."""
-    recompute_peak: float
-    """The same up to where a recompute stops (once the last tensor autograd keeps is rebuilt)."""
     bwd_peak: float
     """Bytes above the backward's start (what was saved, the output's gradient) at its high-water mark."""
 
@@ -261,7 +259,6 @@ class _Memory:
         self.sizes: dict[str, float] = dict(alive)
         self.live = float(sum(alive.values()))
         self.peak = self.live
-        self.recompute_peak: float | None = None
 
     def alloc(self, **tensors: float) -> None:
         for name, nbytes in tensors.items():
@@ -290,11 +287,6 @@ class _Memory:
         self.free(*(name for name in list(self.sizes) if name != output and name not in keep))
         return {name: self.sizes[name] for name in keep}
 
-    def recompute_stops(self) -> None:
-        """A recompute ends here: the last tensor autograd keeps has just been rebuilt (a builtin op
-        saves its inputs before it computes; an autograd Function, after its forward returns)."""
-        self.recompute_peak = self.peak
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Call:
@@ -312,7 +304,6 @@ def _memory(fwd: _Memory, bwd: _Memory, saved: dict[str, float]) -> dict:
     return {
         "saved": saved,
         "fwd_peak": fwd.peak,
-        "recompute_peak": fwd.peak if fwd.recompute_peak is None else fwd.recompute_peak,
         "bwd_peak": bwd.peak - sum(saved.values()),
     }
 
@@ -838,7 +829,6 @@ def _tp_sp_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
     fwd = _Memory(x_local=d.x)
     _sequence_parallel_forward(fwd, d, "fc1_out", s * b * d.f1 // p * e)
     act = _activation_forward(fwd, d, s, units)
-    fwd.recompute_stops()  # linear_fc2 saves its input
     fwd.alloc(y_partial=x_full)
     if p > 1:
         fwd.alloc(y_reduced=d.x)
@@ -872,7 +862,6 @@ def _zero3_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
     _zero3_forward(fwd, d, "fc1", "fc1_out", t * b * d.f1 * e, w1, bias=d.f1 * e)
     act = _activation_forward(fwd, d, t, d.f)
     _zero3_forward(fwd, d, "fc2", "fc2_out", d.x, w2, row=True)
-    fwd.recompute_stops()
     fwd.alloc(y_local=d.x)
     saved = fwd.returns("y_local", "x_local", "fc1_out", *act)
 
@@ -914,7 +903,6 @@ def _lean_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
         act = _activation_forward(fwd, d, t, units)
         fwd.free("fc1_out", *act)  # after y.addmm_
         fwd.free(f"shard{step}")
-    fwd.recompute_stops()
     fwd.alloc(y_local=d.x)
     saved = fwd.returns("y_local", "x_local")
 
@@ -1030,8 +1018,8 @@ def layer_terms(option: LayerOption, d: Dims, layout: SequenceLayout, rank: int 
     Forward: LN1 (output and statistics), the attention, the residual ``x1``, LN2, the MLP, the
     output. Backward from the output's gradient (the next layer's or the loss's: not counted here):
     the MLP, LN2's backward, the residual's summed gradient, the attention, LN1's. Recompute keeps
-    only the output; its forward keeps nothing, and the backward first rebuilds the layer (beside
-    the output) up to the MLP's last kept tensor, then runs as without recompute.
+    only the output; its forward keeps nothing, and the backward first reruns the whole layer (beside
+    the output), then runs as without recompute.
     """
     attn = _with_rotary(sublayer_terms("attention", option.attention, d, layout, rank), option.attention, d, layout)
     mlp = sublayer_terms("mlp", option.mlp, d, layout, rank)
@@ -1074,5 +1062,6 @@ def layer_terms(option: LayerOption, d: Dims, layout: SequenceLayout, rank: int 
     if not option.recompute:
         return LayerTerms(attn, mlp, False, x, saved, max(forward_peak, m.peak))
     rebuilt = _Memory(output=x)  # the first forward's output, alive while the layer is rebuilt
-    layer_forward(rebuilt, mlp.recompute_peak)
+    layer_forward(rebuilt, mlp.fwd_peak)  # the rerun runs to the layer's end (no early stop)
+    rebuilt.alloc(output_again=x)
     return LayerTerms(attn, mlp, True, x, x, max(rebuilt.peak, m.peak))
