@@ -19,21 +19,16 @@ compat.install()
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.spec_utils import import_module  # noqa: E402
-from megatron.core.transformer.transformer_block import (  # noqa: E402
-    TransformerBlockSubmodules,
-    get_num_layers_to_build,
-)
 from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig  # noqa: E402
 
 from megatron_paradyse.layout import SequenceLayout  # noqa: E402
 from megatron_paradyse.micro_batch import MicroBatch, micro_batch_scope  # noqa: E402
-from megatron_paradyse.norm import sequence_parallel_norm  # noqa: E402
 from megatron_paradyse.plan import Plan  # noqa: E402
+from megatron_paradyse.stock_spec import stock_block_spec as stock_block_spec  # noqa: E402 - re-exported for the tests
 
 VOCAB = 128
 BATCH = 2
@@ -80,30 +75,6 @@ def init_parallel(tp: int, pp: int = 1, vpp: int | None = None) -> None:
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp
     )
     model_parallel_cuda_manual_seed(1234)
-
-
-def stock_block_spec(config: TransformerConfig, vp_stage: int | None = None) -> TransformerBlockSubmodules:
-    """Megatron's local GPT spec, with an SP-capable norm in every norm slot (Megatron's torch norm refuses SP)."""
-    spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
-    attention = spec.submodules.self_attention
-    if config.qk_layernorm:
-        attention = dataclasses.replace(
-            attention,
-            submodules=dataclasses.replace(
-                attention.submodules, q_layernorm=sequence_parallel_norm, k_layernorm=sequence_parallel_norm
-            ),
-        )
-    layer = dataclasses.replace(
-        spec,
-        submodules=dataclasses.replace(
-            spec.submodules,
-            input_layernorm=sequence_parallel_norm,
-            pre_mlp_layernorm=sequence_parallel_norm,
-            self_attention=attention,
-        ),
-    )
-    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=sequence_parallel_norm)
 
 
 def build_gpt(config: TransformerConfig, spec, seed: int = 0, vp_stage: int | None = None) -> GPTModel:

@@ -1,0 +1,669 @@
+"""End-to-end training on p gloo ranks: every static strategy, stock Megatron TP+SP, and the adaptive planner.
+
+    python -m megatron_paradyse.bench e2e                    # p=4, code and DNA corpora, 3 repeats
+    python -m megatron_paradyse.bench e2e --quick            # a smoke run: short sequences, 1 repeat
+    python -m megatron_paradyse.bench e2e --budget-mib 40 --corpora dna --json runs/e2e.json
+
+One launch of ``--p`` ranks (TP = p with sequence parallelism, Megatron's ``parallel_state``) trains the
+GPT of the CPU demo (``configs/tiny-cpu.yaml``: 4 layers, h=128, 8 heads, FFN 512, RoPE, fp32) on each
+corpus's documents, one document per micro-batch (b = 1), in curriculum order (short to long), with
+Adam, under these *arms*, each from the same initial weights:
+
+- the static strategies ``tp_sp/tp_sp``, ``ulysses/zero3``, ``ring/zero3``, ``lean/lean``: the same
+  pair on every layer for every sequence (the Paradyse layer spec);
+- ``megatron``: Megatron-Core's own local spec (:mod:`megatron_paradyse.stock_spec`), TP+SP, natural
+  token order with Megatron's causal mask: what a user trains with today;
+- ``adaptive``: the :class:`~megatron_paradyse.planner.Planner` (every attention x MLP strategy per
+  layer, per-layer recompute) on the calibrated :class:`~megatron_paradyse.cost.AnalyticCostModel`,
+  planning each sequence within the budget. A sequence it finds no plan for is skipped and reported.
+
+**Peak memory** per rank and sequence is *measured*: the bytes the rank holds before the step, counted
+from its tensors (fp32 weights, fp32 gradients allocated up front as Megatron's gradient buffers, and
+Adam's two fp32 moments once they exist: 16 bytes per parameter), plus the high-water mark above
+them during forward + backward + gradient all-reduce, and during the optimizer step, from
+:class:`~megatron_paradyse.memory.PeakMemory` (on CPU a dispatch mode that counts the storages every
+operator creates until they are freed: tensor bytes, no allocator caching or fragmentation). The
+step's inputs (a few KB) are not counted.
+
+**Budget** (``--budget-mib``, per rank). Default, per corpus: midway between the largest peak of
+``lean/lean`` and the peak of ``tp_sp/tp_sp`` on the longest sequence, so the fast static strategy
+cannot hold the longest sequences and the memory-lean one can. A sequence whose measured peak
+exceeds the budget on any rank is an **OOM**, as on a device of that size: it is not trained, its
+time is not counted, and it counts as a budget violation. Peaks do not depend on weight values, so
+each arm first runs an untimed *memory pass* over every sequence; its **timed passes** (``--repeats``,
+interleaved across arms) then train from the initial weights on the sequences within budget only.
+
+**Time** of a sequence: forward + backward + gradient all-reduce + Adam step (the adaptive arm's
+``Planner.decide`` included), between barriers of the group; the median over the repeats. Bins are
+powers of two of the sequence length.
+
+**Ratios** (per corpus; the last line takes the worst corpus: the largest time ratios, the smallest
+length ratio)::
+
+    adaptive_vs_best_static = adaptive time / time of the fastest static arm that trains every sequence
+                              within budget, over the sequences both trained (nan if no static arm does)
+    adaptive_vs_megatron    = adaptive time / megatron time, over the sequences both trained
+    max_len_ratio           = adaptive's longest trained sequence / the longest any static arm trained
+
+Everything here is measured on this machine; nothing is simulated (``bench simulate`` is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_paradyse.bench.memory import PAIRINGS
+from megatron_paradyse.multiprocess import run_on_ranks
+
+__all__ = ["ArmResult", "CorpusResult", "SequenceResult", "main"]
+
+MIB = 2**20
+ADAPTIVE = "adaptive"
+MEGATRON = "megatron"
+TRAINED, OOM, INFEASIBLE = "trained", "oom", "infeasible"
+
+MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=8, ffn_hidden_size=512, normalization="LayerNorm")
+"""The CPU demo's GPT (``configs/tiny-cpu.yaml``)."""
+LEARNING_RATE = 1e-3
+SEED = 1234
+
+
+# -- results ------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class SequenceResult:
+    tokens: int
+    status: str
+    """``trained``; ``oom`` (measured peak over the budget); ``infeasible`` (the planner found no plan)."""
+    peak_bytes: tuple[int, ...] = ()
+    """Measured peak of each rank (empty when not run)."""
+    times_s: list[float] = dataclasses.field(default_factory=list)
+    """Step time of each timed repeat (trained sequences only)."""
+    loss: float | None = None
+    """Mean loss per token of the first timed repeat."""
+    plan: str = ""
+    predicted_peak_bytes: float | None = None
+    """The cost model's peak for the plan at the sequence's padded length (not for Megatron's layers)."""
+
+    @property
+    def time_s(self) -> float:
+        return statistics.median(self.times_s)
+
+
+@dataclasses.dataclass
+class ArmResult:
+    name: str
+    sequences: list[SequenceResult]
+    resident_bytes: int = 0
+    """Weights + gradients + Adam moments held by rank 0 after training (the largest rank)."""
+
+    def trained(self) -> dict[int, SequenceResult]:
+        return {i: s for i, s in enumerate(self.sequences) if s.status == TRAINED}
+
+    def longest(self) -> int:
+        return max((s.tokens for s in self.trained().values()), default=0)
+
+    def completes(self) -> bool:
+        return all(s.status == TRAINED for s in self.sequences)
+
+    def time_on(self, indices) -> float:
+        return sum(self.sequences[i].time_s for i in indices)
+
+    def total_by_repeat(self) -> list[float]:
+        done = self.trained().values()
+        return [sum(r) for r in zip(*(s.times_s for s in done))] if done else []
+
+
+@dataclasses.dataclass
+class CorpusResult:
+    corpus: str
+    budget_bytes: float
+    budget_rule: str
+    planner_static_bytes: float
+    arms: dict[str, ArmResult]
+
+    def ratios(self) -> dict[str, float]:
+        adaptive = self.arms[ADAPTIVE]
+        statics = [self.arms[name] for name in PAIRINGS if name in self.arms]
+        complete = [a for a in statics if a.completes()]
+        best = min(complete, key=lambda a: a.time_on(a.trained()), default=None)
+        return {
+            "adaptive_vs_best_static": _time_ratio(adaptive, best) if best else math.nan,
+            "adaptive_vs_megatron": _time_ratio(adaptive, self.arms[MEGATRON]),
+            "max_len_ratio": adaptive.longest() / max(max(a.longest() for a in statics), 1),
+        }
+
+
+def _time_ratio(arm: ArmResult, other: ArmResult) -> float:
+    both = arm.trained().keys() & other.trained().keys()
+    return arm.time_on(both) / other.time_on(both) if both else math.nan
+
+
+# -- what runs on every rank --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    name: str
+    documents: tuple[np.ndarray, ...]
+    """Token ids, in curriculum order (short to long)."""
+    vocab_size: int
+    pad_id: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings:
+    repeats: int
+    budget_bytes: float | None
+    """None: derived per corpus (see the module docstring)."""
+    profile: dict
+    arms: tuple[str, ...]
+
+
+def _bench_on_rank(rank: int, p: int, corpora: list[Corpus], settings: Settings) -> list[CorpusResult]:
+    from megatron_paradyse import compat
+
+    compat.install()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=p)
+    model_parallel_cuda_manual_seed(SEED)
+    try:
+        return [_CorpusBench(corpus, p, settings).run() for corpus in corpora]
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+class _CorpusBench:
+    """The arms on one corpus, on this rank: models, batches, memory passes, timed passes."""
+
+    def __init__(self, corpus: Corpus, p: int, settings: Settings) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.transformer import TransformerConfig
+
+        from megatron_paradyse.cost import AnalyticCostModel
+        from megatron_paradyse.data import make_micro_batch
+        from megatron_paradyse.modules import model_shape
+        from megatron_paradyse.spec import get_paradyse_layer_spec
+        from megatron_paradyse.static_memory import pipeline_footprints
+        from megatron_paradyse.stock_spec import stock_block_spec
+
+        self.corpus, self.p, self.settings = corpus, p, settings
+        self.group = parallel_state.get_tensor_model_parallel_group()
+        self.config = TransformerConfig(
+            **MODEL,
+            use_cpu_initialization=True,
+            params_dtype=torch.float32,
+            pipeline_dtype=torch.float32,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            tensor_model_parallel_size=p,
+            sequence_parallel=p > 1,
+        )
+        multiple = 128 * p  # Megatron's --make-vocab-size-divisible-by 128, times TP
+        self.vocab_size = -(-corpus.vocab_size // multiple) * multiple
+        longest = max(len(d) for d in corpus.documents)
+
+        def build(spec) -> torch.nn.Module:
+            torch.manual_seed(SEED)
+            return GPTModel(
+                self.config,
+                spec,
+                vocab_size=self.vocab_size,
+                max_sequence_length=longest + 2 * p,
+                position_embedding_type="rope",
+                share_embeddings_and_output_weights=True,  # Megatron's default (no --untie-embeddings-...)
+            )
+
+        self.stock = build(stock_block_spec(self.config))
+        self.paradyse = build(get_paradyse_layer_spec(self.config))
+        self.initial = {k: v.clone() if torch.is_tensor(v) else v for k, v in self.stock.state_dict().items()}
+        (self.footprint,) = pipeline_footprints(
+            self.config,
+            vocab_size=self.vocab_size,
+            tied_embeddings=True,
+            learned_positions=0,
+            optimizer_states=2,
+            grads_in_fp32=True,
+            optimizer_shards=1,
+        )
+        self.cost_model = AnalyticCostModel(
+            settings.profile,
+            model_shape(self.config),
+            p,
+            dtype=torch.float32,
+            static_bytes=self.footprint.static_bytes,
+            vocab_size=self.vocab_size,
+        )
+        self.batches = [
+            make_micro_batch([doc], [False], p=p, causal=True, pad_id=corpus.pad_id) for doc in corpus.documents
+        ]
+        for batch in self.batches:  # what Megatron's stock layers take: natural order, padding kept (last)
+            order = batch["layout"].canonical_index
+            keys = ("tokens", "labels", "loss_mask", "position_ids")
+            batch["natural"] = {k: batch[k].index_select(1, order) for k in keys}
+
+    # -- arms -------------------------------------------------------------------------------------
+    def run(self) -> CorpusResult:
+        names = self.settings.arms
+        results = {name: self._memory_pass(name) for name in names if name != ADAPTIVE}
+        budget, rule = self._budget(results)
+        results[ADAPTIVE] = self._memory_pass(ADAPTIVE, budget=budget)
+        for arm in results.values():
+            for s in arm.sequences:
+                if s.status == TRAINED and max(s.peak_bytes) > budget:
+                    s.status = OOM
+        for repeat in range(self.settings.repeats):
+            for name in names:
+                self._timed_pass(results[name], budget, first=repeat == 0)
+        arms = {n: results[n] for n in names}
+        return CorpusResult(self.corpus.name, budget, rule, self.footprint.static_bytes, arms)
+
+    def _budget(self, results: dict[str, ArmResult]) -> tuple[float, str]:
+        if self.settings.budget_bytes is not None:
+            return self.settings.budget_bytes, "--budget-mib"
+        lean = max(max(s.peak_bytes) for s in results["lean/lean"].sequences)
+        fast = max(results["tp_sp/tp_sp"].sequences[-1].peak_bytes)
+        if lean >= fast:
+            raise ValueError(
+                f"{self.corpus.name}: lean/lean peaks at {lean / MIB:.1f} MiB, not below tp_sp/tp_sp's "
+                f"{fast / MIB:.1f} MiB on the longest sequence: no budget separates them; use longer "
+                f"sequences (--max-len) or give --budget-mib"
+            )
+        return (lean + fast) / 2, "midway between lean/lean's largest peak and tp_sp/tp_sp's on the longest sequence"
+
+    def _planner(self, budget: float):
+        from megatron_paradyse.planner import Planner, PlannerConfig
+
+        return Planner.for_model(
+            PlannerConfig(on_infeasible="skip"),
+            self.cost_model,
+            shape=self.cost_model.shape,
+            p=self.p,
+            num_layers=self.footprint.layers,
+            budget_bytes=budget,
+        )
+
+    def _predicted_peak(self, plan, layout) -> float:
+        """The cost model's peak of ``plan`` at ``layout``'s exact length (the planner prices a bucket's edge)."""
+        costs = [self.cost_model.layer_cost(option, layout, 1) for option in plan]
+        saved = sum(c.saved_bytes for c in costs)
+        return self.cost_model.peak_bytes(layout, 1, saved, max(c.transient_bytes for c in costs))
+
+    def _arm_plan(self, name: str, planner, layout):
+        """The plan of a sequence (None: Megatron's own layers); raises _Infeasible for the planner."""
+        from megatron_paradyse.plan import LayerOption, Plan
+
+        if name == MEGATRON:
+            return None
+        if name == ADAPTIVE:
+            decision = planner.decide(layout)
+            if decision is None:
+                raise _Infeasible
+            return decision.plan
+        return Plan.uniform(LayerOption.parse(name), self.config.num_layers)
+
+    def _reset(self, name: str):
+        model = self.stock if name == MEGATRON else self.paradyse
+        model.load_state_dict(self.initial)
+        for param in model.parameters():  # the gradient buffers exist before any step, as in Megatron's DDP
+            param.grad = torch.zeros_like(param)
+        optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
+        return model, optimizer
+
+    # -- passes -----------------------------------------------------------------------------------
+    def _memory_pass(self, name: str, budget: float | None = None) -> ArmResult:
+        """Every sequence once, untimed, under the storage tracker: the peak of each rank."""
+        from megatron_paradyse.memory import PeakMemory
+
+        model, optimizer = self._reset(name)
+        planner = self._planner(budget) if name == ADAPTIVE else None
+        results = []
+        for batch in self.batches:
+            layout = batch["layout"]
+            try:
+                plan = self._arm_plan(name, planner, layout)
+            except _Infeasible:
+                results.append(SequenceResult(layout.valid_len, INFEASIBLE))
+                continue
+            resident = _resident_bytes(model, optimizer)
+            gc.collect()
+            gc.disable()  # tensors freed only with a reference cycle stay counted until the window ends
+            try:
+                with PeakMemory() as forward_backward:
+                    self._forward_backward(model, batch, plan)
+                with PeakMemory() as step:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=False)
+            finally:
+                gc.enable()
+            peak = torch.tensor([resident + max(forward_backward.peak_bytes, step.peak_bytes)], dtype=torch.int64)
+            peaks = [torch.zeros_like(peak) for _ in range(self.p)]
+            dist.all_gather(peaks, peak, group=self.group)
+            results.append(
+                SequenceResult(
+                    layout.valid_len,
+                    TRAINED,
+                    tuple(int(t) for t in peaks),
+                    plan="megatron local spec" if plan is None else plan.compact(),
+                    predicted_peak_bytes=None if plan is None else self._predicted_peak(plan, layout),
+                )
+            )
+        return ArmResult(name, results)
+
+    def _timed_pass(self, arm: ArmResult, budget: float, *, first: bool) -> None:
+        """Train from the initial weights on the sequences ``arm`` holds within budget; time each step."""
+        model, optimizer = self._reset(arm.name)
+        planner = self._planner(budget) if arm.name == ADAPTIVE else None
+        for batch, result in zip(self.batches, arm.sequences):
+            if result.status != TRAINED:
+                if planner is not None:  # the planner sees every sequence, as in the memory pass (hysteresis)
+                    planner.decide(batch["layout"])
+                continue
+            dist.barrier(group=self.group)
+            start = time.perf_counter()
+            plan = self._arm_plan(arm.name, planner, batch["layout"])
+            loss = self._forward_backward(model, batch, plan)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            dist.barrier(group=self.group)
+            result.times_s.append(time.perf_counter() - start)
+            if first:
+                result.loss = loss
+            if plan is not None and plan.compact() != result.plan:
+                raise RuntimeError(f"{arm.name}: plan {plan.compact()} differs from the memory pass's {result.plan}")
+        arm.resident_bytes = _resident_bytes(model, optimizer)
+
+    def _forward_backward(self, model, batch: dict, plan) -> float:
+        """Mean loss per token of one micro-batch, backward, and Megatron's TP all-reduce of the
+        gradients of parameters every rank holds whole (norms, row-parallel biases)."""
+        from megatron_paradyse.micro_batch import MicroBatch, micro_batch_scope
+
+        keys = ("tokens", "labels", "loss_mask", "position_ids")
+        if plan is None:  # Megatron's own layers: natural token order (padding last), its causal mask
+            tokens, labels, loss_mask, positions = (batch["natural"][k] for k in keys)
+            per_token = model(tokens, positions, None, labels=labels)
+        else:
+            tokens, labels, loss_mask, positions = (batch[k] for k in keys)
+            with micro_batch_scope(MicroBatch(layout=batch["layout"], plan=plan)):
+                per_token = model(tokens, positions, None, labels=labels)
+        loss = (per_token * loss_mask).sum() / loss_mask.sum()
+        loss.backward()
+        for param in model.parameters():
+            if getattr(param, "sequence_parallel", False) and self.p > 1:
+                dist.all_reduce(param.grad, group=self.group)
+        return loss.item()
+
+
+class _Infeasible(Exception):
+    """The planner found no plan that fits the budget for this sequence."""
+
+
+def _resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the distinct storages of ``model``'s parameters and gradients and ``optimizer``'s state."""
+    tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+    tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+# -- the command --------------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megatron_paradyse.bench e2e", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--p", type=int, default=4, help="gloo ranks = tensor-parallel size (default 4)")
+    parser.add_argument("--corpora", default="code,dna", help="comma-separated: code, dna (default both)")
+    parser.add_argument("--sequences", type=int, default=16, help="documents per corpus (default 16)")
+    parser.add_argument("--min-len", type=int, default=256, help="shortest document, tokens (default 256)")
+    parser.add_argument("--max-len", type=int, default=4096, help="longest document, tokens (default 4096)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes per arm; medians (default 3)")
+    parser.add_argument("--budget-mib", type=float, help="memory budget per rank (default: derived per corpus)")
+    parser.add_argument("--arms", default=",".join([*PAIRINGS, MEGATRON, ADAPTIVE]), help="arms to run")
+    parser.add_argument("--cache-dir", type=Path, default=Path("paradyse-bench-cache"), help="corpora, profile")
+    parser.add_argument("--profile", type=Path, help="cost profile (default: calibrated once into --cache-dir)")
+    parser.add_argument("--json", type=Path, help="write every sequence's result here")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 6 sequences of 128..1024 tokens, 1 repeat (flags win)"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.quick:
+        given = set(argv or ())
+        quick = {"sequences": 6, "min_len": 128, "max_len": 1024, "repeats": 1}
+        for name, value in quick.items():
+            if f"--{name.replace('_', '-')}" not in given:
+                setattr(args, name, value)
+    try:
+        arms = _arms(args.arms, args.budget_mib)
+        corpora = [_corpus(name, args) for name in _names(args.corpora)]
+        if args.repeats < 1 or args.p < 1:
+            raise ValueError(f"--repeats and --p must be >= 1, got {args.repeats} and {args.p}")
+        profile, where = _profile(args)
+    except ValueError as e:  # ProfileError included
+        parser.exit(2, f"bench e2e: error: {e}\n")
+    settings = Settings(
+        repeats=args.repeats,
+        budget_bytes=None if args.budget_mib is None else args.budget_mib * MIB,
+        profile=profile,
+        arms=arms,
+    )
+    print(
+        f"bench e2e: {args.p} gloo ranks (TP={args.p}, sequence parallel), GPT {_model_text()}, fp32, Adam "
+        f"lr={LEARNING_RATE}, b=1, one document per micro-batch, curriculum order; {args.repeats} timed "
+        f"repeat(s), medians; cost profile: {where}",
+        flush=True,
+    )
+    print(
+        "peak = weights + gradients + Adam moments held by the rank (16 B/param, counted from its tensors) "
+        "+ the high-water mark above them in forward+backward+all-reduce and in the optimizer step, measured "
+        "by megatron_paradyse.memory.PeakMemory (CPU: a dispatch mode tracking every storage operators "
+        "create: tensor bytes, no allocator caching); OOM = measured peak over the budget on any rank",
+        flush=True,
+    )
+    start = time.perf_counter()
+    results = run_on_ranks(_bench_on_rank, args.p, args=(corpora, settings), timeout_s=3 * 3600)[0]
+    for result in results:
+        _print_corpus(result, next(c for c in corpora if c.name == result.corpus))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
+    print(f"bench e2e: {time.perf_counter() - start:.0f} s")
+    print(_summary_line(results))
+    return 0
+
+
+def _names(text: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in ("code", "dna")]
+    if unknown or not names:
+        raise ValueError(f"--corpora takes code and/or dna, got {text!r}")
+    return names
+
+
+def _arms(text: str, budget_mib: float | None) -> tuple[str, ...]:
+    known = (*PAIRINGS, MEGATRON, ADAPTIVE)
+    arms = tuple(a for a in text.split(",") if a)
+    unknown = [a for a in arms if a not in known]
+    if unknown:
+        raise ValueError(f"--arms: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+    required = {ADAPTIVE, MEGATRON, PAIRINGS[0]} | (set() if budget_mib else {"tp_sp/tp_sp", "lean/lean"})
+    missing = sorted(required - set(arms))
+    if missing:
+        raise ValueError(f"--arms must include {', '.join(missing)} (the ratios and the derived budget need them)")
+    return tuple(a for a in known if a in arms)
+
+
+def _corpus(name: str, args: argparse.Namespace) -> Corpus:
+    """``args.sequences`` documents of ``args.min_len..args.max_len`` tokens spread evenly in log length."""
+    from megatron_paradyse.data import DocumentDataset
+    from megatron_paradyse.data.corpora import build_code_corpus, build_dna_corpus
+    from megatron_paradyse.data.subset import spread_by_length
+    from megatron_paradyse.data.tokenizers import ByteTokenizer, KmerTokenizer
+
+    if name == "code":
+        prefix, tokenizer = build_code_corpus(args.cache_dir), ByteTokenizer()
+    else:
+        # The binned lengths need a corpus of at least a few thousand tokens at the top.
+        prefix, tokenizer = build_dna_corpus(args.cache_dir, max_len=max(args.max_len, 4096)), KmerTokenizer(3)
+    dataset = DocumentDataset(prefix)
+    docs = spread_by_length(dataset.lengths, args.sequences, args.min_len, args.max_len)
+    documents = tuple(np.asarray(dataset[int(d)], dtype=np.int64) for d in docs)
+    return Corpus(name, documents, tokenizer.vocab_size, tokenizer.pad_id)
+
+
+def _profile(args: argparse.Namespace) -> tuple[dict, str]:
+    """The ``--profile`` given, or the one calibrated before into the cache, or a new calibration."""
+    from megatron_paradyse.cost import ProfileError, load_profile
+    from megatron_paradyse.cost.calibrate import calibrate
+    from megatron_paradyse.cost.profile import save_profile
+
+    if args.profile is not None:
+        return load_profile(args.profile, p=args.p, check_machine=False), str(args.profile)
+    path = args.cache_dir / f"cost-profile-quick-corrected-cpu-p{args.p}-float32.json"
+    try:
+        return load_profile(path, p=args.p), f"{path} (calibrated before)"
+    except ProfileError:
+        pass
+    print(f"bench e2e: calibrating a cost profile on {args.p} ranks (quick grid, fitted correction) ...", flush=True)
+    profile = calibrate([args.p], grid="quick", fit_correction=True, show_progress=sys.stderr.isatty())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_profile(profile, path)
+    return profile, f"{path} (calibrated now)"
+
+
+# -- output -------------------------------------------------------------------------------------------
+def _model_text() -> str:
+    m = MODEL
+    return (
+        f"{m['num_layers']} layers h={m['hidden_size']} heads={m['num_attention_heads']} "
+        f"ffn={m['ffn_hidden_size']} RoPE"
+    )
+
+
+def _bins(lengths: list[int]) -> list[tuple[int, int]]:
+    """Power-of-two bins ``[2^k, 2^(k+1))`` covering ``lengths``."""
+    low = 1 << (min(lengths).bit_length() - 1)
+    bins = []
+    while low <= max(lengths):
+        bins.append((low, 2 * low))
+        low *= 2
+    return bins
+
+
+def _fmt_len(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _print_corpus(result: CorpusResult, corpus: Corpus) -> None:
+    lengths = [len(d) for d in corpus.documents]
+    bins = _bins(lengths)
+    arms = result.arms
+    print(
+        f"\n== {result.corpus} corpus: {len(lengths)} documents of {min(lengths)}..{max(lengths)} tokens; "
+        f"budget {result.budget_bytes / MIB:.1f} MiB per rank ({result.budget_rule}); the planner counts "
+        f"{result.planner_static_bytes / MIB:.2f} MiB of weights, gradients and Adam state, the ranks hold "
+        f"{max(a.resident_bytes for a in arms.values()) / MIB:.2f} MiB"
+    )
+    head = ["arm", "trained", "longest", "total s (range)"]
+    head += [f"[{_fmt_len(a)},{_fmt_len(b)})" for a, b in bins]
+    head += ["peak MiB", "over budget", "peak vs model", "last loss"]
+    rows = []
+    for arm in arms.values():
+        trained = arm.trained()
+        totals = arm.total_by_repeat()
+        cells = [
+            arm.name,
+            f"{len(trained)}/{len(arm.sequences)}",
+            str(arm.longest()),
+            f"{arm.time_on(trained):.2f} ({min(totals):.2f}-{max(totals):.2f})" if totals else "-",
+        ]
+        for low, high in bins:
+            inside = [i for i, s in enumerate(arm.sequences) if low <= s.tokens < high]
+            done = [i for i in inside if i in trained]
+            text = f"{arm.time_on(done):.2f}" if done else "-"
+            if len(done) < len(inside):
+                text += f" ({len(inside) - len(done)} not)"
+            cells.append(text)
+        run = [s for s in arm.sequences if s.peak_bytes]
+        peak = max((max(s.peak_bytes) for s in trained.values()), default=0)
+        over = [s for s in run if s.status == OOM]
+        cells += [
+            f"{peak / MIB:.1f}",
+            f"{len(over)}" + (f" (worst {max(max(s.peak_bytes) for s in over) / MIB:.1f})" if over else ""),
+            _model_error(run),
+            f"{trained[max(trained)].loss:.4f}" if trained else "-",
+        ]
+        rows.append(cells)
+    _print_table(head, rows)
+    adaptive = arms[ADAPTIVE]
+    skipped = [s.tokens for s in adaptive.sequences if s.status == INFEASIBLE]
+    if skipped:
+        print(f"adaptive: no plan fits the budget for {len(skipped)} sequence(s): {skipped} tokens (skipped)")
+    _print_predictions(adaptive)
+    plans: dict[str, int] = {}
+    for s in adaptive.trained().values():
+        plans[s.plan] = plans.get(s.plan, 0) + 1
+    print("adaptive plans: " + "; ".join(f"{n}x [{plan}]" for plan, n in plans.items()))
+    for name, arm in arms.items():
+        if name != ADAPTIVE:
+            both = adaptive.trained().keys() & arm.trained().keys()
+            ratio = _time_ratio(adaptive, arm)
+            print(f"adaptive / {name}: {ratio:.3f} over the {len(both)} sequences both trained")
+    print(" ".join(f"{k}={v:.3f}" for k, v in result.ratios().items()) + f" ({result.corpus})")
+
+
+def _model_error(sequences: list[SequenceResult]) -> str:
+    """The range of (measured peak / the cost model's) - 1 over ``sequences``."""
+    errors = [max(s.peak_bytes) / s.predicted_peak_bytes - 1 for s in sequences if s.predicted_peak_bytes]
+    return f"{min(errors):+.0%}..{max(errors):+.0%}" if errors else "-"
+
+
+def _print_predictions(adaptive: ArmResult) -> None:
+    """How the planner's predicted peaks compare with the measured ones (the worst under-prediction)."""
+    pairs = [(s, max(s.peak_bytes)) for s in adaptive.sequences if s.peak_bytes and s.predicted_peak_bytes]
+    if not pairs:
+        return
+    s, measured = max(pairs, key=lambda sm: sm[1] - sm[0].predicted_peak_bytes)
+    print(
+        f"adaptive: predicted vs measured peak: worst at {s.tokens} tokens [{s.plan}]: predicted "
+        f"{s.predicted_peak_bytes / MIB:.2f} MiB, measured {measured / MIB:.2f} MiB "
+        f"({(measured - s.predicted_peak_bytes) / s.predicted_peak_bytes:+.1%})"
+    )
+
+
+def _print_table(head: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    for row in [head, ["-" * w for w in widths], *rows]:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+
+
+def _summary_line(results: list[CorpusResult]) -> str:
+    ratios = [r.ratios() for r in results]
+
+    def worst(key: str, pick) -> float:
+        values = [r[key] for r in ratios]
+        return math.nan if any(math.isnan(v) for v in values) else pick(values)
+
+    return (
+        f"adaptive_vs_best_static={worst('adaptive_vs_best_static', max):.3f} "
+        f"adaptive_vs_megatron={worst('adaptive_vs_megatron', max):.3f} "
+        f"max_len_ratio={worst('max_len_ratio', min):.3f}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
