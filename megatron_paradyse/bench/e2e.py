@@ -106,7 +106,7 @@ class ArmResult:
     name: str
     sequences: list[SequenceResult]
     resident_bytes: int = 0
-    """Weights + gradients + Adam moments held by rank 0 after training (the largest rank)."""
+    """Weights + gradients + Adam moments a rank holds after training (every rank holds the same)."""
 
     def trained(self) -> dict[int, SequenceResult]:
         return {i: s for i, s in enumerate(self.sequences) if s.status == TRAINED}
@@ -257,8 +257,12 @@ class _CorpusBench:
     # -- arms -------------------------------------------------------------------------------------
     def run(self) -> CorpusResult:
         names = self.settings.arms
-        results = {name: self._memory_pass(name) for name in names if name != ADAPTIVE}
+        results = {}
+        for name in (n for n in names if n != ADAPTIVE):  # adaptive plans within the budget their peaks set
+            self._progress(f"memory pass, {name}")
+            results[name] = self._memory_pass(name)
         budget, rule = self._budget(results)
+        self._progress(f"memory pass, {ADAPTIVE} (budget {budget / MIB:.1f} MiB)")
         results[ADAPTIVE] = self._memory_pass(ADAPTIVE, budget=budget)
         for arm in results.values():
             for s in arm.sequences:
@@ -266,9 +270,14 @@ class _CorpusBench:
                     s.status = OOM
         for repeat in range(self.settings.repeats):
             for name in names:
+                self._progress(f"timed pass {repeat + 1}/{self.settings.repeats}, {name}")
                 self._timed_pass(results[name], budget, first=repeat == 0)
         arms = {n: results[n] for n in names}
         return CorpusResult(self.corpus.name, budget, rule, self.footprint.static_bytes, arms)
+
+    def _progress(self, what: str) -> None:
+        if dist.get_rank() == 0:
+            print(f"bench e2e: {self.corpus.name}: {what}", file=sys.stderr, flush=True)
 
     def _budget(self, results: dict[str, ArmResult]) -> tuple[float, str]:
         if self.settings.budget_bytes is not None:
