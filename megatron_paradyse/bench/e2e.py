@@ -167,6 +167,8 @@ class Settings:
     """None: derived per corpus (see the module docstring)."""
     profile: dict
     arms: tuple[str, ...]
+    plan_margin: float
+    """The adaptive arm plans to ``budget * (1 - plan_margin)``: room for the memory model's error."""
 
 
 def _bench_on_rank(rank: int, p: int, corpora: list[Corpus], settings: Settings) -> list[CorpusResult]:
@@ -301,7 +303,7 @@ class _CorpusBench:
             shape=self.cost_model.shape,
             p=self.p,
             num_layers=self.footprint.layers,
-            budget_bytes=budget,
+            budget_bytes=budget * (1.0 - self.settings.plan_margin),
         )
 
     def _predicted_peak(self, plan, layout) -> float:
@@ -437,6 +439,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-len", type=int, default=4096, help="longest document, tokens (default 4096)")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per arm; medians (default 3)")
     parser.add_argument("--budget-mib", type=float, help="memory budget per rank (default: derived per corpus)")
+    parser.add_argument(
+        "--plan-margin",
+        type=float,
+        default=0.1,
+        help="the adaptive arm plans to the budget times 1 - this, room for the memory model's error (default 0.1)",
+    )
     parser.add_argument("--arms", default=",".join([*PAIRINGS, MEGATRON, ADAPTIVE]), help="arms to run")
     parser.add_argument("--cache-dir", type=Path, default=Path("paradyse-bench-cache"), help="corpora, profile")
     parser.add_argument("--profile", type=Path, help="cost profile (default: calibrated once into --cache-dir)")
@@ -461,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         corpora = [_corpus(name, args) for name in _names(args.corpora)]
         if args.repeats < 1 or args.p < 1:
             raise ValueError(f"--repeats and --p must be >= 1, got {args.repeats} and {args.p}")
+        if not 0.0 <= args.plan_margin < 1.0:
+            raise ValueError(f"--plan-margin must be in [0, 1), got {args.plan_margin}")
         profile, where = _profile(args)
     except ValueError as e:  # ProfileError included
         parser.exit(2, f"bench e2e: error: {e}\n")
@@ -469,11 +479,12 @@ def main(argv: list[str] | None = None) -> int:
         budget_bytes=None if args.budget_mib is None else args.budget_mib * MIB,
         profile=profile,
         arms=arms,
+        plan_margin=args.plan_margin,
     )
     print(
         f"bench e2e: {args.p} gloo ranks (TP={args.p}, sequence parallel), GPT {_model_text()}, fp32, Adam "
         f"lr={LEARNING_RATE}, b=1, one document per micro-batch, curriculum order; {args.repeats} timed "
-        f"repeat(s), medians; cost profile: {where}",
+        f"repeat(s), medians; cost profile: {where}; adaptive plans to {1 - args.plan_margin:.0%} of the budget",
         flush=True,
     )
     print(
