@@ -44,7 +44,9 @@ from megatron_paradyse.cost.terms import (
     Gemm,
     LayerTerms,
     SublayerTerms,
-    layer_terms,
+    attention_terms,
+    compose_layer,
+    sublayer_terms,
 )
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.plan import LayerOption
@@ -67,6 +69,26 @@ class TimeBreakdown:
     syncs: int
     """Collectives and ring hops: points where the ranks wait for each other."""
     total_s: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Pass:
+    """One sublayer's forward or backward, priced on one rank."""
+
+    compute_s: float
+    comm_s: float
+    syncs: int
+
+
+@dataclasses.dataclass(slots=True)
+class _LayoutMemo:
+    """Sublayer terms and their priced passes for one (layout, micro-batch size), by (sublayer,
+    strategy, rank): the options share them (every attention strategy is in ``len(mlp)`` options, every
+    MLP strategy in ``len(attention)``, each twice for recompute)."""
+
+    key: tuple
+    dims: Dims
+    sublayers: dict[tuple[str, str, int], tuple[SublayerTerms, _Pass, _Pass]] = dataclasses.field(default_factory=dict)
 
 
 def static_bytes(
@@ -135,6 +157,7 @@ class AnalyticCostModel:
         self._k_comm = correction["comm"] if correction else 1.0
         self._per_layer = correction["per_layer_s"] if correction else 0.0
         self._per_sync = correction["per_sync_s"] if correction else 0.0
+        self._last_memo: _LayoutMemo | None = None
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, shape: ModelShape, p: int, **kwargs) -> AnalyticCostModel:
@@ -144,9 +167,10 @@ class AnalyticCostModel:
     # -- the CostModel protocol ------------------------------------------------------------------
     def layer_cost(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> LayerCost:
         """The slowest rank's time, the largest saved and transient bytes of any rank."""
-        costs = []
-        for terms in self._terms(option, layout, micro_batch_size):
-            costs.append(LayerCost(self._time(terms).total_s, terms.saved_bytes, terms.transient_bytes))
+        costs = [
+            LayerCost(time.total_s, terms.saved_bytes, terms.transient_bytes)
+            for terms, time in self._per_rank(option, layout, micro_batch_size)
+        ]
         return LayerCost(*(max(getattr(c, f) for c in costs) for f in ("time_s", "saved_bytes", "transient_bytes")))
 
     def peak_bytes(
@@ -189,31 +213,68 @@ class AnalyticCostModel:
     # -- details ---------------------------------------------------------------------------------
     def time_breakdown(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> TimeBreakdown:
         """Where the slowest rank's time goes."""
-        return max((self._time(t) for t in self._terms(option, layout, micro_batch_size)), key=lambda b: b.total_s)
+        return max((time for _, time in self._per_rank(option, layout, micro_batch_size)), key=lambda b: b.total_s)
 
-    def _terms(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> list[LayerTerms]:
-        """The layer's terms on every rank whose work differs (ring steps see different blocks)."""
+    def _per_rank(
+        self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int
+    ) -> list[tuple[LayerTerms, TimeBreakdown]]:
+        """The layer's terms and time on every rank whose work differs (ring steps see different blocks)."""
+        memo = self._memo(layout, micro_batch_size)
+        ranks = range(self.p) if option.attention in RANK_DEPENDENT else (0,)
+        per_rank = []
+        for rank in ranks:
+            attn, *attn_passes = self._sublayer(memo, layout, "attention", option.attention, rank)
+            mlp, *mlp_passes = self._sublayer(memo, layout, "mlp", option.mlp, rank)
+            terms = compose_layer(attn, mlp, memo.dims, recompute=option.recompute)
+            per_rank.append((terms, self._time((attn_passes, mlp_passes), terms)))
+        return per_rank
+
+    def _memo(self, layout: SequenceLayout, micro_batch_size: int) -> _LayoutMemo:
+        """The memo of this (layout, micro-batch size); only the latest is kept (the planner prices
+        every option of one layout in a row), so memory stays bounded."""
         if layout.p != self.p:
             raise ValueError(f"the layout is for p={layout.p}, the cost model for p={self.p}")
-        dims = Dims(self.shape, self.p, layout.padded_len, micro_batch_size, self.element_size, self.rotary_dim)
-        ranks = range(self.p) if option.attention in RANK_DEPENDENT else (0,)
-        return [layer_terms(option, dims, layout, rank) for rank in ranks]
+        # the layout's value, not its identity: the planner builds a new layout for every bucket
+        key = (layout.doc_lengths, layout.causal, layout.padded_len, micro_batch_size)
+        memo = self._last_memo
+        if memo is None or memo.key != key:
+            dims = Dims(self.shape, self.p, layout.padded_len, micro_batch_size, self.element_size, self.rotary_dim)
+            memo = self._last_memo = _LayoutMemo(key, dims)
+        return memo
 
-    def _time(self, terms: LayerTerms) -> TimeBreakdown:
+    def _sublayer(
+        self, memo: _LayoutMemo, layout: SequenceLayout, sublayer: str, name: str, rank: int
+    ) -> tuple[SublayerTerms, _Pass, _Pass]:
+        """A sublayer's terms on ``rank`` and its priced forward and backward, memoised."""
+        key = (sublayer, name, rank)
+        entry = memo.sublayers.get(key)
+        if entry is None:
+            if sublayer == "attention":
+                sub = attention_terms(name, memo.dims, layout, rank)
+            else:
+                sub = sublayer_terms("mlp", name, memo.dims, layout, rank)
+            entry = memo.sublayers[key] = (sub, self._pass(sub, backward=False), self._pass(sub, backward=True))
+        return entry
+
+    def _pass(self, sub: SublayerTerms, *, backward: bool) -> _Pass:
+        compute = self._backward_compute(sub) if backward else self._forward_compute(sub)
+        ring_kernels, ring_hops = self._rings(sub, backward=backward)
+        sync_comm, streamed = (sub.bwd_comm, sub.bwd_streamed) if backward else (sub.fwd_comm, sub.fwd_streamed)
+        compute += ring_kernels
+        # asynchronous collectives hide behind computation, not behind other transfers
+        comm = self._comms(sync_comm) + ring_hops + self._streamed(streamed, compute)
+        return _Pass(compute, comm, sub.syncs(backward=backward))
+
+    def _time(self, passes: tuple[list[_Pass], list[_Pass]], terms: LayerTerms) -> TimeBreakdown:
+        """The layer's time from its sublayers' ``[forward, backward]`` passes."""
         forwards = 2 if terms.recompute else 1
         compute = comm = 0.0
         syncs = 0
-        for sub in (terms.attention, terms.mlp):
-            for backward, times in ((False, forwards), (True, 1)):
-                sub_compute = self._backward_compute(sub) if backward else self._forward_compute(sub)
-                ring_kernels, ring_hops = self._rings(sub, backward=backward)
-                sync_comm, streamed = (sub.bwd_comm, sub.bwd_streamed) if backward else (sub.fwd_comm, sub.fwd_streamed)
-                sub_compute += ring_kernels
-                # asynchronous collectives hide behind computation, not behind other transfers
-                sub_comm = self._comms(sync_comm) + ring_hops + self._streamed(streamed, sub_compute)
-                compute += times * sub_compute
-                comm += times * sub_comm
-                syncs += times * sub.syncs(backward=backward)
+        for forward, backward in passes:
+            for priced, times in ((forward, forwards), (backward, 1)):
+                compute += times * priced.compute_s
+                comm += times * priced.comm_s
+                syncs += times * priced.syncs
         x = terms.activation_bytes
         elementwise = self.profile["elementwise"]["per_byte_s"] * _NORMS_AND_RESIDUALS_PASSES * x * (forwards + 2)
         compute += elementwise

@@ -49,6 +49,8 @@ __all__ = [
     "RingStage",
     "SublayerTerms",
     "attention_calls",
+    "attention_terms",
+    "compose_layer",
     "layer_terms",
     "sublayer_terms",
     "supported_options",
@@ -1013,7 +1015,20 @@ class LayerTerms:
 
 
 def layer_terms(option: LayerOption, d: Dims, layout: SequenceLayout, rank: int = 0) -> LayerTerms:
-    """Terms of one layer; its memory from its sublayers' between the layer's own tensors.
+    """Terms of one layer on ``rank``: :func:`compose_layer` of its sublayers' terms."""
+    attn = attention_terms(option.attention, d, layout, rank)
+    mlp = sublayer_terms("mlp", option.mlp, d, layout, rank)
+    return compose_layer(attn, mlp, d, recompute=option.recompute)
+
+
+def attention_terms(name: str, d: Dims, layout: SequenceLayout, rank: int = 0) -> SublayerTerms:
+    """The attention sublayer as the layer runs it: the strategy's terms with RoPE's."""
+    return _with_rotary(sublayer_terms("attention", name, d, layout, rank), name, d, layout)
+
+
+def compose_layer(attn: SublayerTerms, mlp: SublayerTerms, d: Dims, *, recompute: bool) -> LayerTerms:
+    """A layer's terms from its sublayers' (:func:`attention_terms`, :func:`sublayer_terms`); its
+    memory from theirs between the layer's own tensors.
 
     Forward: LN1 (output and statistics), the attention, the residual ``x1``, LN2, the MLP, the
     output. Backward from the output's gradient (the next layer's or the loss's: not counted here):
@@ -1021,8 +1036,6 @@ def layer_terms(option: LayerOption, d: Dims, layout: SequenceLayout, rank: int 
     only the output; its forward keeps nothing, and the backward first reruns the whole layer (beside
     the output), then runs as without recompute.
     """
-    attn = _with_rotary(sublayer_terms("attention", option.attention, d, layout, rank), option.attention, d, layout)
-    mlp = sublayer_terms("mlp", option.mlp, d, layout, rank)
     x, stats = d.x, 2 * d.t * d.b * d.acc  # LayerNorm keeps its mean and rstd
 
     def forward(m: _Memory, sub: SublayerTerms, prefix: str, peak: float) -> None:
@@ -1059,7 +1072,7 @@ def layer_terms(option: LayerOption, d: Dims, layout: SequenceLayout, rank: int 
     m.alloc(ln1_dx=x)
     m.free("attn.dx_local", "ln1_stats")
     m.alloc(dx=x)
-    if not option.recompute:
+    if not recompute:
         return LayerTerms(attn, mlp, False, x, saved, max(forward_peak, m.peak))
     rebuilt = _Memory(output=x)  # the first forward's output, alive while the layer is rebuilt
     layer_forward(rebuilt, mlp.fwd_peak)  # the rerun runs to the layer's end (no early stop)
