@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -158,6 +159,7 @@ class AnalyticCostModel:
         self._per_layer = correction["per_layer_s"] if correction else 0.0
         self._per_sync = correction["per_sync_s"] if correction else 0.0
         self._last_memo: _LayoutMemo | None = None
+        self._rates: dict[tuple[str, bool, int], tuple[float, np.ndarray, np.ndarray]] = {}
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, shape: ModelShape, p: int, **kwargs) -> AnalyticCostModel:
@@ -287,13 +289,36 @@ class AnalyticCostModel:
         e = self.element_size
         return c0 + c1 * gemm.flops + c2 * e * (gemm.m * gemm.k + gemm.n * gemm.k + gemm.m * gemm.n)
 
-    def _attention(self, call: AttentionCall, direction: str) -> float:
-        fit = self.profile["attention"][direction]["causal" if call.causal else "full"]
-        # the rate at the nearest calibrated head dim, interpolated in log length (flat beyond the ends)
-        by_hn = fit["by_head_dim"]
-        rates = by_hn[min(by_hn, key=lambda hn: abs(math.log(int(hn) / call.hn)))]
-        per_unit = np.interp(math.log(call.length), np.log(rates["lengths"]), rates["per_unit_s"])
-        return fit["per_call_s"] + per_unit * call.flops / 4
+    def _attention(self, calls: Sequence[AttentionCall], direction: str) -> list[float]:
+        """Each kernel call's time, ``per_call + per_unit(length) * flops / 4``: the rate at the nearest
+        calibrated head dim, interpolated in log length (flat beyond the ends); one ``np.interp`` for
+        every call of one kind (mask, head dim)."""
+        times = [0.0] * len(calls)
+        kinds: dict[tuple[bool, int], list[int]] = {}
+        for i, call in enumerate(calls):
+            kinds.setdefault((call.causal, call.hn), []).append(i)
+        for (causal, hn), indices in kinds.items():
+            per_call, log_lengths, per_unit = self._attention_rates(direction, causal, hn)
+            x = np.array([math.log(calls[i].length) for i in indices])
+            flops = np.array([calls[i].flops for i in indices], dtype=np.float64)
+            kind_times = per_call + np.interp(x, log_lengths, per_unit) * flops / 4
+            for i, t in zip(indices, kind_times.tolist()):
+                times[i] = t
+        return times
+
+    def _attention_rates(self, direction: str, causal: bool, hn: int) -> tuple[float, np.ndarray, np.ndarray]:
+        """(per-call seconds, log lengths, per-unit seconds) of the calibrated head dim nearest ``hn``."""
+        key = (direction, causal, hn)
+        if key not in self._rates:
+            fit = self.profile["attention"][direction]["causal" if causal else "full"]
+            by_hn = fit["by_head_dim"]
+            rates = by_hn[min(by_hn, key=lambda n: abs(math.log(int(n) / hn)))]
+            self._rates[key] = (
+                fit["per_call_s"],
+                np.log(rates["lengths"]),
+                np.asarray(rates["per_unit_s"], dtype=np.float64),
+            )
+        return self._rates[key]
 
     def _elementwise(self, sub: SublayerTerms, factor: float) -> float:
         ew = self.profile["elementwise"]
@@ -302,7 +327,7 @@ class AnalyticCostModel:
     def _forward_compute(self, sub: SublayerTerms) -> float:
         return (
             sum(self._gemm(g, "forward") for g in sub.gemms)
-            + sum(self._attention(c, "forward") for c in sub.attention)
+            + sum(self._attention(sub.attention, "forward"))
             + self._elementwise(sub, 1.0)
         )
 
@@ -310,7 +335,7 @@ class AnalyticCostModel:
         return (
             sum(self._gemm(g, "backward") for g in sub.gemms)
             + sum(self._gemm(g, "forward") for g in sub.recompute_gemms)
-            + sum(self._attention(c, "backward") for c in sub.attention)
+            + sum(self._attention(sub.attention, "backward"))
             + self._elementwise(sub, 2.0)
         )
 
@@ -337,17 +362,18 @@ class AnalyticCostModel:
     def _rings(self, sub: SublayerTerms, *, backward: bool) -> tuple[float, float]:
         """Ring steps: the kernels of step ``i`` run while the next block travels; backward also
         sends the dk/dv accumulator every step. Returns the kernels' time and the hops' exposed time."""
-        direction = "backward" if backward else "forward"
+        calls = [call for ring in sub.rings for step in ring.steps for call in step]
+        times = self._attention(calls, "backward" if backward else "forward")
         kernels = hops = 0.0
+        start = 0
         for ring in sub.rings:
-            for i, calls in enumerate(ring.steps):
-                compute = sum(self._attention(c, direction) for c in calls)
-                step_hops = []
-                if i < ring.fwd_hops:
-                    step_hops.append(ring.hop)
-                if backward:
-                    step_hops.append(ring.bwd_hop)
+            # in flight during a step: the next block (but after the last forward step), the accumulator
+            in_flight = self._comms((ring.hop, ring.bwd_hop) if backward else (ring.hop,))
+            in_flight_last = self._comms((ring.bwd_hop,) if backward else ())
+            for i, step in enumerate(ring.steps):
+                compute = sum(times[start : start + len(step)])
+                start += len(step)
                 kernels += compute
                 if self.p > 1:
-                    hops += self._exposed(compute, sum(self._comm(h) for h in step_hops))
+                    hops += self._exposed(compute, in_flight if i < ring.fwd_hops else in_flight_last)
         return kernels, hops
