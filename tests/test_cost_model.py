@@ -425,3 +425,13 @@ def test_ring_is_priced_at_its_slowest_rank():
     per_rank = [time.total_s for _, time in model._per_rank(option, layout, 1)]
     assert len(set(per_rank)) > 1
     assert model.layer_cost(option, layout, 1).time_s == max(per_rank)
+
+
+def test_mlp_terms_are_the_same_on_every_rank():
+    """The analytic model prices MLPs on rank 0 only (its memo relies on it)."""
+    layout = SequenceLayout.build((3000, 100, 20), 4, causal=True)
+    d = Dims(GQA, 4, layout.padded_len, 2, 4)
+    for name in ("tp_sp", "zero3", "lean"):
+        assert all(
+            sublayer_terms("mlp", name, d, layout, r) == sublayer_terms("mlp", name, d, layout) for r in range(4)
+        )

@@ -226,7 +226,7 @@ class AnalyticCostModel:
         per_rank = []
         for rank in ranks:
             attn, *attn_passes = self._sublayer(memo, layout, "attention", option.attention, rank)
-            mlp, *mlp_passes = self._sublayer(memo, layout, "mlp", option.mlp, rank)
+            mlp, *mlp_passes = self._sublayer(memo, layout, "mlp", option.mlp, 0)  # the same on every rank
             terms = compose_layer(attn, mlp, memo.dims, recompute=option.recompute)
             per_rank.append((terms, self._time((attn_passes, mlp_passes), terms)))
         return per_rank

@@ -954,7 +954,7 @@ _ATTENTION: dict[str, Callable[[Dims, SequenceLayout, int], SublayerTerms]] = {
 }
 RANK_DEPENDENT = frozenset({"ring", "lean"})
 """Attention strategies whose per-rank work and memory depend on the rank (which ring blocks it
-sees; which shard gradient it keeps)."""
+sees; which shard gradient it keeps). MLP strategies' terms are the same on every rank."""
 _MLP: dict[str, Callable[[Dims, SequenceLayout, int], SublayerTerms]] = {
     "tp_sp": _tp_sp_mlp,
     "zero3": _zero3_mlp,
