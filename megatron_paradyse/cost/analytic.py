@@ -44,6 +44,7 @@ from megatron_paradyse.cost.terms import (
     Dims,
     Gemm,
     LayerTerms,
+    RingStage,
     SublayerTerms,
     attention_terms,
     compose_layer,
@@ -362,18 +363,28 @@ class AnalyticCostModel:
     def _rings(self, sub: SublayerTerms, *, backward: bool) -> tuple[float, float]:
         """Ring steps: the kernels of step ``i`` run while the next block travels; backward also
         sends the dk/dv accumulator every step. Returns the kernels' time and the hops' exposed time."""
-        calls = [call for ring in sub.rings for step in ring.steps for call in step]
-        times = self._attention(calls, "backward" if backward else "forward")
+        kernels = hops = 0.0
+        priced: dict[int, tuple[float, float]] = {}  # lean's head groups run one ring stage p times
+        for ring in sub.rings:
+            if id(ring) not in priced:
+                priced[id(ring)] = self._ring(ring, backward=backward)
+            ring_kernels, ring_hops = priced[id(ring)]
+            kernels += ring_kernels
+            hops += ring_hops
+        return kernels, hops
+
+    def _ring(self, ring: RingStage, *, backward: bool) -> tuple[float, float]:
+        """One ring stage's kernels' time and its hops' exposed time."""
+        times = self._attention([call for step in ring.steps for call in step], "backward" if backward else "forward")
+        # in flight during a step: the next block (but after the last forward step), the accumulator
+        in_flight = self._comms((ring.hop, ring.bwd_hop) if backward else (ring.hop,))
+        in_flight_last = self._comms((ring.bwd_hop,) if backward else ())
         kernels = hops = 0.0
         start = 0
-        for ring in sub.rings:
-            # in flight during a step: the next block (but after the last forward step), the accumulator
-            in_flight = self._comms((ring.hop, ring.bwd_hop) if backward else (ring.hop,))
-            in_flight_last = self._comms((ring.bwd_hop,) if backward else ())
-            for i, step in enumerate(ring.steps):
-                compute = sum(times[start : start + len(step)])
-                start += len(step)
-                kernels += compute
-                if self.p > 1:
-                    hops += self._exposed(compute, in_flight if i < ring.fwd_hops else in_flight_last)
+        for i, step in enumerate(ring.steps):
+            compute = sum(times[start : start + len(step)])
+            start += len(step)
+            kernels += compute
+            if self.p > 1:
+                hops += self._exposed(compute, in_flight if i < ring.fwd_hops else in_flight_last)
         return kernels, hops
