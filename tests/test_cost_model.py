@@ -422,7 +422,7 @@ def test_ring_is_priced_at_its_slowest_rank():
     model = AnalyticCostModel(synthetic_profile(), MHA, 4)
     layout = SequenceLayout.build((3000, 100, 20), 4, causal=True)
     option = LayerOption("ring", "zero3")
-    per_rank = [time.total_s for _, time in model._per_rank(option, layout, 1)]
+    per_rank = [time.total_s for time, _, _ in model._per_rank(option, layout, 1)]
     assert len(set(per_rank)) > 1
     assert model.layer_cost(option, layout, 1).time_s == max(per_rank)
 

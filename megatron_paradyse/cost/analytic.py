@@ -43,7 +43,6 @@ from megatron_paradyse.cost.terms import (
     Collective,
     Dims,
     Gemm,
-    LayerTerms,
     RingStage,
     SublayerTerms,
     attention_terms,
@@ -82,15 +81,27 @@ class _Pass:
     syncs: int
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Sublayer:
+    """One sublayer's terms on one rank, its priced passes, and what of it a layer's memory depends on."""
+
+    terms: SublayerTerms
+    forward: _Pass
+    backward: _Pass
+    memory_key: tuple
+
+
 @dataclasses.dataclass(slots=True)
 class _LayoutMemo:
-    """Sublayer terms and their priced passes for one (layout, micro-batch size), by (sublayer,
-    strategy, rank): the options share them (every attention strategy is in ``len(mlp)`` options, every
-    MLP strategy in ``len(attention)``, each twice for recompute)."""
+    """What the options of one (layout, micro-batch size) share: sublayers by (sublayer, strategy,
+    rank), every attention strategy being in ``len(mlp)`` options and every MLP strategy in
+    ``len(attention)``, each twice for recompute; a layer's (saved, transient) bytes by its sublayers'
+    memory (ranks often agree)."""
 
     key: tuple
     dims: Dims
-    sublayers: dict[tuple[str, str, int], tuple[SublayerTerms, _Pass, _Pass]] = dataclasses.field(default_factory=dict)
+    sublayers: dict[tuple[str, str, int], _Sublayer] = dataclasses.field(default_factory=dict)
+    layer_bytes: dict[tuple, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
 
 def static_bytes(
@@ -171,8 +182,8 @@ class AnalyticCostModel:
     def layer_cost(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> LayerCost:
         """The slowest rank's time, the largest saved and transient bytes of any rank."""
         costs = [
-            LayerCost(time.total_s, terms.saved_bytes, terms.transient_bytes)
-            for terms, time in self._per_rank(option, layout, micro_batch_size)
+            LayerCost(time.total_s, saved, transient)
+            for time, saved, transient in self._per_rank(option, layout, micro_batch_size)
         ]
         return LayerCost(*(max(getattr(c, f) for c in costs) for f in ("time_s", "saved_bytes", "transient_bytes")))
 
@@ -216,20 +227,25 @@ class AnalyticCostModel:
     # -- details ---------------------------------------------------------------------------------
     def time_breakdown(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> TimeBreakdown:
         """Where the slowest rank's time goes."""
-        return max((time for _, time in self._per_rank(option, layout, micro_batch_size)), key=lambda b: b.total_s)
+        return max((time for time, _, _ in self._per_rank(option, layout, micro_batch_size)), key=lambda b: b.total_s)
 
     def _per_rank(
         self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int
-    ) -> list[tuple[LayerTerms, TimeBreakdown]]:
-        """The layer's terms and time on every rank whose work differs (ring steps see different blocks)."""
+    ) -> list[tuple[TimeBreakdown, float, float]]:
+        """(time, saved bytes, transient bytes) of the layer on every rank whose work differs (ring
+        steps see different blocks)."""
         memo = self._memo(layout, micro_batch_size)
         ranks = range(self.p) if option.attention in RANK_DEPENDENT else (0,)
+        mlp = self._sublayer(memo, layout, "mlp", option.mlp, 0)  # the same on every rank
         per_rank = []
         for rank in ranks:
-            attn, *attn_passes = self._sublayer(memo, layout, "attention", option.attention, rank)
-            mlp, *mlp_passes = self._sublayer(memo, layout, "mlp", option.mlp, 0)  # the same on every rank
-            terms = compose_layer(attn, mlp, memo.dims, recompute=option.recompute)
-            per_rank.append((terms, self._time((attn_passes, mlp_passes), terms)))
+            attn = self._sublayer(memo, layout, "attention", option.attention, rank)
+            key = (attn.memory_key, mlp.memory_key, option.recompute)
+            if key not in memo.layer_bytes:
+                terms = compose_layer(attn.terms, mlp.terms, memo.dims, recompute=option.recompute)
+                memo.layer_bytes[key] = (terms.saved_bytes, terms.transient_bytes)
+            time = self._time((attn, mlp), option.recompute, memo.dims.x)
+            per_rank.append((time, *memo.layer_bytes[key]))
         return per_rank
 
     def _memo(self, layout: SequenceLayout, micro_batch_size: int) -> _LayoutMemo:
@@ -245,9 +261,7 @@ class AnalyticCostModel:
             memo = self._last_memo = _LayoutMemo(key, dims)
         return memo
 
-    def _sublayer(
-        self, memo: _LayoutMemo, layout: SequenceLayout, sublayer: str, name: str, rank: int
-    ) -> tuple[SublayerTerms, _Pass, _Pass]:
+    def _sublayer(self, memo: _LayoutMemo, layout: SequenceLayout, sublayer: str, name: str, rank: int) -> _Sublayer:
         """A sublayer's terms on ``rank`` and its priced forward and backward, memoised."""
         key = (sublayer, name, rank)
         entry = memo.sublayers.get(key)
@@ -256,7 +270,10 @@ class AnalyticCostModel:
                 sub = attention_terms(name, memo.dims, layout, rank)
             else:
                 sub = sublayer_terms("mlp", name, memo.dims, layout, rank)
-            entry = memo.sublayers[key] = (sub, self._pass(sub, backward=False), self._pass(sub, backward=True))
+            # all compose_layer reads of a sublayer
+            memory = (tuple(sub.saved.items()), sub.fwd_peak, sub.recompute_peak, sub.bwd_peak)
+            entry = _Sublayer(sub, self._pass(sub, backward=False), self._pass(sub, backward=True), memory)
+            memo.sublayers[key] = entry
         return entry
 
     def _pass(self, sub: SublayerTerms, *, backward: bool) -> _Pass:
@@ -268,18 +285,19 @@ class AnalyticCostModel:
         comm = self._comms(sync_comm) + ring_hops + self._streamed(streamed, compute)
         return _Pass(compute, comm, sub.syncs(backward=backward))
 
-    def _time(self, passes: tuple[list[_Pass], list[_Pass]], terms: LayerTerms) -> TimeBreakdown:
-        """The layer's time from its sublayers' ``[forward, backward]`` passes."""
-        forwards = 2 if terms.recompute else 1
+    def _time(self, sublayers: tuple[_Sublayer, ...], recompute: bool, activation_bytes: float) -> TimeBreakdown:
+        """The layer's time from its sublayers' priced passes; ``activation_bytes``: one ``[t, b, h]``."""
+        forwards = 2 if recompute else 1
         compute = comm = 0.0
         syncs = 0
-        for forward, backward in passes:
-            for priced, times in ((forward, forwards), (backward, 1)):
+        for sub in sublayers:
+            for priced, times in ((sub.forward, forwards), (sub.backward, 1)):
                 compute += times * priced.compute_s
                 comm += times * priced.comm_s
                 syncs += times * priced.syncs
-        x = terms.activation_bytes
-        elementwise = self.profile["elementwise"]["per_byte_s"] * _NORMS_AND_RESIDUALS_PASSES * x * (forwards + 2)
+        elementwise = (
+            self.profile["elementwise"]["per_byte_s"] * _NORMS_AND_RESIDUALS_PASSES * activation_bytes * (forwards + 2)
+        )
         compute += elementwise
         syncs = syncs if self.p > 1 else 0
         total = self._k_compute * compute + self._k_comm * comm + self._per_sync * syncs + self._per_layer
