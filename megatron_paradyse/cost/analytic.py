@@ -43,10 +43,11 @@ from megatron_paradyse.cost.terms import (
     Collective,
     Dims,
     Gemm,
+    LayerMemory,
     RingStage,
     SublayerTerms,
     attention_terms,
-    compose_layer,
+    layer_memory,
     sublayer_terms,
 )
 from megatron_paradyse.layout import SequenceLayout
@@ -95,13 +96,13 @@ class _Sublayer:
 class _LayoutMemo:
     """What the options of one (layout, micro-batch size) share: sublayers by (sublayer, strategy,
     rank), every attention strategy being in ``len(mlp)`` options and every MLP strategy in
-    ``len(attention)``, each twice for recompute; a layer's (saved, transient) bytes by its sublayers'
-    memory (ranks often agree)."""
+    ``len(attention)``, each twice for recompute; a layer's memory (with and without recompute) by its
+    sublayers' (ranks often agree)."""
 
     key: tuple
     dims: Dims
     sublayers: dict[tuple[str, str, int], _Sublayer] = dataclasses.field(default_factory=dict)
-    layer_bytes: dict[tuple, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    layer_memory: dict[tuple, LayerMemory] = dataclasses.field(default_factory=dict)
 
 
 def static_bytes(
@@ -240,12 +241,11 @@ class AnalyticCostModel:
         per_rank = []
         for rank in ranks:
             attn = self._sublayer(memo, layout, "attention", option.attention, rank)
-            key = (attn.memory_key, mlp.memory_key, option.recompute)
-            if key not in memo.layer_bytes:
-                terms = compose_layer(attn.terms, mlp.terms, memo.dims, recompute=option.recompute)
-                memo.layer_bytes[key] = (terms.saved_bytes, terms.transient_bytes)
-            time = self._time((attn, mlp), option.recompute, memo.dims.x)
-            per_rank.append((time, *memo.layer_bytes[key]))
+            key = (attn.memory_key, mlp.memory_key)
+            if key not in memo.layer_memory:
+                memo.layer_memory[key] = layer_memory(attn.terms, mlp.terms, memo.dims)
+            saved, peak = memo.layer_memory[key].saved_and_peak(recompute=option.recompute)
+            per_rank.append((self._time((attn, mlp), option.recompute, memo.dims.x), saved, peak - saved))
         return per_rank
 
     def _memo(self, layout: SequenceLayout, micro_batch_size: int) -> _LayoutMemo:
@@ -270,8 +270,8 @@ class AnalyticCostModel:
                 sub = attention_terms(name, memo.dims, layout, rank)
             else:
                 sub = sublayer_terms("mlp", name, memo.dims, layout, rank)
-            # all compose_layer reads of a sublayer
-            memory = (tuple(sub.saved.items()), sub.fwd_peak, sub.recompute_peak, sub.bwd_peak)
+            # all layer_memory reads of a sublayer
+            memory = (tuple(sub.saved.items()), sub.fwd_peak, sub.bwd_peak)
             entry = _Sublayer(sub, self._pass(sub, backward=False), self._pass(sub, backward=True), memory)
             memo.sublayers[key] = entry
         return entry

@@ -44,6 +44,7 @@ __all__ = [
     "CollectiveKind",
     "Dims",
     "Gemm",
+    "LayerMemory",
     "LayerTerms",
     "RANK_DEPENDENT",
     "RingStage",
@@ -51,6 +52,7 @@ __all__ = [
     "attention_calls",
     "attention_terms",
     "compose_layer",
+    "layer_memory",
     "layer_terms",
     "sublayer_terms",
     "supported_options",
@@ -1027,8 +1029,31 @@ def attention_terms(name: str, d: Dims, layout: SequenceLayout, rank: int = 0) -
 
 
 def compose_layer(attn: SublayerTerms, mlp: SublayerTerms, d: Dims, *, recompute: bool) -> LayerTerms:
-    """A layer's terms from its sublayers' (:func:`attention_terms`, :func:`sublayer_terms`); its
-    memory from theirs between the layer's own tensors.
+    """A layer's terms from its sublayers' (:func:`attention_terms`, :func:`sublayer_terms`)."""
+    return LayerTerms(attn, mlp, recompute, d.x, *layer_memory(attn, mlp, d).saved_and_peak(recompute=recompute))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayerMemory:
+    """A layer's memory with and without recompute (:func:`layer_memory`)."""
+
+    activation_bytes: float
+    """One ``[t, b, h]`` activation: all a layer keeps with recompute (its output)."""
+    saved_bytes: float
+    """Kept from the layer's forward to its backward, without recompute."""
+    peak_bytes: float
+    """High-water mark over forward and backward, above the layer's input, without recompute."""
+    recompute_peak_bytes: float
+    """The same with recompute: over the rebuilt forward and the backward."""
+
+    def saved_and_peak(self, *, recompute: bool) -> tuple[float, float]:
+        if recompute:
+            return self.activation_bytes, self.recompute_peak_bytes
+        return self.saved_bytes, self.peak_bytes
+
+
+def layer_memory(attn: SublayerTerms, mlp: SublayerTerms, d: Dims) -> LayerMemory:
+    """A layer's memory from its sublayers' between the layer's own tensors, with and without recompute.
 
     Forward: LN1 (output and statistics), the attention, the residual ``x1``, LN2, the MLP, the
     output. Backward from the output's gradient (the next layer's or the loss's: not counted here):
@@ -1072,9 +1097,7 @@ def compose_layer(attn: SublayerTerms, mlp: SublayerTerms, d: Dims, *, recompute
     m.alloc(ln1_dx=x)
     m.free("attn.dx_local", "ln1_stats")
     m.alloc(dx=x)
-    if not recompute:
-        return LayerTerms(attn, mlp, False, x, saved, max(forward_peak, m.peak))
     rebuilt = _Memory(output=x)  # the first forward's output, alive while the layer is rebuilt
     layer_forward(rebuilt, mlp.fwd_peak)  # the rerun runs to the layer's end (no early stop)
     rebuilt.alloc(output_again=x)
-    return LayerTerms(attn, mlp, True, x, x, max(rebuilt.peak, m.peak))
+    return LayerMemory(x, saved, max(forward_peak, m.peak), max(rebuilt.peak, m.peak))
