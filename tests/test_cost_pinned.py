@@ -9,6 +9,8 @@ model serves every case in turn, so stale memoised terms of another layout would
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from test_cost_model import GQA, synthetic_profile  # the cost tests' synthetic CPU profile
@@ -16,8 +18,11 @@ from test_cost_model import GQA, synthetic_profile  # the cost tests' synthetic 
 from megatron_paradyse.bench.planner import bench_shape
 from megatron_paradyse.cost.analytic import AnalyticCostModel
 from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
+from megatron_paradyse.cost.terms import Dims, layer_terms
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.plan import LayerOption
+
+MLPS = ("tp_sp", "zero3", "lean")
 
 
 def _models() -> dict[str, AnalyticCostModel]:
@@ -165,3 +170,18 @@ def test_layer_cost_matches_pinned_predictions():
             b,
             option,
         )
+
+
+def test_memoised_memory_equals_every_ranks_layer_terms():
+    """The model shares sublayers and layer memories between options and ranks: its bytes are still
+    the largest of :func:`layer_terms` on every rank, exactly (recompute's included)."""
+    model = _models()["h100"]
+    for docs, causal in (((37000,), True), ((1000, 250, 12000), True), ((5000,), False)):
+        layout = SequenceLayout.build(docs, model.p, causal=causal)
+        d = Dims(model.shape, model.p, layout.padded_len, 1, model.element_size, model.rotary_dim)
+        for attention, mlp, recompute in itertools.product(("tp_sp", "ulysses", "ring", "lean"), MLPS, (False, True)):
+            option = LayerOption(attention, mlp, recompute)
+            per_rank = [layer_terms(option, d, layout, rank) for rank in range(model.p)]
+            cost = model.layer_cost(option, layout, 1)
+            assert cost.saved_bytes == max(t.saved_bytes for t in per_rank), (docs, option)
+            assert cost.transient_bytes == max(t.transient_bytes for t in per_rank), (docs, option)
