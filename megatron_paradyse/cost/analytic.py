@@ -172,6 +172,7 @@ class AnalyticCostModel:
         self._per_layer = correction["per_layer_s"] if correction else 0.0
         self._per_sync = correction["per_sync_s"] if correction else 0.0
         self._last_memo: _LayoutMemo | None = None
+        self._call_times: dict[tuple[str, AttentionCall], float] = {}  # the memo's layout's kernel calls, priced
         self._rates: dict[tuple[str, bool, int], tuple[float, np.ndarray, np.ndarray]] = {}
 
     @classmethod
@@ -259,6 +260,7 @@ class AnalyticCostModel:
         if memo is None or memo.key != key:
             dims = Dims(self.shape, self.p, layout.padded_len, micro_batch_size, self.element_size, self.rotary_dim)
             memo = self._last_memo = _LayoutMemo(key, dims)
+            self._call_times.clear()
         return memo
 
     def _sublayer(self, memo: _LayoutMemo, layout: SequenceLayout, sublayer: str, name: str, rank: int) -> _Sublayer:
@@ -310,20 +312,22 @@ class AnalyticCostModel:
 
     def _attention(self, calls: Sequence[AttentionCall], direction: str) -> list[float]:
         """Each kernel call's time, ``per_call + per_unit(length) * flops / 4``: the rate at the nearest
-        calibrated head dim, interpolated in log length (flat beyond the ends); one ``np.interp`` for
-        every call of one kind (mask, head dim)."""
-        times = [0.0] * len(calls)
-        kinds: dict[tuple[bool, int], list[int]] = {}
-        for i, call in enumerate(calls):
-            kinds.setdefault((call.causal, call.hn), []).append(i)
-        for (causal, hn), indices in kinds.items():
+        calibrated head dim, interpolated in log length (flat beyond the ends). Ranks and ring steps
+        repeat the same few calls: each new one is priced once per layout, one ``np.interp`` for all
+        new calls of one kind (mask, head dim)."""
+        known = self._call_times
+        kinds: dict[tuple[bool, int], list[AttentionCall]] = {}
+        for call in calls:
+            if (direction, call) not in known:
+                kinds.setdefault((call.causal, call.hn), []).append(call)
+        for (causal, hn), new in kinds.items():
+            new = list(dict.fromkeys(new))
             per_call, log_lengths, per_unit = self._attention_rates(direction, causal, hn)
-            x = np.array([math.log(calls[i].length) for i in indices])
-            flops = np.array([calls[i].flops for i in indices], dtype=np.float64)
-            kind_times = per_call + np.interp(x, log_lengths, per_unit) * flops / 4
-            for i, t in zip(indices, kind_times.tolist()):
-                times[i] = t
-        return times
+            x = np.array([math.log(call.length) for call in new])
+            flops = np.array([call.flops for call in new], dtype=np.float64)
+            times = per_call + np.interp(x, log_lengths, per_unit) * flops / 4
+            known.update(zip(((direction, call) for call in new), times.tolist()))
+        return [known[direction, call] for call in calls]
 
     def _attention_rates(self, direction: str, causal: bool, hn: int) -> tuple[float, np.ndarray, np.ndarray]:
         """(per-call seconds, log lengths, per-unit seconds) of the calibrated head dim nearest ``hn``."""
