@@ -22,6 +22,11 @@ Memory is :func:`cost.terms.layer_terms`' saved and transient bytes; the stage p
 bytes (the same for every plan, given by the caller: see :func:`static_bytes`), and the larger of
 the largest layer working set and the output layer's (:meth:`AnalyticCostModel.loss_bytes`), with
 the allocator's slack.
+
+The planner prices every option of one layout in a row, and the options share their sublayers: the
+model keeps, for the latest (layout, micro-batch size) only, each sublayer's terms and priced passes
+by (sublayer, strategy, rank), each distinct kernel call's time, and each distinct pair of sublayer
+memories' layer memory. Results are those of pricing each option alone, to floating-point rounding.
 """
 
 from __future__ import annotations
