@@ -206,6 +206,9 @@ def test_hysteresis_keeps_the_previous_plan_within_gamma_while_it_fits():
     for tokens, option, kept in steps:
         decision = planner.decide(layout(tokens))
         assert (decision.plan.layers, decision.kept_previous) == ((option,) * 4, kept), tokens
+    planner.forget_previous()  # a new run of decisions: the bucket's optimum again, from the cache
+    decision = planner.decide(layout(512))
+    assert (decision.plan.layers, decision.kept_previous, decision.cached) == ((FAST,) * 4, False, True)
     # with a wide margin the previous plan is still dropped once it no longer fits (4 x 2048/512 > 14)
     planner, _ = two_option_planner(costs, budget=4 * 3.5, bucket_tokens=512, hysteresis=0.9)
     assert planner.decide(layout(512)).plan.layers == (FAST,) * 4

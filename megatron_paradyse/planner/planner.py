@@ -191,6 +191,10 @@ class Planner:
         self._cache.clear()
         self._longest.clear()
 
+    def forget_previous(self) -> None:
+        """Start a new run of decisions: no previous plan for hysteresis (cached plans stay)."""
+        self._previous = None
+
     def decide(self, layout: SequenceLayout, micro_batch_size: int = 1) -> Decision | None:
         """The plan for a micro-batch of ``micro_batch_size`` samples laid out as ``layout``.
 
