@@ -108,7 +108,7 @@ def test_calibrate_writes_a_profile_the_model_reads(tmp_path, monkeypatch, capfd
     for kind in ("all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast", "reduce"):
         assert profile["collectives"]["2"][kind]["latency_s"] + profile["collectives"]["2"][kind]["per_byte_s"] > 0
     assert 0.0 <= profile["ring_overlap"] <= 1.0
-    pairs = [f"{a}/{m}" for a in ("tp_sp", "ulysses", "ring") for m in ("tp_sp", "zero3")]
+    pairs = [f"{a}/{m}" for a in ("tp_sp", "ulysses", "ring", "lean") for m in ("tp_sp", "zero3", "lean")]
     assert profile["correction"]["fitted_on"] == [f"{option}@{s}" for s in (64, 128) for option in pairs]
 
     model = AnalyticCostModel.from_file(path, SHAPES["mha"], 2)
