@@ -34,21 +34,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_paradyse.attention import get_kernel, kernel_names
+from megatron_paradyse.cost.measure import LayerParams, make_layer_params, run_layer
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.memory import PeakMemory
 from megatron_paradyse.multiprocess import run_on_ranks
 from megatron_paradyse.plan import LayerOption
-from megatron_paradyse.recompute import recompute
-from megatron_paradyse.strategies import (
-    AttentionContext,
-    AttentionWeights,
-    MLPContext,
-    MLPWeights,
-    ModelShape,
-    run_attention,
-    run_mlp,
-    unsupported_reason,
-)
+from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape, unsupported_reason
 
 PAIRINGS = ("tp_sp/tp_sp", "ulysses/zero3", "ring/zero3", "lean/lean")
 """Each attention strategy with its natural MLP partner; the first is the baseline of the ratios."""
@@ -73,52 +64,10 @@ class BenchConfig:
     kernel: str
 
 
-@dataclasses.dataclass
-class _Layer:
-    """One layer's shards on one rank, plus its replicated norm parameters."""
-
-    attention: AttentionWeights
-    mlp: MLPWeights
-    norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # ln1 w, b, ln2 w, b
-
-    def parameters(self) -> list[torch.Tensor]:
-        # Not dataclasses.astuple: it deep-copies tensors.
-        shards = [getattr(w, f.name) for w in (self.attention, self.mlp) for f in dataclasses.fields(w)]
-        return [t for t in (*shards, *self.norms) if t is not None]
-
-
-def _make_layer(shape: ModelShape, p: int, device, dtype, gen: torch.Generator) -> _Layer:
-    h, ffn = shape.hidden_size, shape.ffn_hidden_size
-
-    def weight(*size):
-        return (torch.randn(*size, generator=gen) * 0.02).to(device, dtype)
-
-    def zeros(*size):
-        return torch.zeros(*size, device=device, dtype=dtype)
-
-    heads_local = shape.num_attention_heads // p * shape.kv_channels
-    attention = AttentionWeights(
-        weight(shape.qkv_rows(p), h), weight(h, heads_local), zeros(shape.qkv_rows(p)), zeros(h)
-    )
-    mlp = MLPWeights(weight(shape.fc1_rows(p), h), weight(h, ffn // p), zeros(shape.fc1_rows(p)), zeros(h))
-    ones = torch.ones(h, device=device, dtype=dtype)
-    return _Layer(attention, mlp, (ones, zeros(h), ones.clone(), zeros(h)))
-
-
-def _layer_forward(x_local, layer: _Layer, option: LayerOption, actx: AttentionContext, mctx: MLPContext):
-    h = x_local.shape[-1]
-    ln1_w, ln1_b, ln2_w, ln2_b = layer.norms
-    x_local = x_local + run_attention(
-        option.attention, F.layer_norm(x_local, (h,), ln1_w, ln1_b), layer.attention, actx
-    )
-    return x_local + run_mlp(option.mlp, F.layer_norm(x_local, (h,), ln2_w, ln2_b), layer.mlp, mctx)
-
-
-def _stack_forward_backward(x_local, layers: list[_Layer], option: LayerOption, actx, mctx) -> None:
+def _stack_forward_backward(x_local, layers: list[LayerParams], option: LayerOption, actx, mctx) -> None:
     y_local = x_local
-    for layer in layers:
-        args = (y_local, layer, option, actx, mctx)
-        y_local = recompute(_layer_forward, *args) if option.recompute else _layer_forward(*args)
+    for params in layers:
+        y_local = run_layer(y_local, params, option, actx, mctx)
     y_local.float().square().sum().backward()
 
 
@@ -127,8 +76,8 @@ def measure(rank: int, p: int, cfg: BenchConfig) -> dict[str, int]:
     group = dist.group.WORLD
     device = torch.device(cfg.device)
     gen = torch.Generator().manual_seed(1234 + rank)
-    layers = [_make_layer(cfg.shape, p, device, cfg.dtype, gen) for _ in range(cfg.layers)]
-    params = [t.requires_grad_() for layer in layers for t in layer.parameters()]
+    layers = [make_layer_params(cfg.shape, p, rank, dtype=cfg.dtype, device=device, seed=i) for i in range(cfg.layers)]
+    params = [t for layer in layers for t in layer.tensors()]
     kernel = get_kernel(cfg.kernel, device, cfg.dtype)
     mctx = MLPContext(group=group, shape=cfg.shape, activation=F.gelu)
 

@@ -55,13 +55,21 @@ class LayerParams:
     norms: tuple[Tensor, Tensor, Tensor, Tensor]
     """LN1 weight, LN1 bias, LN2 weight, LN2 bias: ``[h]`` each."""
 
-
-def _fields(weights) -> tuple:
-    return tuple(getattr(weights, f.name) for f in dataclasses.fields(weights))
+    def tensors(self) -> list[Tensor]:
+        """Every parameter (biases the layer has)."""
+        shards = [getattr(w, f.name) for w in (self.attention, self.mlp) for f in dataclasses.fields(w)]
+        return [t for t in (*shards, *self.norms) if t is not None]
 
 
 def make_layer_params(
-    shape: ModelShape, p: int, rank: int, *, bias: bool = True, dtype: torch.dtype = torch.float32, seed: int = 0
+    shape: ModelShape,
+    p: int,
+    rank: int,
+    *,
+    bias: bool = True,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
 ) -> LayerParams:
     """Random TP shards of one layer for ``rank`` of ``p`` (distinct per rank), with zeroed gradients.
 
@@ -71,7 +79,7 @@ def make_layer_params(
     h, hn = shape.hidden_size, shape.kv_channels
 
     def rand(*size: int) -> Tensor:
-        t = (torch.randn(*size, generator=gen) / size[-1] ** 0.5).to(dtype).requires_grad_()
+        t = (torch.randn(*size, generator=gen) / size[-1] ** 0.5).to(device, dtype).requires_grad_()
         t.grad = torch.zeros_like(t)
         return t
 
@@ -148,9 +156,7 @@ def measure_layer(
     """
     device = torch.device(device)
     rank, p = group.rank(), group.size()
-    params = make_layer_params(shape, p, rank, bias=bias, dtype=dtype, seed=seed)
-    if device.type != "cpu":
-        params = _to_device(params, device)
+    params = make_layer_params(shape, p, rank, bias=bias, dtype=dtype, device=device, seed=seed)
     actx = AttentionContext(
         group=group,
         layout=layout,
@@ -204,18 +210,3 @@ def measure_layer(
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _to_device(params: LayerParams, device: torch.device) -> LayerParams:
-    def move(t: Tensor | None) -> Tensor | None:
-        if t is None:
-            return None
-        moved = t.detach().to(device).requires_grad_()
-        moved.grad = torch.zeros_like(moved)
-        return moved
-
-    return LayerParams(
-        AttentionWeights(*map(move, _fields(params.attention))),
-        MLPWeights(*map(move, _fields(params.mlp))),
-        tuple(map(move, params.norms)),
-    )
