@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_paradyse.cli import main as cli_main
-from megatron_paradyse.cost.analytic import AnalyticCostModel, static_bytes
+from megatron_paradyse.cost.analytic import AnalyticCostModel
 from megatron_paradyse.cost.empirical import EmpiricalCostModel, HybridRegressor, Sample, aic_polynomial
 from megatron_paradyse.cost.fitting import fit_nonnegative, mape
 from megatron_paradyse.cost.profile import PROFILE_SCHEMA, ProfileError, fingerprint, load_profile, save_profile
@@ -317,13 +317,6 @@ def test_peak_bytes_adds_static_saved_and_the_larger_working_set():
     model = AnalyticCostModel(bf16, MHA, 4, dtype=torch.bfloat16, vocab_size=32000)
     assert model.loss_bytes(layout, 2) == 1024 * 2 * 8000 * (2 + 4) + 2 * (1024 * 2 * 256 * 2) // 4
     assert AnalyticCostModel(profile, MHA, 4).loss_bytes(layout, 2) == 0  # no output layer on this stage
-
-
-def test_static_bytes_follow_megatron_mixed_precision_adam():
-    # bf16 weight, fp32 main gradient, fp32 master weight + two moments sharded over 8 DP ranks
-    assert static_bytes(1000, data_parallel_size=8) == 1000 * (2 + 4 + 12 / 8)
-    assert static_bytes(1000, data_parallel_size=8, distributed_optimizer=False) == 1000 * 18
-    assert static_bytes(1000, mixed_precision=False) == 1000 * (4 + 4 + 8)
 
 
 # -- profiles ----------------------------------------------------------------------------------------

@@ -57,3 +57,34 @@ def test_counted_parameters_are_those_megatron_builds():
     for rows in run_on_ranks(_held_and_counted, 2, timeout_s=240):
         for what, held, counted in rows:
             assert held == counted, what
+
+
+def test_bytes_per_parameter_follow_megatron_mixed_precision_adam():
+    """bf16 weight, fp32 main gradient, fp32 master weight and two moments (sharded by the distributed
+    optimizer over the data-parallel ranks)."""
+    from megatron_paradyse import compat
+
+    compat.install()
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_paradyse.static_memory import pipeline_footprints
+
+    config = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, params_dtype=torch.bfloat16, bf16=True
+    )
+
+    def per_parameter(optimizer_shards: int) -> float:
+        (stage,) = pipeline_footprints(
+            config,
+            vocab_size=128,
+            tied_embeddings=True,
+            learned_positions=0,
+            optimizer_states=2,
+            grads_in_fp32=True,
+            optimizer_shards=optimizer_shards,
+        )
+        return stage.static_bytes / stage.parameters
+
+    assert per_parameter(8) == 2 + 4 + 12 / 8
+    assert per_parameter(1) == 18

@@ -19,7 +19,8 @@ transfers with its compute. ``syncs`` counts collectives and ring hops. The corr
 the rest 0 without one) is fitted by ``paradyse calibrate --fit-correction`` on a few measured layers.
 
 Memory is :func:`cost.terms.layer_terms`' saved and transient bytes; the stage peak adds the static
-bytes (the same for every plan, given by the caller: see :func:`static_bytes`), and the larger of
+bytes (the same for every plan, given by the caller: see :mod:`megatron_paradyse.static_memory`), the
+stage's own activations (:meth:`AnalyticCostModel.stage_bytes`), and the larger of
 the largest layer working set and the output layer's (:meth:`AnalyticCostModel.loss_bytes`), with
 the allocator's slack.
 
@@ -59,7 +60,7 @@ from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.strategies import ModelShape
 
-__all__ = ["AnalyticCostModel", "TimeBreakdown", "static_bytes"]
+__all__ = ["AnalyticCostModel", "TimeBreakdown"]
 
 # Memory-bound ops a layer runs whatever the strategy: two norms and two residual adds, forward.
 _NORMS_AND_RESIDUALS_PASSES = 2 * 2 + 2 * 3
@@ -110,28 +111,6 @@ class _LayoutMemo:
     layer_memory: dict[tuple, LayerMemory] = dataclasses.field(default_factory=dict)
 
 
-def static_bytes(
-    parameters: int,
-    *,
-    data_parallel_size: int = 1,
-    mixed_precision: bool = True,
-    distributed_optimizer: bool = True,
-) -> float:
-    """Bytes one rank holds whatever the plan, for Megatron with Adam: ``parameters`` is what the rank
-    owns (its pipeline stage's, with every TP-sharded weight divided by ``p``: the strategies use
-    Megatron's TP shards; replicated norms and row biases whole; the embedding/output layer's shard on
-    the stages that hold them).
-
-    Per parameter: the weight (2 bytes in bf16/fp16 mixed precision, else 4), its gradient in the DDP
-    buffer (4: Megatron accumulates bf16 gradients in fp32) and the optimizer state (fp32 exp_avg and
-    exp_avg_sq, and with mixed precision an fp32 master copy: 12 or 8 bytes), which the distributed
-    optimizer shards over the ``data_parallel_size`` ranks.
-    """
-    weight = 2 if mixed_precision else 4
-    optimizer = (12 if mixed_precision else 8) / (data_parallel_size if distributed_optimizer else 1)
-    return parameters * (weight + 4 + optimizer)
-
-
 class AnalyticCostModel:
     """:class:`~megatron_paradyse.cost.base.CostModel` from a calibrated profile.
 
@@ -152,7 +131,7 @@ class AnalyticCostModel:
         use_correction: bool = True,
     ):
         """``static_bytes``: what the rank holds whatever the plan, its weights, gradients and optimizer
-        state (see :func:`static_bytes`) and anything else resident; ``vocab_size``: Megatron's padded
+        state (see :mod:`megatron_paradyse.static_memory`) and anything else resident; ``vocab_size``: Megatron's padded
         vocabulary if the stage holds the output layer, else 0 (see :meth:`loss_bytes`);
         ``rotary_dim``: the channels of each head RoPE rotates (0: the model has no RoPE)."""
         if p > 1 and str(p) not in profile["collectives"]:
