@@ -231,13 +231,22 @@ class SequenceLayout:
         if q_rank == k_rank:
             return self._self_segments(self.local_runs(q_rank))
         segments = []
-        for d_start, d_end in self.doc_bounds:
-            for q in _clip_runs(self.local_runs(q_rank), d_start, d_end):
-                for k in _clip_runs(self.local_runs(k_rank), d_start, d_end):
+        for q_runs, k_runs in zip(self._runs_by_document[q_rank], self._runs_by_document[k_rank]):
+            for q in q_runs:
+                for k in k_runs:
                     # Blocks of different ranks never share positions: all before, or all after.
                     if not self.causal or k.natural + k.length <= q.natural:
                         segments.append(Segment(q.local, q.local + q.length, k.local, k.local + k.length, False))
         return _coalesce(segments)
+
+    @functools.cached_property
+    def _runs_by_document(self) -> tuple[tuple[list[_Run], ...], ...]:
+        """Each rank's :meth:`local_runs` clipped to each document: ring segments pair two ranks' runs
+        document by document, for every pair of ranks."""
+        return tuple(
+            tuple(_clip_runs(self.local_runs(rank), start, end) for start, end in self.doc_bounds)
+            for rank in range(self.p)
+        )
 
     def _self_segments(self, runs: tuple[_Run, ...]) -> tuple[Segment, ...]:
         # Local order increases with natural position, so inside one document "key before query"
@@ -264,6 +273,8 @@ def _clip_runs(runs: Sequence[_Run], start: int, end: int) -> list[_Run]:
 
 def _coalesce(segments: list[Segment]) -> tuple[Segment, ...]:
     """Merge fully visible segments that share one side and are adjacent on the other."""
+    if len(segments) < 2:
+        return tuple(segments)
     segments = list(segments)
     merged = True
     while merged:

@@ -257,7 +257,7 @@ class AnalyticCostModel:
             else:
                 sub = sublayer_terms("mlp", name, memo.dims, layout, rank)
             # all layer_memory reads of a sublayer
-            memory = (tuple(sub.saved.items()), sub.fwd_peak, sub.bwd_peak)
+            memory = (sub.saved_bytes, sub.fwd_peak, sub.bwd_peak)
             entry = _Sublayer(sub, self._pass(sub, backward=False), self._pass(sub, backward=True), memory)
             memo.sublayers[key] = entry
         return entry

@@ -23,17 +23,21 @@ calibrated profile, and the unit tests check them against hand counts and the me
   with the layer's own tensors (norms, residuals). Checked against allocation traces of
   :class:`~megatron_paradyse.memory.PeakMemory`: exact for one document per sequence, biases, no
   ``qk_transform``; tensors smaller than a ``[t, b]`` fp32 row are left out, a packed sequence's
-  per-document merges too.
+  per-document merges too. The planner prices every option on every rank: loops that ranks repeat
+  (ring steps, ``lean``'s head groups) are scripted per iteration and memoised by what an iteration
+  depends on (the tensors alive at its start, the block it sees), and the scripts around the ring by
+  the ring's memory, so each distinct iteration is scripted once per micro-batch shape.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Literal
 
-from megatron_paradyse.layout import Segment, SequenceLayout
+from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.strategies import ModelShape
 
@@ -254,6 +258,10 @@ def _ring_stage(layout: SequenceLayout, rank: int, d: Dims, heads: int, kv_heads
 
 
 # -- memory: what the code allocates and frees --------------------------------------------------
+_State = tuple[tuple[str, float], ...]
+"""Tensors alive (name, bytes), sorted by name: hashable, so that loop iterations can be memoised."""
+
+
 class _Memory:
     """Tensors alive, by name, as code allocates and frees them: the bytes alive and their
     high-water mark. Names are unique while alive; freeing a name that is not alive is a bug in a
@@ -284,12 +292,21 @@ class _Memory:
     def call(self, callee: _Call, prefix: str = "") -> None:
         """A function whose own tensors die inside it, leaving ``callee.leaves`` (named ``prefix+name``)."""
         self.peak = max(self.peak, self.live + callee.peak)
-        self.alloc(**{prefix + name: nbytes for name, nbytes in callee.leaves.items()})
+        self.alloc(**{prefix + name: nbytes for name, nbytes in callee.leaves})
 
     def returns(self, output: str, *keep: str) -> dict[str, float]:
         """A function returns ``output``: its other locals die, but what autograd saved (``keep``)."""
         self.free(*(name for name in list(self.sizes) if name != output and name not in keep))
         return {name: self.sizes[name] for name in keep}
+
+    def rename(self, **names: str) -> None:
+        """Tensors that live on under another name (a loop's next-iteration names)."""
+        for old, new in names.items():
+            self.sizes[new] = self.sizes.pop(old)
+
+    def state(self) -> _State:
+        """The tensors alive, in a canonical order: what a :class:`_Step` starts from and leaves."""
+        return tuple(sorted(self.sizes.items()))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -298,18 +315,53 @@ class _Call:
     the tensors it leaves behind (its results)."""
 
     peak: float
-    leaves: dict[str, float]
+    leaves: _State
 
 
-def _memory(fwd: _Memory, bwd: _Memory, saved: dict[str, float]) -> dict:
-    """The memory fields of :class:`SublayerTerms`; a backward must release everything saved."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Step:
+    """One iteration of a loop (a ring step, a head group): its high-water mark, absolute (it starts
+    from the tensors the loop has alive), and the tensors it leaves for the next iteration."""
+
+    peak: float
+    state: _State
+
+
+class _Loop:
+    """A loop run as memoised iterations (functions of the state they start from, returning a
+    :class:`_Step`): ranks and ring steps repeat the same few, so each is scripted once."""
+
+    def __init__(self, start: _Memory):
+        self.peak, self.state = start.peak, start.state()
+
+    def step(self, result: _Step) -> None:
+        self.peak, self.state = max(self.peak, result.peak), result.state
+
+    def end(self) -> _Memory:
+        """The memory after the loop, to go on with."""
+        m = _Memory(**dict(self.state))
+        m.peak = self.peak
+        return m
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _SublayerMemory:
+    """The memory fields of :class:`SublayerTerms`, hashable (memoised scripts return it)."""
+
+    saved: _State
+    fwd_peak: float
+    bwd_peak: float
+
+    def fields(self) -> dict:
+        return {"saved": dict(self.saved), "fwd_peak": self.fwd_peak, "bwd_peak": self.bwd_peak}
+
+
+def _memory(fwd_peak: float, bwd: _Memory, saved: dict[str, float]) -> _SublayerMemory:
+    """A sublayer's memory from its forward's high-water mark and its backward, which must release
+    everything saved."""
     if set(bwd.sizes) != {"dy_local", "dx_local"}:
         raise AssertionError(f"memory script: backward ends with {sorted(bwd.sizes)} alive")
-    return {
-        "saved": saved,
-        "fwd_peak": fwd.peak,
-        "bwd_peak": bwd.peak - sum(saved.values()),
-    }
+    return _SublayerMemory(tuple(saved.items()), fwd_peak, bwd.peak - sum(saved.values()))
 
 
 def _gather_weight(m: _Memory, d: Dims, name: str, nbytes: float, *, row: bool) -> str:
@@ -443,9 +495,17 @@ def _kernel_backward(
     m.free(f"{dk}_expanded", f"{dv}_expanded")
 
 
-def _covers(segments: tuple[Segment, ...], sq: int, sk: int) -> bool:
-    """One segment over the whole block: one kernel call, no partial results to merge."""
-    return len(segments) == 1 and segments[0][:4] == (0, sq, 0, sk)
+_Block = tuple[tuple[int, int], ...]
+"""What a ring step's memory depends on: the (rows, columns) of each visible segment of the block.
+A single ``(t, t)`` segment covers the whole block: one kernel call, no partial results to merge."""
+
+
+def _ring_blocks(layout: SequenceLayout, rank: int) -> tuple[_Block, ...]:
+    """The :data:`_Block` of each ring step of ``rank``: its queries against the keys of ``rank - step``."""
+    return tuple(
+        tuple((seg.q_end - seg.q_start, seg.k_end - seg.k_start) for seg in layout.ring_segments(rank, source))
+        for source in ((rank - step) % layout.p for step in range(layout.p))
+    )
 
 
 def _full_attention_forward(
@@ -497,95 +557,115 @@ def _full_attention_backward(
     return "d_qkv"
 
 
-def _ring_forward(d: Dims, layout: SequenceLayout, rank: int, heads: int, kv_heads: int) -> _Call:
-    """``ring_attention_forward`` on this rank's ``t`` queries of ``heads`` heads: the stacked K/V
-    block and the one in flight, the running output and log-sum-exp (accumulation dtype), each
-    step's partial result (zeros and per-segment merges when its segments do not cover the block)
-    and its merge. Leaves ``out`` and ``lse``."""
+def _ring_forward(d: Dims, blocks: tuple[_Block, ...], heads: int, kv_heads: int) -> _Call:
+    """``ring_attention_forward`` on this rank's ``t`` queries of ``heads`` heads, its steps seeing
+    ``blocks`` (:func:`_ring_blocks`): the stacked K/V block and the one in flight, the running
+    output and log-sum-exp (accumulation dtype), each step's partial result and its merge
+    (:func:`_ring_forward_step`). Leaves ``out`` and ``lse``."""
     t, b, hn, acc = d.t, d.b, d.hn, d.acc
-    out_acc, lse_bytes = b * heads * t * hn * acc, b * heads * t * acc
-    kv_bytes = 2 * b * kv_heads * t * hn * d.e
-    m = _Memory()
-    m.alloc(kv0=kv_bytes, out0=out_acc, lse0=lse_bytes)
-    out, lse, part = "out0", "lse0", ()
-    for step in range(d.p):
-        if step + 1 < d.p:
-            m.alloc(**{f"kv{step + 1}": kv_bytes})
-        segments = layout.ring_segments(rank, (rank - step) % d.p)
-        if segments:
-            new_part = (f"part{step}", f"part_lse{step}")
-            if _covers(segments, t, t):
-                _kernel_forward(m, d, *new_part, heads, kv_heads, t, t)
-            else:
-                m.alloc(**{new_part[0]: out_acc, new_part[1]: lse_bytes})
-                for seg in segments:
-                    rows, cols = seg.q_end - seg.q_start, seg.k_end - seg.k_start
-                    _kernel_forward(m, d, "seg_out", "seg_lse", heads, kv_heads, rows, cols)
-                    # merged into the rows: every temporary of merge_partial dies, the result is copied in
-                    row_lse = b * heads * rows * acc
-                    m.temporary(merge_lse=row_lse, merge_weights=3 * row_lse, merge_scaled=3 * row_lse * hn)
-                    m.free("seg_out", "seg_lse")
-            m.free(*part)
-            part = new_part
-            # merge_partial: the new log-sum-exp, shift and both weights, the two scaled outputs, the sum
-            new_out, new_lse = f"out{step + 1}", f"lse{step + 1}"
-            m.alloc(**{new_lse: lse_bytes, "weights": 3 * lse_bytes})
-            m.alloc(**{"scaled": 2 * out_acc, new_out: out_acc})
-            m.free("scaled", "weights", out, lse)
-            out, lse = new_out, new_lse
-        if step + 1 < d.p:
-            m.free(f"kv{step}")
-    m.free(f"kv{d.p - 1}", *part)
+    loop = _Loop(_Memory(kv=2 * b * kv_heads * t * hn * d.e, out=b * heads * t * hn * acc, lse=b * heads * t * acc))
+    for step, block in enumerate(blocks):
+        loop.step(_ring_forward_step(d, heads, kv_heads, block, loop.state, last=step + 1 == d.p))
+    m = loop.end()
+    m.free("kv", *(("part", "part_lse") if "part" in m.sizes else ()))
     if d.e < acc:  # returned in the activations' dtype
         m.alloc(out_cast=b * heads * t * hn * d.e)
-        m.free(out)
-        out = "out_cast"
-    return _Call(m.peak, {"out": m.sizes[out], "lse": m.sizes[lse]})
+        m.free("out")
+        m.rename(out_cast="out")
+    return _Call(m.peak, (("out", m.sizes["out"]), ("lse", m.sizes["lse"])))
 
 
-def _ring_backward(d: Dims, layout: SequenceLayout, rank: int, heads: int, kv_heads: int) -> _Call:
+@functools.lru_cache(maxsize=4096)
+def _ring_forward_step(d: Dims, heads: int, kv_heads: int, block: _Block, state: _State, *, last: bool) -> _Step:
+    """One step of :func:`_ring_forward` from ``state`` (the K/V block ``kv``, the running ``out`` and
+    ``lse``, the previous step's partial result ``part``/``part_lse``): the next block arrives while
+    the kernels run on ``block`` (:data:`_Block`; zeros and per-segment merges unless one
+    segment covers it), then the partial result is merged. Memoised: ranks and steps repeat the
+    same few blocks."""
+    t, b, hn, acc = d.t, d.b, d.hn, d.acc
+    out_acc, lse_bytes = b * heads * t * hn * acc, b * heads * t * acc
+    m = _Memory(**dict(state))
+    if not last:
+        m.alloc(kv_next=2 * b * kv_heads * t * hn * d.e)
+    if block:
+        if block == ((t, t),):
+            _kernel_forward(m, d, "new_part", "new_part_lse", heads, kv_heads, t, t)
+        else:
+            m.alloc(new_part=out_acc, new_part_lse=lse_bytes)
+            for rows, cols in block:
+                _kernel_forward(m, d, "seg_out", "seg_lse", heads, kv_heads, rows, cols)
+                # merged into the rows: every temporary of merge_partial dies, the result is copied in
+                row_lse = b * heads * rows * acc
+                m.temporary(merge_lse=row_lse, merge_weights=3 * row_lse, merge_scaled=3 * row_lse * hn)
+                m.free("seg_out", "seg_lse")
+        if "part" in m.sizes:
+            m.free("part", "part_lse")
+        # merge_partial: the new log-sum-exp, shift and both weights, the two scaled outputs, the sum
+        m.alloc(new_lse=lse_bytes, weights=3 * lse_bytes)
+        m.alloc(scaled=2 * out_acc, new_out=out_acc)
+        m.free("scaled", "weights", "out", "lse")
+        m.rename(new_part="part", new_part_lse="part_lse", new_out="out", new_lse="lse")
+    if not last:
+        m.free("kv")
+        m.rename(kv_next="kv")
+    return _Step(m.peak, m.state())
+
+
+def _ring_backward(d: Dims, blocks: tuple[_Block, ...], heads: int, kv_heads: int) -> _Call:
     """``ring_attention_backward``: the stacked K/V block and the one in flight, ``dq`` and each step's
     ``dk``/``dv`` accumulator (accumulation dtype), the block gradients of the step (kept until the
-    next step's replace them), the accumulator leaving and the one arriving. Leaves ``dq`` and
-    ``dkv`` (the arrived accumulator; ``dk``/``dv`` are views of it)."""
+    next step's replace them), the accumulator leaving and the one arriving
+    (:func:`_ring_backward_step`). Leaves ``dq`` and ``dkv`` (the arrived accumulator; ``dk``/``dv``
+    are views of it)."""
+    t, b, hn = d.t, d.b, d.hn
+    loop = _Loop(_Memory(kv=2 * b * kv_heads * t * hn * d.e, dq=b * heads * t * hn * d.acc))
+    for step, block in enumerate(blocks):
+        loop.step(_ring_backward_step(d, heads, kv_heads, block, loop.state, last=step + 1 == d.p))
+    m = loop.end()
+    block_grads = ("block_dq", "block_dk", "block_dv") if "block_dq" in m.sizes else ()
+    m.free("kv", *block_grads, *(("sent",) if "sent" in m.sizes else ()))
+    return _Call(m.peak, (("dq", m.sizes["dq"]), ("dkv", m.sizes["arrived"])))
+
+
+@functools.lru_cache(maxsize=4096)
+def _ring_backward_step(d: Dims, heads: int, kv_heads: int, block: _Block, state: _State, *, last: bool) -> _Step:
+    """One step of :func:`_ring_backward` from ``state`` (the K/V block ``kv``, ``dq``, the previous
+    step's block gradients ``block_d{q,k,v}``, the accumulator ``sent`` last step and the one that
+    ``arrived``): the next block arrives, the step's accumulator is made, the kernels' gradients on
+    ``block``, then the accumulator goes on while the next one arrives. Memoised like the forward's."""
     t, b, hn, acc = d.t, d.b, d.hn, d.acc
     kv_bytes = 2 * b * kv_heads * t * hn * d.e
     kv_acc = kv_bytes // d.e * acc
-    m = _Memory()
-    m.alloc(kv0=kv_bytes, dq=b * heads * t * hn * acc)
-    block, arrived, sent = (), None, None
-    for step in range(d.p):
-        if step + 1 < d.p:
-            m.alloc(**{f"kv{step + 1}": kv_bytes})
-        dkv = f"dkv{step}"
-        m.alloc(**{dkv: kv_acc})
-        segments = layout.ring_segments(rank, (rank - step) % d.p)
-        if segments:
-            new_block = (f"dq_b{step}", f"dk_b{step}", f"dv_b{step}")
-            if _covers(segments, t, t):
-                _kernel_backward(m, d, new_block, heads, kv_heads, t, t)
-            else:
-                m.alloc(**dict(zip(new_block, (b * heads * t * hn * acc, kv_acc / 2, kv_acc / 2))))
-                for seg in segments:
-                    rows, cols = seg.q_end - seg.q_start, seg.k_end - seg.k_start
-                    m.alloc(seg_lse=b * heads * rows * acc)  # a contiguous slice
-                    _kernel_backward(m, d, ("seg_dq", "seg_dk", "seg_dv"), heads, kv_heads, rows, cols)
-                    m.free("seg_lse", "seg_dq", "seg_dk", "seg_dv")
-            m.free(*block)
-            block = new_block
-        if sent is not None:  # the accumulator sent last step: released once its send completed
-            m.free(sent)
-        if d.p == 1:
-            arrived = dkv
-            break
-        m.alloc(**{f"dkv_in{step}": kv_acc})
-        if arrived is not None:
-            m.free(arrived)
-        arrived, sent = f"dkv_in{step}", dkv
-        if step + 1 < d.p:
-            m.free(f"kv{step}")
-    m.free(f"kv{d.p - 1}", *block, *((sent,) if sent else ()))
-    return _Call(m.peak, {"dq": m.sizes["dq"], "dkv": m.sizes[arrived]})
+    m = _Memory(**dict(state))
+    if not last:
+        m.alloc(kv_next=kv_bytes)
+    m.alloc(dkv=kv_acc)
+    if block:
+        new_block = ("new_dq", "new_dk", "new_dv")
+        if block == ((t, t),):
+            _kernel_backward(m, d, new_block, heads, kv_heads, t, t)
+        else:
+            m.alloc(**dict(zip(new_block, (b * heads * t * hn * acc, kv_acc / 2, kv_acc / 2))))
+            for rows, cols in block:
+                m.alloc(seg_lse=b * heads * rows * acc)  # a contiguous slice
+                _kernel_backward(m, d, ("seg_dq", "seg_dk", "seg_dv"), heads, kv_heads, rows, cols)
+                m.free("seg_lse", "seg_dq", "seg_dk", "seg_dv")
+        if "block_dq" in m.sizes:
+            m.free("block_dq", "block_dk", "block_dv")
+        m.rename(new_dq="block_dq", new_dk="block_dk", new_dv="block_dv")
+    if "sent" in m.sizes:  # the accumulator sent last step: released once its send completed
+        m.free("sent")
+    if d.p == 1:
+        m.rename(dkv="arrived")
+    else:
+        m.alloc(dkv_in=kv_acc)
+        if "arrived" in m.sizes:
+            m.free("arrived")
+        m.rename(dkv="sent", dkv_in="arrived")
+    if not last:
+        m.free("kv")
+        m.rename(kv_next="kv")
+    return _Step(m.peak, m.state())
 
 
 def _activation_forward(m: _Memory, d: Dims, rows: int, units: int) -> tuple[str, ...]:
@@ -657,7 +737,7 @@ def _tp_sp_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerm
             Collective("all_gather", x_full),
         ),
         elementwise_bytes=2 * (s * b * d.qkv // p * e) * (2 if layout.causal else 1) + 4 * core,
-        **_memory(fwd, bwd, saved),
+        **_memory(fwd.peak, bwd, saved).fields(),
     )
 
 
@@ -706,35 +786,16 @@ def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTe
             Collective("reduce_scatter", w_qkv),
         ),
         elementwise_bytes=4 * qkv_local * (2 if layout.causal else 1) + 6 * core_local,
-        **_memory(fwd, bwd, saved),
+        **_memory(fwd.peak, bwd, saved).fields(),
     )
 
 
 def _ring_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
     t, b, e, p = d.t, d.b, d.e, d.p
     w_qkv, w_proj = d.qkv * d.h * e, d.h * d.a * e
-    qkv_local = t * b * d.qkv * e
     core_local = t * b * d.a * e
-    q_copy = ("q_copy",) if d.q_copied(d.ng) else ()
-
-    fwd = _Memory(x_local=d.x)
-    _zero3_forward(fwd, d, "qkv", "qkv_local", qkv_local, w_qkv, bias=d.qkv * e)
-    if q_copy:
-        fwd.alloc(q_copy=core_local)
-    fwd.call(_ring_forward(d, layout, rank, d.nq, d.ng))
-    fwd.alloc(core=core_local)  # [s/p, b, nq hn]: the output permuted
-    _zero3_forward(fwd, d, "proj", "proj_out", d.x, w_proj, row=True)
-    fwd.alloc(y_local=d.x)
-    # q, k, v are views of the projection (and the q copy)
-    saved = fwd.returns("y_local", "x_local", "qkv_local", *q_copy, "out", "lse", "core")
-
-    bwd = _Memory(dy_local=0.0, **saved)
-    _zero3_backward(bwd, d, "proj", "d_core", core_local, w_proj, row=True, release=("core",))
-    bwd.call(_ring_backward(d, layout, rank, d.nq, d.ng))
-    bwd.free("d_core", "qkv_local", *q_copy, "out", "lse")
-    bwd.alloc(d_qkv_local=qkv_local)
-    bwd.free("dq", "dkv")
-    _zero3_backward(bwd, d, "qkv", "dx_local", d.x, w_qkv, bias=d.qkv * e, release=("d_qkv_local", "x_local"))
+    blocks = _ring_blocks(layout, rank)
+    memory = _ring_attention_memory(d, _ring_forward(d, blocks, d.nq, d.ng), _ring_backward(d, blocks, d.nq, d.ng))
     ring = _ring_stage(layout, rank, d, d.nq, d.ng)
     out_acc = t * b * d.a * d.acc
     return SublayerTerms(
@@ -749,8 +810,38 @@ def _ring_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
         ),
         # per step: the block's partial output and lse merged into the running ones
         elementwise_bytes=p * 8 * out_acc + 4 * core_local + 2 * ring.hop.nbytes,
-        **_memory(fwd, bwd, saved),
+        **memory.fields(),
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def _ring_attention_memory(d: Dims, ring_forward: _Call, ring_backward: _Call) -> _SublayerMemory:
+    """``ring`` attention's memory around the rank's ring forward and backward (which ranks often
+    share: memoised): the projections' ZeRO-3 gathers, q's copy, the output permuted."""
+    e = d.e
+    w_qkv, w_proj = d.qkv * d.h * e, d.h * d.a * e
+    qkv_local, core_local = d.t * d.b * d.qkv * e, d.t * d.b * d.a * e
+    q_copy = ("q_copy",) if d.q_copied(d.ng) else ()
+
+    fwd = _Memory(x_local=d.x)
+    _zero3_forward(fwd, d, "qkv", "qkv_local", qkv_local, w_qkv, bias=d.qkv * e)
+    if q_copy:
+        fwd.alloc(q_copy=core_local)
+    fwd.call(ring_forward)
+    fwd.alloc(core=core_local)  # [s/p, b, nq hn]: the output permuted
+    _zero3_forward(fwd, d, "proj", "proj_out", d.x, w_proj, row=True)
+    fwd.alloc(y_local=d.x)
+    # q, k, v are views of the projection (and the q copy)
+    saved = fwd.returns("y_local", "x_local", "qkv_local", *q_copy, "out", "lse", "core")
+
+    bwd = _Memory(dy_local=0.0, **saved)
+    _zero3_backward(bwd, d, "proj", "d_core", core_local, w_proj, row=True, release=("core",))
+    bwd.call(ring_backward)
+    bwd.free("d_core", "qkv_local", *q_copy, "out", "lse")
+    bwd.alloc(d_qkv_local=qkv_local)
+    bwd.free("dq", "dkv")
+    _zero3_backward(bwd, d, "qkv", "dx_local", d.x, w_qkv, bias=d.qkv * e, release=("d_qkv_local", "x_local"))
+    return _memory(fwd.peak, bwd, saved)
 
 
 def _lean_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
@@ -761,11 +852,53 @@ def _lean_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
     t, b, e, p = d.t, d.b, d.e, d.p
     heads, kv_heads = d.nq // p, d.ng // p
     qkv_rows = d.qkv // p
-    shard = (qkv_rows * d.h + d.h * d.a // p + qkv_rows) * e  # qkv rows, proj columns, qkv bias: one message
-    qkv_group, core_group = t * b * qkv_rows * e, t * b * heads * d.hn * e
-    copies_q = d.q_copied(kv_heads)
+    shard = _lean_attention_sizes(d)[0]
 
-    ring_forward = _ring_forward(d, layout, rank, heads, kv_heads)  # the same for every group
+    blocks = _ring_blocks(layout, rank)
+    fwd_peak, kept = _lean_attention_forward(d, _ring_forward(d, blocks, heads, kv_heads))
+    saved = dict(kept)
+    ring_backward = _ring_backward(d, blocks, heads, kv_heads)
+    start = _Memory(dy_local=0.0, saved=sum(saved.values()))
+    start.alloc(dx_local=d.x, shard=shard)  # dx accumulates group by group
+    loop = _Loop(start)
+    for j in range(p):
+        loop.step(_lean_attention_backward_group(d, ring_backward, loop.state, last=j + 1 == p, own=j == rank))
+    bwd = loop.end()
+    # the function's backward returns; the shard gradient is accumulated
+    bwd.free("shard_prev", *(("reducing",) if "reducing" in bwd.sizes else ()), "saved", "own")
+    ring = _ring_stage(layout, rank, d, heads, kv_heads)
+    # the first shard's broadcast (and the last gradient's reduce) are waited for; the others run
+    # while a group computes
+    broadcast, reduce = Collective("broadcast", shard), Collective("reduce", shard)
+    return SublayerTerms(
+        gemms=(Gemm(t * b, qkv_rows, d.h), Gemm(t * b, d.h, d.a // p)) * p,
+        recompute_gemms=(Gemm(t * b, qkv_rows, d.h),) * p,
+        rings=(ring,) * p,
+        fwd_comm=(broadcast,) if p > 1 else (),
+        fwd_streamed=(broadcast,) * (p - 1),
+        bwd_comm=(broadcast, reduce) if p > 1 else (),
+        bwd_streamed=(broadcast, reduce) * (p - 1),
+        # per group and step a merge, the output copied to rows, the shard packed
+        elementwise_bytes=p * 8 * t * b * d.a * d.acc + 2 * t * b * d.a * e + 2 * shard,
+        **_memory(fwd_peak, bwd, saved).fields(),
+    )
+
+
+def _lean_attention_sizes(d: Dims) -> tuple[int, int, int, bool]:
+    """``lean`` attention's shard message (qkv rows, proj columns, qkv bias), one group's QKV
+    projection and core output, and whether q is copied out of the projection."""
+    heads, kv_heads, qkv_rows = d.nq // d.p, d.ng // d.p, d.qkv // d.p
+    shard = (qkv_rows * d.h + d.h * d.a // d.p + qkv_rows) * d.e
+    return shard, d.t * d.b * qkv_rows * d.e, d.t * d.b * heads * d.hn * d.e, d.q_copied(kv_heads)
+
+
+@functools.lru_cache(maxsize=1024)
+def _lean_attention_forward(d: Dims, ring_forward: _Call) -> tuple[float, _State]:
+    """``lean`` attention's forward: its high-water mark and what it saves (each group's ring
+    output and log-sum-exp). It depends on the rank only through ``ring_forward`` (the same for
+    every group), which ranks often share: memoised."""
+    shard, qkv_group, core_group, copies_q = _lean_attention_sizes(d)
+    p = d.p
     fwd = _Memory(x_local=d.x)
     fwd.alloc(y_sum=d.x, shard0=shard)
     for j in range(p):
@@ -781,48 +914,37 @@ def _lean_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
         fwd.free("qkv", *(("q_copy",) if copies_q else ()))
     fwd.free(f"shard{p - 1}")
     fwd.alloc(y_local=d.x)
-    saved = fwd.returns("y_local", "x_local", *(f"g{j}_{name}" for j in range(p) for name in ring_forward.leaves))
+    saved = fwd.returns("y_local", "x_local", *(f"g{j}_{name}" for j in range(p) for name, _ in ring_forward.leaves))
+    return fwd.peak, tuple(saved.items())
 
-    ring_backward = _ring_backward(d, layout, rank, heads, kv_heads)
-    bwd = _Memory(dy_local=0.0, **saved)
-    bwd.alloc(dx_local=d.x, shard0=shard)  # dx accumulates group by group
-    own = reducing = None
-    for j in range(p):
-        if j:
-            bwd.free(f"shard{j - 1}")
-        if j + 1 < p:
-            bwd.alloc(**{f"shard{j + 1}": shard})
-        grad = f"grad{j}"
-        bwd.alloc(**{grad: shard})
-        bwd.temporary(core_rows=core_group)  # for the proj gradient
-        bwd.alloc(dout=core_group, qkv=qkv_group)  # dy proj_j, the recomputed projection
-        if copies_q:
-            bwd.alloc(q_copy=core_group)
-        bwd.call(ring_backward)
-        bwd.alloc(d_qkv=qkv_group)  # qkv.grad, through split (and qk_transform)
-        bwd.free("dout", "qkv", *(("q_copy",) if copies_q else ()), "dq", "dkv", "d_qkv")
-        if reducing is not None and reducing != own:
-            bwd.free(reducing)  # its reduce is complete
-        reducing = grad if p > 1 else None
-        own = grad if j == rank else own
-    bwd.free(f"shard{p - 1}", *((reducing,) if reducing not in (None, own) else ()))
-    bwd.free(*saved, own)  # the function's backward returns; the shard gradient is accumulated
-    ring = _ring_stage(layout, rank, d, heads, kv_heads)
-    # the first shard's broadcast (and the last gradient's reduce) are waited for; the others run
-    # while a group computes
-    broadcast, reduce = Collective("broadcast", shard), Collective("reduce", shard)
-    return SublayerTerms(
-        gemms=(Gemm(t * b, qkv_rows, d.h), Gemm(t * b, d.h, d.a // p)) * p,
-        recompute_gemms=(Gemm(t * b, qkv_rows, d.h),) * p,
-        rings=(ring,) * p,
-        fwd_comm=(broadcast,) if p > 1 else (),
-        fwd_streamed=(broadcast,) * (p - 1),
-        bwd_comm=(broadcast, reduce) if p > 1 else (),
-        bwd_streamed=(broadcast, reduce) * (p - 1),
-        # per group and step a merge, the output copied to rows, the shard packed
-        elementwise_bytes=p * 8 * t * b * d.a * d.acc + 2 * t * b * d.a * e + 2 * shard,
-        **_memory(fwd, bwd, saved),
-    )
+
+@functools.lru_cache(maxsize=4096)
+def _lean_attention_backward_group(d: Dims, ring_backward: _Call, state: _State, *, last: bool, own: bool) -> _Step:
+    """Head group ``j`` of ``lean`` attention's backward from ``state`` (what the forward saved, as
+    one, the input gradient, the previous group's shard ``shard_prev`` and this one's ``shard``, the
+    gradient still being reduced and the rank's ``own``): the next shard arrives, the group's
+    gradient is made, q/k/v recomputed, the ring backward; the previous gradient's reduce completes
+    (not the rank's own, kept until the end) and this one's begins. ``own``: the group is the rank's."""
+    shard, qkv_group, core_group, copies_q = _lean_attention_sizes(d)
+    m = _Memory(**dict(state))
+    if "shard_prev" in m.sizes:
+        m.free("shard_prev")
+    if not last:
+        m.alloc(shard_next=shard)
+    m.alloc(grad=shard)
+    m.temporary(core_rows=core_group)  # for the proj gradient
+    m.alloc(dout=core_group, qkv=qkv_group)  # dy proj_j, the recomputed projection
+    if copies_q:
+        m.alloc(q_copy=core_group)
+    m.call(ring_backward)
+    m.alloc(d_qkv=qkv_group)  # qkv.grad, through split (and qk_transform)
+    m.free("dout", "qkv", *(("q_copy",) if copies_q else ()), "dq", "dkv", "d_qkv")
+    if "reducing" in m.sizes:
+        m.free("reducing")  # its reduce is complete
+    m.rename(grad="own" if own else "reducing", shard="shard_prev")
+    if not last:
+        m.rename(shard_next="shard")
+    return _Step(m.peak, m.state())
 
 
 # -- MLP ------------------------------------------------------------------------------------------
@@ -854,7 +976,7 @@ def _tp_sp_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
             Collective("all_gather", x_full),
         ),
         elementwise_bytes=3 * s * b * d.f1 // p * e,
-        **_memory(fwd, bwd, saved),
+        **_memory(fwd.peak, bwd, saved).fields(),
     )
 
 
@@ -885,7 +1007,7 @@ def _zero3_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
             Collective("reduce_scatter", w1),
         ),
         elementwise_bytes=3 * t * b * d.f1 * e,
-        **_memory(fwd, bwd, saved),
+        **_memory(fwd.peak, bwd, saved).fields(),
     )
 
 
@@ -944,7 +1066,7 @@ def _lean_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
         bwd_comm=(hop,) if p > 1 else (),
         bwd_streamed=(hop,) * (2 * p - 2),
         elementwise_bytes=3 * t * b * d.f1 * e + 2 * shard,
-        **_memory(fwd, bwd, saved),
+        **_memory(fwd.peak, bwd, saved).fields(),
     )
 
 
@@ -1067,26 +1189,24 @@ def layer_memory(attn: SublayerTerms, mlp: SublayerTerms, d: Dims) -> LayerMemor
         """On ``{prefix}x_local``: the high-water mark ``peak`` (the input in it), then what it keeps
         and its output."""
         m.free(f"{prefix}x_local")
-        m.call(_Call(peak, {**sub.saved, "y_local": x}), prefix)
+        m.call(_Call(peak, (("saved", sub.saved_bytes), ("y_local", x))), prefix)
 
     def backward(m: _Memory, sub: SublayerTerms, prefix: str) -> None:
         m.peak = max(m.peak, m.live + sub.bwd_peak)
-        m.free(*(prefix + name for name in sub.saved))
+        m.free(f"{prefix}saved")
         m.alloc(**{f"{prefix}dx_local": x})
 
-    def layer_forward(m: _Memory, mlp_peak: float) -> None:
-        m.alloc(ln1_stats=stats, **{"attn.x_local": x})
-        forward(m, attn, "attn.", attn.fwd_peak)
-        m.alloc(x1=x)
-        m.free("attn.y_local")
-        m.alloc(ln2_stats=stats, **{"mlp.x_local": x})
-        forward(m, mlp, "mlp.", mlp_peak)
-
-    m = _Memory()
-    layer_forward(m, mlp.fwd_peak)
+    m = _Memory(ln1_stats=stats, **{"attn.x_local": x})
+    forward(m, attn, "attn.", attn.fwd_peak)
+    m.alloc(x1=x)
+    m.free("attn.y_local")
+    m.alloc(ln2_stats=stats, **{"mlp.x_local": x})
+    forward(m, mlp, "mlp.", mlp.fwd_peak)
     m.alloc(output=x)
     m.free("mlp.y_local")
     saved, forward_peak = m.live, m.peak
+    # recompute reruns this forward to the layer's end (no early stop), beside the first one's output
+    rebuilt_peak = x + forward_peak
     m.peak = m.live  # the backward's high-water mark from here
     backward(m, mlp, "mlp.")
     m.alloc(ln2_dx=x)
@@ -1097,7 +1217,4 @@ def layer_memory(attn: SublayerTerms, mlp: SublayerTerms, d: Dims) -> LayerMemor
     m.alloc(ln1_dx=x)
     m.free("attn.dx_local", "ln1_stats")
     m.alloc(dx=x)
-    rebuilt = _Memory(output=x)  # the first forward's output, alive while the layer is rebuilt
-    layer_forward(rebuilt, mlp.fwd_peak)  # the rerun runs to the layer's end (no early stop)
-    rebuilt.alloc(output_again=x)
-    return LayerMemory(x, saved, max(forward_peak, m.peak), max(rebuilt.peak, m.peak))
+    return LayerMemory(x, saved, max(forward_peak, m.peak), max(rebuilt_peak, m.peak))
