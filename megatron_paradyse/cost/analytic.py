@@ -156,7 +156,8 @@ class AnalyticCostModel:
         self._per_layer = correction["per_layer_s"] if correction else 0.0
         self._per_sync = correction["per_sync_s"] if correction else 0.0
         self._last_memo: _LayoutMemo | None = None
-        self._call_times: dict[tuple[str, AttentionCall], float] = {}  # the memo's layout's kernel calls, priced
+        # the memo's layout's kernel calls and GEMMs, priced
+        self._call_times: dict[tuple[str, AttentionCall | Gemm], float] = {}
         self._rates: dict[tuple[str, bool, int], tuple[float, np.ndarray, np.ndarray]] = {}
 
     @classmethod
@@ -167,11 +168,8 @@ class AnalyticCostModel:
     # -- the CostModel protocol ------------------------------------------------------------------
     def layer_cost(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> LayerCost:
         """The slowest rank's time, the largest saved and transient bytes of any rank."""
-        costs = [
-            LayerCost(time.total_s, saved, transient)
-            for time, saved, transient in self._per_rank(option, layout, micro_batch_size)
-        ]
-        return LayerCost(*(max(getattr(c, f) for c in costs) for f in ("time_s", "saved_bytes", "transient_bytes")))
+        times, saved, transient = zip(*self._per_rank(option, layout, micro_batch_size))
+        return LayerCost(max(time.total_s for time in times), max(saved), max(transient))
 
     def peak_bytes(
         self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, transient_bytes: float
@@ -290,9 +288,14 @@ class AnalyticCostModel:
         return TimeBreakdown(compute, comm, syncs, total)
 
     def _gemm(self, gemm: Gemm, direction: str) -> float:
-        c0, c1, c2 = self.profile["gemm"][direction]["coef"]
-        e = self.element_size
-        return c0 + c1 * gemm.flops + c2 * e * (gemm.m * gemm.k + gemm.n * gemm.k + gemm.m * gemm.n)
+        key = (direction, gemm)  # lean's p groups, and every rank, repeat the same GEMMs
+        known = self._call_times.get(key)
+        if known is None:
+            c0, c1, c2 = self.profile["gemm"][direction]["coef"]
+            e = self.element_size
+            known = c0 + c1 * gemm.flops + c2 * e * (gemm.m * gemm.k + gemm.n * gemm.k + gemm.m * gemm.n)
+            self._call_times[key] = known
+        return known
 
     def _attention(self, calls: Sequence[AttentionCall], direction: str) -> list[float]:
         """Each kernel call's time, ``per_call + per_unit(length) * flops / 4``: the rate at the nearest

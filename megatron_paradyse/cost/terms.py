@@ -37,7 +37,7 @@ import math
 from collections.abc import Callable
 from typing import Literal
 
-from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.layout import Segment, SequenceLayout
 from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.strategies import ModelShape
 
@@ -237,23 +237,28 @@ class Dims:
 
 def attention_calls(layout: SequenceLayout, b: int, heads: int, hn: int) -> tuple[AttentionCall, ...]:
     """Kernel calls of full-sequence attention on ``heads`` heads (tp_sp, ulysses: one per document)."""
+    return _segment_calls(layout.full_segments(), b, heads, hn)
+
+
+@functools.lru_cache(maxsize=4096)
+def _segment_calls(segments: tuple[Segment, ...], b: int, heads: int, hn: int) -> tuple[AttentionCall, ...]:
+    """One kernel call per visible segment; memoised: ring steps of every rank repeat a few blocks."""
     return tuple(
-        AttentionCall(b, heads, seg.q_end - seg.q_start, seg.k_end - seg.k_start, hn, seg.causal)
-        for seg in layout.full_segments()
+        AttentionCall(b, heads, seg.q_end - seg.q_start, seg.k_end - seg.k_start, hn, seg.causal) for seg in segments
     )
 
 
-def _ring_stage(layout: SequenceLayout, rank: int, d: Dims, heads: int, kv_heads: int) -> RingStage:
-    """Ring attention of ``rank`` on ``heads`` query heads: at step ``i`` its queries against the K/V
-    block (``kv_heads`` heads) of ``rank - i``; the block hops forward, its fp32 gradient backward."""
+def _ring_steps(layout: SequenceLayout, rank: int) -> tuple[tuple[Segment, ...], ...]:
+    """The visible segments of each ring step of ``rank``: its queries against the keys of ``rank - step``."""
+    return tuple(layout.ring_segments(rank, (rank - step) % layout.p) for step in range(layout.p))
+
+
+def _ring_stage(segments: tuple[tuple[Segment, ...], ...], d: Dims, heads: int, kv_heads: int) -> RingStage:
+    """Ring attention on ``heads`` query heads, step ``i`` on ``segments[i]`` (:func:`_ring_steps`:
+    against the K/V block, ``kv_heads`` heads, of ``rank - i``); the block hops forward, its fp32
+    gradient backward."""
     kv_block = 2 * d.t * d.b * kv_heads * d.hn
-    steps = tuple(
-        tuple(
-            AttentionCall(d.b, heads, seg.q_end - seg.q_start, seg.k_end - seg.k_start, d.hn, seg.causal)
-            for seg in layout.ring_segments(rank, (rank - step) % layout.p)
-        )
-        for step in range(layout.p)
-    )
+    steps = tuple(_segment_calls(step, d.b, heads, d.hn) for step in segments)
     return RingStage(steps, Collective("send_recv", kv_block * d.e), Collective("send_recv", kv_block * d.acc))
 
 
@@ -267,22 +272,29 @@ class _Memory:
     high-water mark. Names are unique while alive; freeing a name that is not alive is a bug in a
     script and raises ``KeyError``."""
 
+    __slots__ = ("sizes", "live", "peak")
+
     def __init__(self, **alive: float):
         self.sizes: dict[str, float] = dict(alive)
         self.live = float(sum(alive.values()))
         self.peak = self.live
 
     def alloc(self, **tensors: float) -> None:
+        sizes, live = self.sizes, self.live  # locals: the planner runs thousands of these per decision
         for name, nbytes in tensors.items():
-            if name in self.sizes:
+            if name in sizes:
                 raise ValueError(f"memory script: {name!r} is allocated twice")
-            self.sizes[name] = float(nbytes)
-            self.live += nbytes
-        self.peak = max(self.peak, self.live)
+            sizes[name] = float(nbytes)
+            live += nbytes
+        self.live = live
+        if live > self.peak:
+            self.peak = live
 
     def free(self, *names: str) -> None:
+        sizes, live = self.sizes, self.live
         for name in names:
-            self.live -= self.sizes.pop(name)
+            live -= sizes.pop(name)
+        self.live = live
 
     def temporary(self, **tensors: float) -> None:
         """Tensors that live for one operation."""
@@ -500,12 +512,10 @@ _Block = tuple[tuple[int, int], ...]
 A single ``(t, t)`` segment covers the whole block: one kernel call, no partial results to merge."""
 
 
-def _ring_blocks(layout: SequenceLayout, rank: int) -> tuple[_Block, ...]:
-    """The :data:`_Block` of each ring step of ``rank``: its queries against the keys of ``rank - step``."""
-    return tuple(
-        tuple((seg.q_end - seg.q_start, seg.k_end - seg.k_start) for seg in layout.ring_segments(rank, source))
-        for source in ((rank - step) % layout.p for step in range(layout.p))
-    )
+@functools.lru_cache(maxsize=4096)
+def _block(segments: tuple[Segment, ...]) -> _Block:
+    """The :data:`_Block` of a ring step's segments (memoised like :func:`_segment_calls`)."""
+    return tuple((seg.q_end - seg.q_start, seg.k_end - seg.k_start) for seg in segments)
 
 
 def _full_attention_forward(
@@ -559,7 +569,7 @@ def _full_attention_backward(
 
 def _ring_forward(d: Dims, blocks: tuple[_Block, ...], heads: int, kv_heads: int) -> _Call:
     """``ring_attention_forward`` on this rank's ``t`` queries of ``heads`` heads, its steps seeing
-    ``blocks`` (:func:`_ring_blocks`): the stacked K/V block and the one in flight, the running
+    ``blocks`` (:func:`_block` of each of :func:`_ring_steps`): the stacked K/V block and the one in flight, the running
     output and log-sum-exp (accumulation dtype), each step's partial result and its merge
     (:func:`_ring_forward_step`). Leaves ``out`` and ``lse``."""
     t, b, hn, acc = d.t, d.b, d.hn, d.acc
@@ -794,9 +804,10 @@ def _ring_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
     t, b, e, p = d.t, d.b, d.e, d.p
     w_qkv, w_proj = d.qkv * d.h * e, d.h * d.a * e
     core_local = t * b * d.a * e
-    blocks = _ring_blocks(layout, rank)
+    steps = _ring_steps(layout, rank)
+    blocks = tuple(map(_block, steps))
     memory = _ring_attention_memory(d, _ring_forward(d, blocks, d.nq, d.ng), _ring_backward(d, blocks, d.nq, d.ng))
-    ring = _ring_stage(layout, rank, d, d.nq, d.ng)
+    ring = _ring_stage(steps, d, d.nq, d.ng)
     out_acc = t * b * d.a * d.acc
     return SublayerTerms(
         gemms=(Gemm(t * b, d.qkv, d.h), Gemm(t * b, d.h, d.a)),
@@ -854,7 +865,8 @@ def _lean_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
     qkv_rows = d.qkv // p
     shard = _lean_attention_sizes(d)[0]
 
-    blocks = _ring_blocks(layout, rank)
+    steps = _ring_steps(layout, rank)
+    blocks = tuple(map(_block, steps))
     fwd_peak, kept = _lean_attention_forward(d, _ring_forward(d, blocks, heads, kv_heads))
     saved = dict(kept)
     ring_backward = _ring_backward(d, blocks, heads, kv_heads)
@@ -866,7 +878,7 @@ def _lean_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
     bwd = loop.end()
     # the function's backward returns; the shard gradient is accumulated
     bwd.free("shard_prev", *(("reducing",) if "reducing" in bwd.sizes else ()), "saved", "own")
-    ring = _ring_stage(layout, rank, d, heads, kv_heads)
+    ring = _ring_stage(steps, d, heads, kv_heads)
     # the first shard's broadcast (and the last gradient's reduce) are waited for; the others run
     # while a group computes
     broadcast, reduce = Collective("broadcast", shard), Collective("reduce", shard)
