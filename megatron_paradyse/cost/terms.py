@@ -62,6 +62,10 @@ __all__ = [
     "supported_options",
 ]
 
+_MEMO_SIZE = 1024
+"""Entries kept by each memoised script: one planner decision makes a few dozen; earlier micro-batch
+shapes' fall out."""
+
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast", "reduce"]
 COLLECTIVE_KINDS: tuple[CollectiveKind, ...] = (
     "all_gather",
@@ -240,7 +244,7 @@ def attention_calls(layout: SequenceLayout, b: int, heads: int, hn: int) -> tupl
     return _segment_calls(layout.full_segments(), b, heads, hn)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=_MEMO_SIZE)
 def _segment_calls(segments: tuple[Segment, ...], b: int, heads: int, hn: int) -> tuple[AttentionCall, ...]:
     """One kernel call per visible segment; memoised: ring steps of every rank repeat a few blocks."""
     return tuple(
@@ -512,7 +516,7 @@ _Block = tuple[tuple[int, int], ...]
 A single ``(t, t)`` segment covers the whole block: one kernel call, no partial results to merge."""
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=_MEMO_SIZE)
 def _block(segments: tuple[Segment, ...]) -> _Block:
     """The :data:`_Block` of a ring step's segments (memoised like :func:`_segment_calls`)."""
     return tuple((seg.q_end - seg.q_start, seg.k_end - seg.k_start) for seg in segments)
@@ -585,7 +589,7 @@ def _ring_forward(d: Dims, blocks: tuple[_Block, ...], heads: int, kv_heads: int
     return _Call(m.peak, (("out", m.sizes["out"]), ("lse", m.sizes["lse"])))
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=_MEMO_SIZE)
 def _ring_forward_step(d: Dims, heads: int, kv_heads: int, block: _Block, state: _State, *, last: bool) -> _Step:
     """One step of :func:`_ring_forward` from ``state`` (the K/V block ``kv``, the running ``out`` and
     ``lse``, the previous step's partial result ``part``/``part_lse``): the next block arrives while
@@ -637,7 +641,7 @@ def _ring_backward(d: Dims, blocks: tuple[_Block, ...], heads: int, kv_heads: in
     return _Call(m.peak, (("dq", m.sizes["dq"]), ("dkv", m.sizes["arrived"])))
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=_MEMO_SIZE)
 def _ring_backward_step(d: Dims, heads: int, kv_heads: int, block: _Block, state: _State, *, last: bool) -> _Step:
     """One step of :func:`_ring_backward` from ``state`` (the K/V block ``kv``, ``dq``, the previous
     step's block gradients ``block_d{q,k,v}``, the accumulator ``sent`` last step and the one that
@@ -825,7 +829,7 @@ def _ring_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
     )
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=_MEMO_SIZE)
 def _ring_attention_memory(d: Dims, ring_forward: _Call, ring_backward: _Call) -> _SublayerMemory:
     """``ring`` attention's memory around the rank's ring forward and backward (which ranks often
     share: memoised): the projections' ZeRO-3 gathers, q's copy, the output permuted."""
@@ -904,7 +908,7 @@ def _lean_attention_sizes(d: Dims) -> tuple[int, int, int, bool]:
     return shard, d.t * d.b * qkv_rows * d.e, d.t * d.b * heads * d.hn * d.e, d.q_copied(kv_heads)
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=_MEMO_SIZE)
 def _lean_attention_forward(d: Dims, ring_forward: _Call) -> tuple[float, _State]:
     """``lean`` attention's forward: its high-water mark and what it saves (each group's ring
     output and log-sum-exp). It depends on the rank only through ``ring_forward`` (the same for
@@ -930,7 +934,7 @@ def _lean_attention_forward(d: Dims, ring_forward: _Call) -> tuple[float, _State
     return fwd.peak, tuple(saved.items())
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=_MEMO_SIZE)
 def _lean_attention_backward_group(d: Dims, ring_backward: _Call, state: _State, *, last: bool, own: bool) -> _Step:
     """Head group ``j`` of ``lean`` attention's backward from ``state`` (what the forward saved, as
     one, the input gradient, the previous group's shard ``shard_prev`` and this one's ``shard``, the
