@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from megatron_paradyse.cli import main as cli_main
+from megatron_paradyse.cost import terms
 from megatron_paradyse.cost.analytic import AnalyticCostModel
 from megatron_paradyse.cost.empirical import EmpiricalCostModel, HybridRegressor, Sample, aic_polynomial
 from megatron_paradyse.cost.fitting import fit_nonnegative, mape
 from megatron_paradyse.cost.profile import PROFILE_SCHEMA, ProfileError, fingerprint, load_profile, save_profile
-from megatron_paradyse.cost.terms import Dims, layer_terms, sublayer_terms
+from megatron_paradyse.cost.terms import Dims, attention_terms, layer_terms, sublayer_terms
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.strategies import ModelShape
@@ -418,6 +419,22 @@ def test_ring_is_priced_at_its_slowest_rank():
     per_rank = [time.total_s for time, _, _ in model._per_rank(option, layout, 1)]
     assert len(set(per_rank)) > 1
     assert model.layer_cost(option, layout, 1).time_s == max(per_rank)
+
+
+def test_memoised_scripts_give_what_a_cold_evaluation_gives():
+    """Ring steps, lean's head groups and the scripts around the ring are memoised by what each one
+    depends on: every rank's ring and lean terms, computed one after another (the memos warm with
+    the other strategy's and ranks' iterations), equal the same terms computed with every memo
+    cleared first."""
+    layout = SequenceLayout.build((3000, 100, 20), 4, causal=True)
+    d = Dims(GQA, 4, layout.padded_len, 2, 2, rotary_dim=16)
+    warm = {(name, rank): attention_terms(name, d, layout, rank) for name in ("ring", "lean") for rank in range(4)}
+    memos = [f for f in vars(terms).values() if hasattr(f, "cache_clear")]
+    assert len(memos) >= 5
+    for (name, rank), expected in warm.items():
+        for memo in memos:
+            memo.cache_clear()
+        assert attention_terms(name, d, layout, rank) == expected, (name, rank)
 
 
 def test_mlp_terms_are_the_same_on_every_rank():
