@@ -573,9 +573,9 @@ def _full_attention_backward(
 
 def _ring_forward(d: Dims, blocks: tuple[_Block, ...], heads: int, kv_heads: int) -> _Call:
     """``ring_attention_forward`` on this rank's ``t`` queries of ``heads`` heads, its steps seeing
-    ``blocks`` (:func:`_block` of each of :func:`_ring_steps`): the stacked K/V block and the one in flight, the running
-    output and log-sum-exp (accumulation dtype), each step's partial result and its merge
-    (:func:`_ring_forward_step`). Leaves ``out`` and ``lse``."""
+    ``blocks`` (:func:`_block` of each of :func:`_ring_steps`): the stacked K/V block and the one in
+    flight, the running output and log-sum-exp (accumulation dtype), each step's partial result and
+    its merge (:func:`_ring_forward_step`). Leaves ``out`` and ``lse``."""
     t, b, hn, acc = d.t, d.b, d.hn, d.acc
     loop = _Loop(_Memory(kv=2 * b * kv_heads * t * hn * d.e, out=b * heads * t * hn * acc, lse=b * heads * t * acc))
     for step, block in enumerate(blocks):
