@@ -14,6 +14,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from megatron_paradyse.precision import accumulation_dtype
+
 __all__ = [
     "RingComm",
     "all_gather_seq",
@@ -184,6 +186,9 @@ class _Zero3Linear(torch.autograd.Function):
 
         forward:  W = AG(W_shard);  y = x W^T + b
         backward: W = AG(W_shard);  dx = dy W;  dW_shard = RS(dy^T x);  db_shard = RS(sum dy)
+
+    The weight gradients are summed over ranks in the accumulation dtype (fp32 for half-precision
+    weights) and rounded to the shard's dtype once, after the sum.
     """
 
     @staticmethod
@@ -199,8 +204,11 @@ class _Zero3Linear(torch.autograd.Function):
         group, dim = ctx.group, ctx.dim
         dx = torch.matmul(dy, _gather_shards(w_shard, group, dim))
         dy_2d, x_2d = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        dw_shard = _reduce_scatter_shards(dy_2d.t() @ x_2d, group, dim)
-        db_shard = _reduce_scatter_dim0(dy_2d.sum(dim=0), group) if ctx.has_bias else None
+        acc = accumulation_dtype(w_shard.dtype)
+        dw_shard = _reduce_scatter_shards((dy_2d.t() @ x_2d).to(acc), group, dim).to(w_shard.dtype)
+        db_shard = None
+        if ctx.has_bias:
+            db_shard = _reduce_scatter_dim0(dy_2d.sum(dim=0, dtype=acc), group).to(w_shard.dtype)
         return dx, dw_shard, db_shard, None, None
 
 

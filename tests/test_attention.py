@@ -7,13 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron_paradyse.attention import (
+    accumulate_block,
+    accumulate_block_grads,
     get_kernel,
-    merge_partial,
+    merge_into,
     segment_attention,
-    segments_backward,
-    segments_forward,
 )
-from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.layout import Segment, SequenceLayout
 
 CPU = torch.device("cpu")
 
@@ -78,8 +78,9 @@ def test_block_gradients_with_the_merged_lse_sum_to_the_full_gradient():
     q, k, v = _qkv(sq=6, sk=10)
     out_a, lse_a = kernel.forward(q, k[:, :, :4], v[:, :, :4], False, 1.0)
     out_b, lse_b = kernel.forward(q, k[:, :, 4:], v[:, :, 4:], False, 1.0)
-    init = (torch.zeros_like(out_a), torch.full_like(lse_a, float("-inf")))
-    out, lse = merge_partial(*merge_partial(*init, out_a, lse_a), out_b, lse_b)
+    out, lse = torch.zeros_like(out_a), torch.full_like(lse_a, float("-inf"))
+    merge_into(out, lse, out_a, lse_a)
+    merge_into(out, lse, out_b, lse_b)
     full_out, full_lse = kernel.forward(q, k, v, False, 1.0)
     torch.testing.assert_close(out, full_out)
     torch.testing.assert_close(lse, full_lse)
@@ -97,8 +98,8 @@ def test_merge_is_stable_for_huge_logits_and_ignores_empty_rows():
     lse = torch.full((1, 1, 3), float("-inf"))
     part = torch.ones(1, 1, 3, 2)
     part_lse = torch.tensor([[[1000.0, float("-inf"), 2000.0]]])  # exp(1000) overflows fp32
-    out, lse = merge_partial(out, lse, part, part_lse)
-    out, lse = merge_partial(out, lse, 3 * part, part_lse)
+    merge_into(out, lse, part, part_lse)
+    merge_into(out, lse, (3 * part).bfloat16(), part_lse)  # a half-precision part merges into fp32
     assert torch.isfinite(out).all()
     # Equal weights; the empty row stays zero. fp32 holds lse=1000.69 to ~6e-5, hence the tolerance.
     torch.testing.assert_close(out[0, 0, :, 0], torch.tensor([2.0, 0.0, 2.0]), rtol=1e-4, atol=0)
@@ -108,14 +109,28 @@ def test_merge_is_stable_for_huge_logits_and_ignores_empty_rows():
 
 def test_rows_no_segment_covers_get_zero_output_and_minus_infinite_lse():
     q, k, v = _qkv(sq=4, sk=4)
-    from megatron_paradyse.layout import Segment
-
-    out, lse = segments_forward(q, k, v, [Segment(0, 2, 0, 4, False)], 1.0, get_kernel("math", CPU, torch.float64))
+    kernel = get_kernel("math", CPU, torch.float64)
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    accumulate_block(q, k, v, [Segment(0, 2, 0, 4, False)], 1.0, kernel, out, lse)
     assert (out[:, :, 2:] == 0).all() and (lse[:, :, 2:] == float("-inf")).all()
-    grads = segments_backward(
-        torch.ones_like(q), q, k, v, out.to(q.dtype), lse, [], 1.0, get_kernel("math", CPU, q.dtype)
-    )
+    assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, :2]).all()
+    grads = tuple(torch.zeros_like(t) for t in (q, k, v))
+    accumulate_block_grads(torch.ones_like(q), q, k, v, out, lse, [], 1.0, kernel, grads)
     assert all((g == 0).all() for g in grads)
+
+
+def test_ring_blocks_accumulate_half_precision_parts_in_fp32():
+    """Blocks of bf16 attention merged into fp32 accumulators equal the fp32 attention of the whole
+    key range up to bf16 rounding of the inputs, not of every partial sum."""
+    q, k, v = (t.bfloat16() for t in _qkv(sq=8, sk=12, dtype=torch.float32))
+    kernel = get_kernel("math", CPU, torch.bfloat16)
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    lse = torch.full(q.shape[:-1], float("-inf"))
+    for cols in ((0, 5), (5, 9), (9, 12)):
+        accumulate_block(q, k, v, [Segment(0, 8, cols[0], cols[1], False)], 0.3, kernel, out, lse)
+    ref, ref_lse = get_kernel("math", CPU, torch.float64).forward(q.double(), k.double(), v.double(), False, 0.3)
+    torch.testing.assert_close(out, ref.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse, ref_lse.float(), rtol=1e-3, atol=1e-3)
 
 
 def test_get_kernel_rejects_unknown_names_and_wrong_devices():

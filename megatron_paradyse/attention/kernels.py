@@ -21,6 +21,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from megatron_paradyse.precision import accumulation_dtype
+
 __all__ = ["AttentionKernel", "accumulation_dtype", "get_kernel", "kernel_names"]
 
 logger = logging.getLogger(__name__)
@@ -37,11 +39,6 @@ class AttentionKernel(Protocol):
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]: ...
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Sums and softmax statistics: fp32 for half precision, the input's own precision otherwise."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _expand_kv(t: Tensor, groups: int) -> Tensor:

@@ -49,6 +49,15 @@ def _group_heads(qkv: Tensor, ctx: AttentionContext, positions: Tensor) -> tuple
     return heads_first(q), heads_first(k), heads_first(v)
 
 
+def _add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b``, where the gradient accumulator ``acc`` may be of higher precision than ``a``,
+    ``b`` (the CPU has no mixed-precision ``addmm``: the product is then made first)."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc.add_(a @ b)
+
+
 def _tokens_first(out: Tensor) -> Tensor:
     """``[b, n, s/p, hn] -> [s/p * b, n * hn]``: attention output as rows of the projection's input."""
     b, n, s_local, hn = out.shape
@@ -102,7 +111,7 @@ class _LeanAttention(torch.autograd.Function):
             w_qkv, w_proj, b_qkv = shard
             g_qkv, g_proj, g_bias = grad
             out = outs[j]
-            g_proj.addmm_(dy2.t(), _tokens_first(out))
+            _add_matmul(g_proj, dy2.t(), _tokens_first(out))
             dout = (dy2 @ w_proj).view(s_local, b, out.shape[1], -1)  # [s/p, b, np/p, hn]
             # Recompute this group's q/k/v; autograd differentiates split + qk_transform (whose own
             # parameters, e.g. q/k norm weights, get their gradient accumulated directly).
@@ -114,9 +123,9 @@ class _LeanAttention(torch.autograd.Function):
             )
             torch.autograd.backward((q, k, v), (dq, dk, dv))
             dqkv2 = qkv.grad.reshape(s_local * b, -1)
-            g_qkv.addmm_(dqkv2.t(), x2)
+            _add_matmul(g_qkv, dqkv2.t(), x2)
             if g_bias is not None:
-                g_bias.add_(dqkv2.sum(0))
+                g_bias.add_(dqkv2.sum(0, dtype=g_bias.dtype))
             dx2.addmm_(dqkv2, w_qkv)
 
         dqkv_w, dproj_w, dqkv_b = broadcast_shards((qkv_w, proj_w, qkv_b), group, step, grads=True)
@@ -162,12 +171,12 @@ class _LeanMLP(torch.autograd.Function):
             pre = F.linear(x2, w1, b1).requires_grad_()  # [T, ffn/p] (gated: [T, 2*ffn/p])
             with torch.enable_grad():
                 act = activate(pre, mctx.shape, mctx.activation, blocks=1)  # [T, ffn/p]
-            g2.addmm_(dy2.t(), act.detach())
+            _add_matmul(g2, dy2.t(), act.detach())
             (dpre,) = torch.autograd.grad(act, pre, dy2 @ w2)
             del act
-            g1.addmm_(dpre.t(), x2)
+            _add_matmul(g1, dpre.t(), x2)
             if g_b1 is not None:
-                g_b1.add_(dpre.sum(0))
+                g_b1.add_(dpre.sum(0, dtype=g_b1.dtype))
             dx2.addmm_(dpre, w1)
 
         dfc1_w, dfc2_w, dfc1_b = ring_shards((fc1_w, fc2_w, fc1_b), mctx.group, step, grads=True)

@@ -20,10 +20,9 @@ from torch.distributed import ProcessGroup
 
 from megatron_paradyse.attention import (
     AttentionKernel,
+    accumulate_block,
+    accumulate_block_grads,
     accumulation_dtype,
-    merge_partial,
-    segments_backward,
-    segments_forward,
 )
 from megatron_paradyse.comm import RingComm, zero3_linear
 from megatron_paradyse.layout import SequenceLayout
@@ -51,10 +50,7 @@ def ring_attention_forward(
     for step in range(p):
         if step + 1 < p:
             kv_next = comm.send_recv(kv)
-        segments = layout.ring_segments(rank, (rank - step) % p)
-        if segments:
-            part_out, part_lse = segments_forward(q, kv[0], kv[1], segments, scale, kernel)
-            out, lse = merge_partial(out, lse, part_out, part_lse)
+        accumulate_block(q, kv[0], kv[1], layout.ring_segments(rank, (rank - step) % p), scale, kernel, out, lse)
         if step + 1 < p:
             comm.wait()
             kv = kv_next
@@ -73,7 +69,10 @@ def ring_attention_backward(
     kernel: AttentionKernel,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of the local blocks, given the forward's ``out`` and ``lse``. No autograd."""
+    """``(dq, dk, dv)`` of the local blocks, given the forward's ``out`` and ``lse``. No autograd.
+
+    ``dq`` and each block's travelling ``(dk, dv)`` accumulator are summed in the accumulation dtype:
+    no half-precision sums across steps or ranks."""
     rank, p = group.rank(), group.size()
     kv_comm = RingComm(group) if p > 1 else None
     dkv_comm = RingComm(group) if p > 1 else None
@@ -87,11 +86,7 @@ def ring_attention_backward(
             kv_next = kv_comm.send_recv(kv)
         dkv = torch.zeros_like(kv, dtype=acc)  # this step's gradient of src's block
         segments = layout.ring_segments(rank, src)
-        if segments:
-            dq_b, dk_b, dv_b = segments_backward(dout, q, kv[0], kv[1], out, lse, segments, scale, kernel)
-            dq += dq_b
-            dkv[0] += dk_b
-            dkv[1] += dv_b
+        accumulate_block_grads(dout, q, kv[0], kv[1], out, lse, segments, scale, kernel, (dq, dkv[0], dkv[1]))
         if dkv_in is not None:
             dkv_comm.wait()
             dkv += dkv_in  # what the ranks before us added to src's block

@@ -12,8 +12,10 @@ the next one arriving while the current one is used (double buffering). A shard 
   travels with it and, after ``p`` hops, arrives at its owner complete (ring attention's dK/dV
   pattern).
 
-Communication buffers are always fresh tensors, never a parameter's storage: a receive into (or a
-reuse of) a buffer that aliases a live weight would overwrite it unnoticed.
+Gradients are accumulated, reduced and carried in the accumulation dtype (fp32 for half-precision
+shards) and rounded to the shard's dtype once, when complete. Communication buffers are always fresh
+tensors, never a parameter's storage: a receive into (or a reuse of) a buffer that aliases a live
+weight would overwrite it unnoticed.
 """
 
 from __future__ import annotations
@@ -26,14 +28,16 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megatron_paradyse.comm import RingComm
+from megatron_paradyse.precision import accumulation_dtype
 
 __all__ = ["Shard", "ShardStep", "broadcast_shards", "ring_shards"]
 
 Shard = tuple[Tensor | None, ...]
 ShardStep = Callable[[int, Shard, Shard | None], None]
 """``step(j, shard, grad)``: work with shard ``j`` (read only); with gradients, *add* shard ``j``'s
-gradient contribution into ``grad`` (zero-initialised, same structure); without, ``grad`` is None.
-The step must not keep references to ``shard`` or ``grad``: the schedule frees them."""
+gradient contribution into ``grad`` (zero-initialised, same structure, in the accumulation dtype);
+without, ``grad`` is None. The step must not keep references to ``shard`` or ``grad``: the schedule
+frees them."""
 
 
 class _FlatShard:
@@ -57,8 +61,13 @@ class _FlatShard:
     def empty(self) -> Tensor:
         return torch.empty(self.numel, dtype=self.dtype, device=self.device)
 
-    def zeros(self) -> Tensor:
-        return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+    def grad_zeros(self) -> Tensor:
+        """A zero gradient accumulator (accumulation dtype)."""
+        return torch.zeros(self.numel, dtype=accumulation_dtype(self.dtype), device=self.device)
+
+    def unpack_grad(self, flat: Tensor) -> Shard:
+        """A complete gradient, rounded to the shard's dtype once, as the shard's tensors."""
+        return self.unpack(flat.to(self.dtype))
 
     def unpack(self, flat: Tensor) -> Shard:
         views, offset = [], 0
@@ -101,7 +110,7 @@ def broadcast_shards(
             work.wait()
         if j + 1 < p:
             pending = start(j + 1)  # in flight while shard j is used
-        grad = flat.zeros() if grads else None
+        grad = flat.grad_zeros() if grads else None
         step(j, flat.unpack(shard), None if grad is None else flat.unpack(grad))
         if grad is None:
             continue
@@ -115,7 +124,7 @@ def broadcast_shards(
         del grad
     if reducing is not None:
         reducing[0].wait()
-    return None if own_grad is None else flat.unpack(own_grad)
+    return None if own_grad is None else flat.unpack_grad(own_grad)
 
 
 def ring_shards(
@@ -137,7 +146,7 @@ def ring_shards(
     for t in range(p):
         if t + 1 < p:
             shard_next = shard_comm.send_recv(shard)
-        grad = flat.zeros() if grads else None
+        grad = flat.grad_zeros() if grads else None
         step((rank - t) % p, flat.unpack(shard), None if grad is None else flat.unpack(grad))
         if grad is not None:
             if grad_in is not None:
@@ -151,4 +160,4 @@ def ring_shards(
             shard = shard_next
     if grad_comm is not None:
         grad_comm.wait()
-    return None if grad_in is None else flat.unpack(grad_in)
+    return None if grad_in is None else flat.unpack_grad(grad_in)
