@@ -10,26 +10,51 @@ it.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["PeakMemory"]
+__all__ = ["MemoryEvent", "PeakMemory"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoryEvent:
+    """One storage created or freed while a :class:`_StorageTracker` recorded events."""
+
+    op: str
+    """The operator that created the storage (for a free too: what was freed), e.g. ``aten.mm.default``."""
+    nbytes: int
+    """Positive when created, negative when freed."""
+    live: int
+    """Bytes alive right after the event."""
+    op_index: int
+    """Operators dispatched before it (a free happens between operators: after ``op_index`` of them)."""
+    storage: int
+    """Creation number of the storage: a free names the creation it undoes."""
 
 
 class _StorageTracker(TorchDispatchMode):
-    """Counts bytes of storages created by operators while active, and when each is freed."""
+    """Counts bytes of storages created by operators while active, and when each is freed.
 
-    def __init__(self) -> None:
+    With ``record=True`` it also keeps every creation and free as a :class:`MemoryEvent` in
+    :attr:`events`, so a trace can be laid beside a prediction to find where they diverge.
+    """
+
+    def __init__(self, *, record: bool = False) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.events: list[MemoryEvent] | None = [] if record else None
         self._known: set[int] = set()
+        self._ops = 0
+        self._created = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self._ops += 1
         inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if _has_storage(t)}
         for t in tree_flatten(out)[0]:
             if not _has_storage(t):
@@ -39,14 +64,20 @@ class _StorageTracker(TorchDispatchMode):
             if key in inputs or key in self._known:
                 continue  # an in-place result, or a view of a storage already counted
             self._known.add(key)
-            self.live += storage.nbytes()
+            nbytes = storage.nbytes()
+            self.live += nbytes
             self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._freed, key, storage.nbytes())
+            self._created += 1
+            if self.events is not None:
+                self.events.append(MemoryEvent(str(func), nbytes, self.live, self._ops - 1, self._created))
+            weakref.finalize(storage, self._freed, key, nbytes, str(func), self._created)
         return out
 
-    def _freed(self, key: int, nbytes: int) -> None:
+    def _freed(self, key: int, nbytes: int, op: str, storage: int) -> None:
         self._known.discard(key)
         self.live -= nbytes
+        if self.events is not None:
+            self.events.append(MemoryEvent(op, -nbytes, self.live, self._ops, storage))
 
 
 def _has_storage(t) -> bool:

@@ -1,0 +1,417 @@
+"""One rank's memory of one transformer layer, traced at any shape without the memory or the peers.
+
+The calling process plays rank ``r`` of ``p``: it joins PyTorch's fake process group
+(:func:`fake_world`; collectives move nothing, so every tensor has the size rank ``r`` allocates and
+nothing waits for a peer) and runs one layer's forward and backward under ``FakeTensorMode``
+(tensors with shapes, dtypes and devices but no data), counting the storages every operator creates
+and frees (:class:`~megatron_paradyse.memory._StorageTracker`). A Llama-3-8B layer at a million
+tokens traces in seconds on a CPU. With ``fake=False`` the same layer runs real tensors on a device:
+on CUDA, the caching allocator's own figures come too (:class:`AllocatorPeaks`).
+
+What a trace counts is what :func:`~megatron_paradyse.cost.measure.measure_layer` measures for real
+and :func:`~megatron_paradyse.cost.terms.layer_terms` predicts, above the layer's input, its weights
+and their gradient buffers (allocated before the window, as Megatron's are) and the rotary table
+(GPTModel builds it once per forward, for every layer):
+
+- ``saved_bytes``: alive when the forward returns (kept for backward, the output included);
+- ``peak_bytes``: the high-water mark over forward and backward (the input's gradient included).
+
+Two layers can be traced (:data:`LayerKind`):
+
+- ``"megatron"``: what training runs. Megatron's ``TransformerLayer`` built from
+  :data:`megatron_paradyse.spec.paradyse_layer_spec` (the Paradyse layer, attention and MLP,
+  ``sequence_parallel_norm``, Megatron's bias-dropout-add, RoPE through Megatron's
+  ``apply_rotary_pos_emb`` with GPTModel's ``RotaryEmbedding`` table), inside
+  ``micro_batch_scope``, on Megatron's parallel state initialised over the process group. It reaches
+  up to the Megatron adapter (imported where the layer is built): the subject of the trace is the
+  layer training runs, whatever the cost models below it assume.
+- ``"run_layer"``: :func:`cost.measure.run_layer`, the layer the cost models were checked against:
+  the strategies between two LayerNorms, no RoPE.
+
+Python's cyclic garbage collector is paused inside the window, so figures do not depend on when it
+happens to run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron_paradyse.cost.measure import make_layer_params, run_layer
+from megatron_paradyse.cost.terms import Dims
+from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.memory import MemoryEvent, _StorageTracker
+from megatron_paradyse.plan import LayerOption
+from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape
+
+__all__ = [
+    "AllocatorPeaks",
+    "LayerKind",
+    "LayerModel",
+    "LayerTrace",
+    "RankTracer",
+    "fake_world",
+    "trace_rank",
+]
+
+LayerKind = Literal["megatron", "run_layer"]
+LAYER_KINDS: tuple[LayerKind, ...] = ("megatron", "run_layer")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerModel:
+    """One transformer layer as a Megatron model configures it: what a trace builds."""
+
+    shape: ModelShape
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    rotary_base: int | None = 10000
+    """RoPE over the whole head dimension with this base, as GPTModel's ``RotaryEmbedding`` builds it;
+    None: no position embedding in the layer. ``run_layer`` has none either way."""
+    bias: bool = False
+    """Biases of the linear layers (Megatron's ``add_bias_linear``)."""
+
+    def __post_init__(self) -> None:
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"LayerModel.normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}")
+
+    def dims(self, layer: LayerKind, p: int, layout: SequenceLayout, micro_batch_size: int, dtype: torch.dtype) -> Dims:
+        """The sizes :func:`~megatron_paradyse.cost.terms.layer_terms` predicts ``layer`` from."""
+        rotary_dim = self.shape.kv_channels if layer == "megatron" and self.rotary_base is not None else 0
+        return Dims(self.shape, p, layout.padded_len, micro_batch_size, dtype.itemsize, rotary_dim)
+
+    def transformer_config(self, p: int, dtype: torch.dtype):
+        """Megatron's ``TransformerConfig`` of one such layer on ``p`` tensor-parallel ranks (sequence
+        parallel, no dropout, fusions off as Megatron-Core's config defaults them; parameters in
+        ``dtype`` and left uninitialised: memory does not depend on their values)."""
+        from megatron.core.transformer import TransformerConfig
+
+        s = self.shape
+        return TransformerConfig(
+            num_layers=1,
+            hidden_size=s.hidden_size,
+            num_attention_heads=s.num_attention_heads,
+            num_query_groups=s.num_query_groups,
+            kv_channels=s.kv_channels,
+            ffn_hidden_size=s.ffn_hidden_size,
+            gated_linear_unit=s.gated_mlp,
+            activation_func=F.silu if s.gated_mlp else F.gelu,
+            normalization=self.normalization,
+            layernorm_epsilon=self.norm_epsilon,
+            add_bias_linear=self.bias,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            use_cpu_initialization=True,
+            perform_initialization=False,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            tensor_model_parallel_size=p,
+            sequence_parallel=p > 1,
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AllocatorPeaks:
+    """The CUDA caching allocator over one trace window, above what it held when the window opened."""
+
+    allocated_bytes: int
+    """``torch.cuda.max_memory_allocated`` minus the bytes allocated at the start."""
+    reserved_bytes: int
+    """``torch.cuda.max_memory_reserved`` minus the bytes reserved at the start."""
+    saved_allocated_bytes: int
+    """``torch.cuda.memory_allocated`` when the forward returned, minus the start."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerTrace:
+    """One layer option on one micro-batch, traced on one rank (see the module docstring)."""
+
+    saved_bytes: int
+    peak_bytes: int
+    events: tuple[MemoryEvent, ...] = ()
+    """Every storage created and freed in the window, in order (``record=True`` only)."""
+    forward_events: int = 0
+    """How many of :attr:`events` happened before the forward returned."""
+    allocator: AllocatorPeaks | None = None
+    """The CUDA allocator's figures (real tensors on CUDA only)."""
+    seconds: float = 0.0
+    """Wall time of the traced forward and backward."""
+
+    @property
+    def transient_bytes(self) -> int:
+        return self.peak_bytes - self.saved_bytes
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, p: int) -> Iterator[None]:
+    """Make this process rank ``rank`` of a fake ``p``-rank default process group, inside the block.
+
+    Collectives on it return at once and move no data (received buffers keep what they held), so a
+    rank's allocations are those of a real run. The process must not be in a process group already.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if not 0 <= rank < p:
+        raise ValueError(f"rank must be in [0, {p}), got {rank}")
+    if dist.is_initialized():
+        raise RuntimeError("fake_world: this process already belongs to a process group; trace in a process of its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=p)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class RankTracer:
+    """One layer of this rank of the default process group, built once and traced under any option.
+
+    ``with RankTracer(model, layer="megatron") as tracer: tracer.trace(option, layout)``. On a fake
+    group (:func:`fake_world`) with ``fake=True`` nothing real is allocated; with ``fake=False`` the
+    layer runs real tensors on ``device``. For ``"megatron"``, Megatron's parallel state is set up over
+    the default group (tensor parallel across all of it) for the tracer's life; the process must not
+    have one already.
+    """
+
+    def __init__(
+        self,
+        model: LayerModel,
+        *,
+        layer: LayerKind = "megatron",
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        fake: bool = True,
+        kernel: str = "auto",
+        micro_batch_size: int = 1,
+        seed: int = 0,
+    ):
+        if layer not in LAYER_KINDS:
+            raise ValueError(f"layer must be one of {', '.join(LAYER_KINDS)}, got {layer!r}")
+        self.model, self.layer, self.dtype, self.kernel = model, layer, dtype, kernel
+        self.device = torch.device(device)
+        self.micro_batch_size = micro_batch_size
+        self.rank, self.p = dist.get_rank(), dist.get_world_size()
+        self._gen = torch.Generator().manual_seed(seed + self.rank)
+        self._mode = _fake_mode() if fake else None
+        self._megatron_state = False
+        self._rotary_tables: dict[int, Tensor] = {}
+        with self._tensors():
+            self._run = self._build_megatron() if layer == "megatron" else self._build_run_layer(seed)
+
+    # -- the window ----------------------------------------------------------------------------------
+    def trace(self, option: LayerOption, layout: SequenceLayout, *, record: bool = False) -> LayerTrace:
+        """Forward and backward of the layer under ``option`` on ``layout``, counted (module docstring)."""
+        if layout.p != self.p:
+            raise ValueError(f"the layout is for p={layout.p}, this rank's group has {self.p} ranks")
+        for attr in ("natural_positions", "canonical_index", "position_ids"):
+            getattr(layout, attr)  # real index tensors, built once outside the window (as a warm run would)
+        cuda = self.device.type == "cuda" and self._mode is None
+        with self._tensors():
+            size = (layout.local_len, self.micro_batch_size, self.model.shape.hidden_size)
+            x_local = self._random(size).requires_grad_()
+            dy_local = self._random(size)
+            rotary = self._rotary_table(layout.padded_len)
+            gc.collect()
+            gc.disable()
+            switch_interval = sys.getswitchinterval()
+            # gloo's worker thread releases a finished collective's buffers when it gets the GIL (see
+            # cost.measure.measure_layer): switch threads often so that happens when the code drops them
+            sys.setswitchinterval(1e-6)
+            try:
+                with _AllocatorWindow(self.device, enabled=cuda) as allocator:
+                    start = time.perf_counter()
+                    with _StorageTracker(record=record) as tracker:
+                        y_local = self._run(x_local, option, layout, rotary)
+                        if self._mode is None and self.device.type == "cpu":
+                            time.sleep(0.001)  # gloo's thread: its last sent buffer (see above)
+                        saved, forward_events = tracker.live, len(tracker.events or ())
+                        allocator.forward_done()
+                        y_local.backward(dy_local)
+                        del y_local
+                        x_local.grad = None
+                    seconds = time.perf_counter() - start
+            finally:
+                sys.setswitchinterval(switch_interval)
+                gc.enable()
+        return LayerTrace(
+            saved_bytes=saved,
+            peak_bytes=tracker.peak,
+            events=tuple(tracker.events or ()),
+            forward_events=forward_events,
+            allocator=allocator.peaks(),
+            seconds=seconds,
+        )
+
+    def close(self) -> None:
+        if self._megatron_state:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            self._megatron_state = False
+
+    def __enter__(self) -> RankTracer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- building ------------------------------------------------------------------------------------
+    def _tensors(self) -> contextlib.AbstractContextManager:
+        """Where the tracer's tensors are made: under its fake mode, or real ones."""
+        return self._mode if self._mode is not None else contextlib.nullcontext()
+
+    def _random(self, size: tuple[int, ...]) -> Tensor:
+        if self._mode is not None:  # no data to draw
+            return torch.empty(size, dtype=self.dtype, device=self.device)
+        return torch.randn(size, generator=self._gen).to(self.device, self.dtype)
+
+    def _with_zero_grads(self, params: Sequence[Tensor]) -> None:
+        """Values drawn for real parameters; gradient buffers before any window, as Megatron's."""
+        for param in params:
+            if self._mode is None:
+                with torch.no_grad():
+                    param.copy_(torch.randn(param.shape, generator=self._gen) / param.shape[-1] ** 0.5)
+            param.grad = torch.zeros_like(param)
+
+    def _build_run_layer(self, seed: int) -> Callable:
+        params = make_layer_params(
+            self.model.shape, self.p, self.rank, bias=self.model.bias, dtype=self.dtype, device=self.device, seed=seed
+        )
+        group, shape = dist.group.WORLD, self.model.shape
+        mctx = MLPContext(group=group, shape=shape, activation=F.silu if shape.gated_mlp else F.gelu)
+        kernel = _kernel(self.kernel, self.device, self.dtype)
+
+        def run(x_local: Tensor, option: LayerOption, layout: SequenceLayout, rotary: Tensor | None) -> Tensor:
+            actx = AttentionContext(
+                group=group, layout=layout, shape=shape, kernel=kernel, softmax_scale=shape.kv_channels**-0.5
+            )
+            return run_layer(x_local, params, option, actx, mctx)
+
+        return run
+
+    def _build_megatron(self) -> Callable:
+        # The Megatron adapter sits above the cost models; only this layer kind needs it.
+        from megatron_paradyse import compat
+
+        compat.install()
+        from megatron.core import parallel_state
+        from megatron.core.transformer.spec_utils import build_module
+
+        from megatron_paradyse.micro_batch import MicroBatch, micro_batch_scope
+        from megatron_paradyse.plan import Plan
+        from megatron_paradyse.spec import paradyse_layer_spec
+
+        if parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("RankTracer: Megatron's parallel state is already initialised in this process")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.p, create_gloo_process_groups=False)
+        self._megatron_state = True
+        config = self.model.transformer_config(self.p, self.dtype)
+        layer = build_module(paradyse_layer_spec, config=config, layer_number=1)
+        if self._mode is None:
+            layer.to(self.device)  # Megatron builds on the CPU (use_cpu_initialization), as get_model moves it
+        self._with_zero_grads(list(layer.parameters()))
+
+        def run(x_local: Tensor, option: LayerOption, layout: SequenceLayout, rotary: Tensor | None) -> Tensor:
+            step = MicroBatch(layout=layout, plan=Plan((option,)), attention_kernel=self.kernel)
+            with micro_batch_scope(step):
+                y_local, _ = layer(x_local, attention_mask=None, rotary_pos_emb=rotary)
+            return y_local
+
+        return run
+
+    def _rotary_table(self, padded_len: int) -> Tensor | None:
+        """GPTModel's rotary table for ``padded_len`` positions, ``[s, 1, 1, hn]`` fp32 (made before the
+        window, once per length: the model computes it once per forward for all its layers)."""
+        if self.layer != "megatron" or self.model.rotary_base is None:
+            return None
+        if padded_len not in self._rotary_tables:
+            from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+            rope = RotaryEmbedding(
+                kv_channels=self.model.shape.kv_channels,
+                rotary_percent=1.0,
+                rotary_base=self.model.rotary_base,
+                use_cpu_initialization=True,
+            )
+            self._rotary_tables = {padded_len: rope(padded_len)}  # one at a time: tables are large
+        return self._rotary_tables[padded_len]
+
+
+def trace_rank(
+    model: LayerModel,
+    rank: int,
+    p: int,
+    cases: Sequence[tuple[LayerOption, SequenceLayout]],
+    *,
+    layer: LayerKind = "megatron",
+    dtype: torch.dtype = torch.bfloat16,
+    record: bool = False,
+    progress: Callable[[int, LayerTrace], None] | None = None,
+) -> list[LayerTrace]:
+    """:meth:`RankTracer.trace` of every ``(option, layout)`` case, as rank ``rank`` of a fake
+    ``p``-rank group under ``FakeTensorMode``; ``progress(i, trace)`` after each."""
+    traces = []
+    with fake_world(rank, p), RankTracer(model, layer=layer, dtype=dtype) as tracer:
+        for i, (option, layout) in enumerate(cases):
+            traces.append(tracer.trace(option, layout, record=record))
+            if progress is not None:
+                progress(i, traces[-1])
+    return traces
+
+
+def _fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # Real tensors the code holds (the layout's index tensors) enter the trace as constants.
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _kernel(name: str, device: torch.device, dtype: torch.dtype):
+    from megatron_paradyse.attention import get_kernel
+
+    return get_kernel(name, device, dtype)
+
+
+class _AllocatorWindow:
+    """The CUDA caching allocator's peaks over a window (nothing when not ``enabled``)."""
+
+    def __init__(self, device: torch.device, *, enabled: bool):
+        self.device, self.enabled = device, enabled
+        self._start_allocated = self._start_reserved = self._saved = 0
+
+    def __enter__(self) -> _AllocatorWindow:
+        if self.enabled:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start_allocated = torch.cuda.memory_allocated(self.device)
+            self._start_reserved = torch.cuda.memory_reserved(self.device)
+        return self
+
+    def forward_done(self) -> None:
+        if self.enabled:
+            torch.cuda.synchronize(self.device)
+            self._saved = torch.cuda.memory_allocated(self.device) - self._start_allocated
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            torch.cuda.synchronize(self.device)
+
+    def peaks(self) -> AllocatorPeaks | None:
+        if not self.enabled:
+            return None
+        return AllocatorPeaks(
+            allocated_bytes=torch.cuda.max_memory_allocated(self.device) - self._start_allocated,
+            reserved_bytes=torch.cuda.max_memory_reserved(self.device) - self._start_reserved,
+            saved_allocated_bytes=self._saved,
+        )
