@@ -3,6 +3,7 @@
     python -m megatron_paradyse.bench memory                      # p=4 gloo ranks on CPU
     python -m megatron_paradyse.bench memory --p 2 --lengths 512,2048
     python -m megatron_paradyse.bench memory --device cuda        # one rank's share on one GPU
+    python -m megatron_paradyse.bench memory --trace              # production layers, traced, vs the model
 
 A stack of ``--layers`` pre-LN GPT layers (MHA, GELU MLP, biases, causal; no RoPE) runs forward and
 backward on every rank under one layer option at a time; the peak bytes allocated in that window
@@ -19,6 +20,17 @@ of ``p``, so every tensor has the size rank ``--rank`` would allocate, but colle
 (most to the byte; tested within 15%: gloo's threads may drop a sent buffer a moment late).
 Python's cyclic garbage collector is paused inside the window, so figures do not depend on when it
 happens to run.
+
+``--trace`` checks the memory model at production shapes instead: one layer of Llama 3 8B and of the
+ParaDySe paper's GPT (:data:`TRACE_MODELS`), bf16, b=1, one causal document of each ``--lengths``,
+on ``p=8`` ranks, under every layer option the planner has, traced with
+:func:`megatron_paradyse.cost.trace.trace_rank` (a fake process group and fake tensors: no memory,
+no peers) and laid beside :func:`~megatron_paradyse.cost.terms.layer_terms`. The traced layer is
+Megatron's ``TransformerLayer`` from the Paradyse spec (``--layer run_layer``: the cost models' own
+test layer). ``ring`` and ``lean`` attention allocate differently per rank: the rank traced is the one
+whose predicted peak is the largest (``--all-ranks``: every rank, every option). The last line is
+``traced_mem_err_max=<percent> traced_cases=<n>``: the largest ``|predicted - traced| / traced`` of
+the peak over all cases.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ import dataclasses
 import gc
 import json
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -35,16 +48,51 @@ import torch.nn.functional as F
 
 from megatron_paradyse.attention import get_kernel, kernel_names
 from megatron_paradyse.cost.measure import LayerParams, make_layer_params, run_layer
+from megatron_paradyse.cost.terms import RANK_DEPENDENT, layer_terms
+from megatron_paradyse.cost.trace import LAYER_KINDS, LayerKind, LayerModel, LayerTrace, fake_world, trace_rank
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.memory import PeakMemory
 from megatron_paradyse.multiprocess import run_on_ranks
 from megatron_paradyse.plan import LayerOption
+from megatron_paradyse.planner.config import PlannerConfig, layer_options
 from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape, unsupported_reason
 
 PAIRINGS = ("tp_sp/tp_sp", "ulysses/zero3", "ring/zero3", "lean/lean")
 """Each attention strategy with its natural MLP partner; the first is the baseline of the ratios."""
 
 MIB = 2**20
+GIB = 2**30
+
+TRACE_MODELS = {
+    # configs/llama3-8b.yaml: GQA, SwiGLU, RMSNorm, RoPE base 500000, no biases
+    "llama3-8b": LayerModel(
+        shape=ModelShape(
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_query_groups=8,
+            kv_channels=128,
+            ffn_hidden_size=14336,
+            gated_mlp=True,
+        ),
+        normalization="RMSNorm",
+        rotary_base=500000,
+    ),
+    # configs/paper-gpt.yaml: GPT-3 175B's layer, MHA, GELU, LayerNorm, no linear biases, RoPE (Megatron's base)
+    "gpt": LayerModel(
+        shape=ModelShape(
+            hidden_size=12288,
+            num_attention_heads=96,
+            num_query_groups=96,
+            kv_channels=128,
+            ffn_hidden_size=49152,
+        ),
+        normalization="LayerNorm",
+        rotary_base=10000,
+    ),
+}
+"""The production layers ``--trace`` runs, by name."""
+TRACE_LENGTHS = (8192, 65536, 262144, 1048576)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _option(pairing: str, recompute: bool) -> LayerOption:
@@ -119,13 +167,8 @@ def measure(rank: int, p: int, cfg: BenchConfig) -> dict[str, int]:
 
 def simulate_rank(rank: int, cfg: BenchConfig) -> dict[str, int]:
     """:func:`measure` for rank ``rank`` of ``cfg.p`` alone, in this process, on a fake process group."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cfg.p)
-    try:
+    with fake_world(rank, cfg.p):
         return measure(rank, cfg.p, cfg)
-    finally:
-        dist.destroy_process_group()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -133,8 +176,12 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m megatron_paradyse.bench memory",
         description="Per-rank peak memory of forward+backward for each strategy, with and without recompute.",
     )
-    parser.add_argument("--p", type=int, default=4, help="group size (gloo ranks on CPU)")
-    parser.add_argument("--lengths", default="1024,4096,8192", help="comma-separated sequence lengths")
+    parser.add_argument("--p", type=int, default=None, help="group size (gloo ranks on CPU); default 4, --trace 8")
+    parser.add_argument(
+        "--lengths",
+        default=None,
+        help="comma-separated sequence lengths; default 1024,4096,8192, --trace " + ",".join(map(str, TRACE_LENGTHS)),
+    )
     parser.add_argument("--layers", type=int, default=4, help="layers in the measured stack")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
@@ -157,11 +204,34 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--simulate", action="store_true", help="on CPU too, one rank's share over a fake group")
     parser.add_argument("--rank", type=int, default=0, help="the rank whose share --device cuda/--simulate runs")
     parser.add_argument("--json", metavar="FILE", help="also write every measurement to FILE")
+    trace = parser.add_argument_group("--trace: production layers traced on a fake group, against the memory model")
+    trace.add_argument("--trace", action="store_true", help="trace production layers (see the module docstring)")
+    trace.add_argument("--models", default=",".join(TRACE_MODELS), help="comma-separated: " + ", ".join(TRACE_MODELS))
+    trace.add_argument(
+        "--options",
+        default=None,
+        help="comma-separated layer options, e.g. tp_sp/tp_sp,lean/lean+rc (default: every option the planner has)",
+    )
+    trace.add_argument("--layer", choices=LAYER_KINDS, default="megatron", help="the layer traced")
+    trace.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    trace.add_argument(
+        "--all-ranks", action="store_true", help="trace every rank (default: the rank of the largest predicted peak)"
+    )
     return parser
 
 
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        lengths = tuple(int(n) for n in text.split(","))
+    except ValueError as e:
+        raise ValueError(f"--lengths must be comma-separated integers, got {text!r}") from e
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--lengths must be positive, got {text!r}")
+    return lengths
+
+
 def _config(args: argparse.Namespace) -> BenchConfig:
-    hidden, heads = args.hidden, args.heads
+    hidden, heads, p = args.hidden, args.heads, 4 if args.p is None else args.p
     if heads < 1 or hidden % heads:
         raise ValueError(f"--hidden={hidden} must be a positive multiple of --heads={heads}")
     shape = ModelShape(
@@ -171,30 +241,25 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         kv_channels=hidden // heads,
         ffn_hidden_size=args.ffn or 4 * hidden,
     )
-    try:
-        lengths = tuple(int(n) for n in args.lengths.split(","))
-    except ValueError as e:
-        raise ValueError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from e
-    if not lengths or min(lengths) < 1:
-        raise ValueError(f"--lengths must be positive, got {args.lengths!r}")
+    lengths = _lengths(args.lengths or "1024,4096,8192")
     pairings = tuple(args.pairings.split(","))
     if pairings[0] != PAIRINGS[0]:
         raise ValueError(f"--pairings must start with the baseline {PAIRINGS[0]}, got {args.pairings!r}")
-    if not 0 <= args.rank < args.p:
-        raise ValueError(f"--rank must be in [0, {args.p}), got {args.rank}")
+    if not 0 <= args.rank < p:
+        raise ValueError(f"--rank must be in [0, {p}), got {args.rank}")
     for pairing in pairings:
         option = LayerOption.parse(pairing)
         for sublayer, name in (("attention", option.attention), ("mlp", option.mlp)):
-            reason = unsupported_reason(sublayer, name, shape, args.p)
+            reason = unsupported_reason(sublayer, name, shape, p)
             if reason:
-                raise ValueError(f"{sublayer} strategy {name!r} cannot run this model on p={args.p}: {reason}")
+                raise ValueError(f"{sublayer} strategy {name!r} cannot run this model on p={p}: {reason}")
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible")
     dtype = torch.bfloat16 if cuda else torch.float32
     return BenchConfig(
         shape=shape,
-        p=args.p,
+        p=p,
         lengths=lengths,
         layers=args.layers,
         batch=args.batch,
@@ -249,8 +314,194 @@ def _report(cfg: BenchConfig, ranks: list[int], per_rank: list[dict[str, int]]) 
     return rows, figures
 
 
+# -- --trace: production layers traced on a fake group, against the memory model -----------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TraceConfig:
+    models: dict[str, LayerModel]
+    p: int
+    lengths: tuple[int, ...]
+    options: tuple[LayerOption, ...] | None
+    """None: every option the planner has for the model."""
+    layer: LayerKind
+    dtype: torch.dtype
+    all_ranks: bool
+    batch: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceCase:
+    model: str
+    length: int
+    option: LayerOption
+    rank: int
+
+
+def _trace_config(args: argparse.Namespace) -> TraceConfig:
+    if args.device != "cpu" or args.simulate:
+        raise ValueError(
+            "--trace runs fake tensors on the CPU; for the CUDA allocator run `python -m megatron_paradyse.bench "
+            "allocator`"
+        )
+    p = 8 if args.p is None else args.p
+    models = tuple(args.models.split(","))
+    unknown = [m for m in models if m not in TRACE_MODELS]
+    if unknown:
+        raise ValueError(f"--models: unknown {', '.join(map(repr, unknown))}; known: {', '.join(TRACE_MODELS)}")
+    options = None
+    if args.options is not None:
+        options = tuple(LayerOption.parse(text) for text in args.options.split(","))
+        for name in models:
+            for option in options:
+                for sublayer, strategy in (("attention", option.attention), ("mlp", option.mlp)):
+                    reason = unsupported_reason(sublayer, strategy, TRACE_MODELS[name].shape, p)
+                    if reason:
+                        raise ValueError(
+                            f"--options: {sublayer} strategy {strategy!r} cannot run {name} on p={p}: {reason}"
+                        )
+    return TraceConfig(
+        models={name: TRACE_MODELS[name] for name in models},
+        p=p,
+        lengths=_lengths(args.lengths or ",".join(map(str, TRACE_LENGTHS))),
+        options=options,
+        layer=args.layer,
+        dtype=DTYPES[args.dtype],
+        all_ranks=args.all_ranks,
+        batch=args.batch,
+    )
+
+
+def _predicted(cfg: TraceConfig, case: TraceCase, rank: int | None = None):
+    model, layout = cfg.models[case.model], SequenceLayout.build(case.length, cfg.p, causal=True)
+    dims = model.dims(cfg.layer, cfg.p, layout, cfg.batch, cfg.dtype)
+    return layer_terms(case.option, dims, layout, case.rank if rank is None else rank)
+
+
+def trace_cases(cfg: TraceConfig) -> list[TraceCase]:
+    """Every (model, length, option) with the ranks traced: all, or the one the model predicts the
+    largest peak for (the lowest of equals; rank 0 where the option's memory does not depend on it)."""
+    cases = []
+    for name in cfg.models:
+        options = cfg.options or layer_options(PlannerConfig(), cfg.models[name].shape, cfg.p)[0]
+        for length in cfg.lengths:
+            for option in options:
+                if cfg.all_ranks:
+                    cases += [TraceCase(name, length, option, rank) for rank in range(cfg.p)]
+                    continue
+                case = TraceCase(name, length, option, 0)
+                if option.attention in RANK_DEPENDENT:
+                    peaks = [_predicted(cfg, case, rank).peak_bytes for rank in range(cfg.p)]
+                    case = dataclasses.replace(case, rank=peaks.index(max(peaks)))
+                cases.append(case)
+    return cases
+
+
+def run_traces(cfg: TraceConfig) -> list[dict]:
+    """Trace every case (one fake world per model and rank) and lay it beside its prediction."""
+    cases = trace_cases(cfg)
+    traced: dict[TraceCase, LayerTrace] = {}
+    for name in cfg.models:
+        for rank in range(cfg.p):
+            mine = [c for c in cases if c.model == name and c.rank == rank]
+            if not mine:
+                continue
+
+            def progress(i: int, trace: LayerTrace, mine=mine) -> None:
+                case = mine[i]
+                traced[case] = trace
+                print(
+                    f"bench memory --trace [{len(traced)}/{len(cases)}]: {case.model} s={case.length} {case.option} "
+                    f"rank {case.rank}: peak {trace.peak_bytes / GIB:.3f} GiB ({trace.seconds:.1f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+            layouts = {n: SequenceLayout.build(n, cfg.p, causal=True) for n in cfg.lengths}
+            trace_rank(
+                cfg.models[name],
+                rank,
+                cfg.p,
+                [(c.option, layouts[c.length]) for c in mine],
+                layer=cfg.layer,
+                dtype=cfg.dtype,
+                progress=progress,
+            )
+    rows = []
+    for case in cases:
+        trace, terms = traced[case], _predicted(cfg, case)
+        rows.append(
+            {
+                "model": case.model,
+                "length": case.length,
+                "option": str(case.option),
+                "rank": case.rank,
+                "traced_saved_bytes": trace.saved_bytes,
+                "predicted_saved_bytes": terms.saved_bytes,
+                "traced_peak_bytes": trace.peak_bytes,
+                "predicted_peak_bytes": terms.peak_bytes,
+                "saved_err_pct": _error_pct(terms.saved_bytes, trace.saved_bytes),
+                "peak_err_pct": _error_pct(terms.peak_bytes, trace.peak_bytes),
+                "seconds": trace.seconds,
+            }
+        )
+    return rows
+
+
+def _error_pct(predicted: float, traced: int) -> float:
+    return 100.0 * (predicted - traced) / traced
+
+
+def _print_traces(cfg: TraceConfig, rows: list[dict], seconds: float) -> dict[str, str]:
+    ranks = "every rank" if cfg.all_ranks else "the rank of the largest predicted peak (ring, lean attention)"
+    print(
+        f"# One transformer layer ({cfg.layer}), forward + backward, p={cfg.p}, b={cfg.batch}, "
+        f"{str(cfg.dtype)[6:]}, one causal document, traced on a fake process group under FakeTensorMode "
+        f"(megatron_paradyse.cost.trace), {ranks}.\n"
+        "# saved: alive when the forward returns (output included); peak: high-water mark over forward and "
+        "backward; both above the layer's input, weights, gradient buffers and rotary table.\n"
+        "# predicted: megatron_paradyse.cost.terms.layer_terms; err = (predicted - traced) / traced."
+    )
+    print(
+        f"{'model':<10}{'length':>9}  {'option':<20}{'rank':>5}{'saved GiB':>11}{'pred':>9}{'err %':>8}"
+        f"{'peak GiB':>10}{'pred':>9}{'err %':>8}"
+    )
+    for r in rows:
+        print(
+            f"{r['model']:<10}{r['length']:>9}  {r['option']:<20}{r['rank']:>5}"
+            f"{r['traced_saved_bytes'] / GIB:>11.3f}{r['predicted_saved_bytes'] / GIB:>9.3f}{r['saved_err_pct']:>8.1f}"
+            f"{r['traced_peak_bytes'] / GIB:>10.3f}{r['predicted_peak_bytes'] / GIB:>9.3f}{r['peak_err_pct']:>8.1f}"
+        )
+    saved_worst = max(rows, key=lambda r: abs(r["saved_err_pct"]))
+    print(
+        f"# saved-bytes error: max |err| {abs(saved_worst['saved_err_pct']):.2f}% ({saved_worst['model']} "
+        f"s={saved_worst['length']} {saved_worst['option']} rank {saved_worst['rank']}); "
+        f"{len(rows)} cases traced in {seconds:.0f} s"
+    )
+    return {
+        "traced_mem_err_max": f"{max(abs(r['peak_err_pct']) for r in rows):.2f}",
+        "traced_cases": str(len(rows)),
+    }
+
+
+def _main_trace(args: argparse.Namespace) -> int:
+    try:
+        cfg = _trace_config(args)
+    except ValueError as e:
+        print(f"bench memory: error: {e}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    rows = run_traces(cfg)
+    figures = _print_traces(cfg, rows, time.perf_counter() - start)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "rows": rows, "figures": figures}, f, indent=1)
+    print(" ".join(f"{k}={v}" for k, v in figures.items()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.trace:
+        return _main_trace(args)
     try:
         cfg = _config(args)
     except ValueError as e:

@@ -132,6 +132,10 @@ class AllocatorPeaks:
     """``torch.cuda.max_memory_reserved`` minus the bytes reserved at the start."""
     saved_allocated_bytes: int
     """``torch.cuda.memory_allocated`` when the forward returned, minus the start."""
+    held_allocated_bytes: int
+    """``torch.cuda.memory_allocated`` when the window opened (weights, gradient buffers, input)."""
+    held_reserved_bytes: int
+    """``torch.cuda.memory_reserved`` when the window opened (with the cache of earlier windows)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -414,4 +418,6 @@ class _AllocatorWindow:
             allocated_bytes=torch.cuda.max_memory_allocated(self.device) - self._start_allocated,
             reserved_bytes=torch.cuda.max_memory_reserved(self.device) - self._start_reserved,
             saved_allocated_bytes=self._saved,
+            held_allocated_bytes=self._start_allocated,
+            held_reserved_bytes=self._start_reserved,
         )
