@@ -189,7 +189,12 @@ def run_setting(cfg: AllocatorConfig) -> dict:
             trace = _trace_or_none(tracer, option, layouts[length])
             sequence.append({"length": length, "option": str(option), **_figures(trace)})
             _progress(f"sequence step {i + 1}/{len(cfg.sequence)}: s={length} {option}: " + _outcome(trace))
-    return {"sweep": sweep, "sequence": sequence, "kernel": _kernel_name(cfg)}
+    return {
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "kernel": _kernel_name(cfg),
+        "sweep": sweep,
+        "sequence": sequence,
+    }
 
 
 @contextlib.contextmanager
