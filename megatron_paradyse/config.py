@@ -47,12 +47,23 @@ class MemorySection:
     required on CPU)."""
     margin: float = 0.1
     """Fraction of device memory kept out of the budget (allocator fragmentation, NCCL, CUDA context)."""
+    oom_shrink: float = 0.1
+    """After an out-of-memory error the budget shrinks by this fraction (how far the memory model
+    under-predicted is unknown); every rank stops, and a relaunch with ``--load`` plans under the smaller
+    budget, kept in ``paradyse_state.json`` in the ``--save`` directory."""
+    oom_retries: int = 3
+    """How many times one iteration may run out of memory and be re-run under a smaller budget; one more
+    failure stops the run with a message."""
 
     def __post_init__(self) -> None:
         if self.budget_gib is not None and not self.budget_gib > 0:
             raise ValueError(f"memory.budget_gib must be > 0, got {self.budget_gib}")
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"memory.margin must be in [0, 1), got {self.margin}")
+        if not 0.0 < self.oom_shrink < 1.0:
+            raise ValueError(f"memory.oom_shrink must be in (0, 1), got {self.oom_shrink}")
+        if self.oom_retries < 0:
+            raise ValueError(f"memory.oom_retries must be >= 0, got {self.oom_retries}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
