@@ -24,7 +24,13 @@ Around ``pretrain()``:
   length, plan, predicted and measured time and peak (``log`` section; JSONL and a plot on request).
   Megatron's own logging (console, TensorBoard, W&B) is unchanged: its train loop has no callback,
   so the entry point wraps ``training_log`` (called once per iteration on every rank), calls it
-  unchanged, then logs.
+  unchanged, then logs;
+- an out-of-memory error in a training step, on any rank (any forward, backward or the optimizer
+  step: the entry point wraps Megatron's ``train_step``), stops every rank at once with exit code 3
+  and the memory budget shrunk (``memory.oom_shrink``) and saved in the ``--save`` directory; a
+  relaunch with ``--load`` (``torchrun --max-restarts`` does it) re-plans under it and re-runs the
+  step from the last checkpoint, up to ``memory.oom_retries`` times per iteration
+  (:mod:`megatron_paradyse.fault`).
 
 Configuration errors print ``paradyse: error: ...`` and return 2 before any process group exists.
 """
@@ -39,11 +45,13 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
 from megatron_paradyse import compat
 from megatron_paradyse.config import ParadyseConfig, load_config
+from megatron_paradyse.fault import STATE_FILE, BudgetState, read_state
 
 __all__ = ["Job", "entry_defaults", "main"]
 
@@ -159,9 +167,12 @@ class Job:
     profile: dict | None
     """The cost profile read from ``cost.profile``; None: calibrated at start-up."""
     budget_bytes: float
+    """The budget plans must fit: the configured one, or the smaller one saved after an out-of-memory error."""
     device: torch.device
     pad_id: int
     """Token id of padding (never attended to, never in the loss)."""
+    budget_state: BudgetState | None = None
+    """What ``paradyse_state.json`` in the ``--load`` directory holds (None: there is none)."""
 
     @classmethod
     def from_argv(cls, config: ParadyseConfig | None, argv: list[str]) -> Job:
@@ -197,14 +208,20 @@ class Job:
         model_config.transformer_layer_spec = functools.partial(get_paradyse_layer_spec, attn_mask_type=mask)
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         pad_id = _dataset_tokenizer(config)[1]
+        budget_bytes = _budget_bytes(config, device)
+        budget_state = read_state(args.load)
+        if budget_state is not None:
+            budget_state.check_retries(config.memory.oom_retries, Path(args.load) / STATE_FILE)
+            budget_bytes = min(budget_bytes, budget_state.budget_bytes)
         job = cls(
             config=config,
             args=args,
             model_config=model_config,
             profile=_read_profile(config, args),
-            budget_bytes=_budget_bytes(config, device),
+            budget_bytes=budget_bytes,
             device=device,
             pad_id=_megatron_pad_id() if pad_id is None else pad_id,
+            budget_state=budget_state,
         )
         job.cost_models()  # the profile fits the model (group size, dtype): fail here, not after start-up
         return job
@@ -225,7 +242,7 @@ class Job:
         from megatron_paradyse.training import TrainingRun
 
         run = TrainingRun(self)
-        with _after_each_iteration(run.end_iteration):
+        with _after_each_iteration(run.end_iteration), _on_out_of_memory(run.out_of_memory), run.fault_watch:
             pretrain(
                 pretrain_cfg_container_from_args(self.args, self.model_config),
                 run.dataset_provider(),
@@ -299,6 +316,12 @@ def _argument_problems(args: argparse.Namespace, config: ParadyseConfig | None) 
         problems.append(
             f"the dataset {config.data.dataset} has no manifest naming its tokenizer: pass --tokenizer-type "
             f"and its flags"
+        )
+    if args.inprocess_restart:
+        problems.append(
+            "--inprocess-restart: Megatron's in-process restart is not wired into this entry point; an out-of-memory "
+            "error stops every rank with the shrunk budget saved, and torchrun --max-restarts with --load restarts "
+            "the run from the last checkpoint (configs/README.md); leave it out"
         )
     if not torch.cuda.is_available() and config.memory.budget_gib is None:
         problems.append("memory.budget_gib is required on a machine without CUDA (the config's memory section)")
@@ -377,6 +400,28 @@ def _after_each_iteration(callback: Callable[[int, dict], None]) -> Iterator[Non
         yield
     finally:
         training.training_log = original
+
+
+@contextlib.contextmanager
+def _on_out_of_memory(handler: Callable[[torch.OutOfMemoryError], NoReturn]) -> Iterator[None]:
+    """Hand an out-of-memory error raised in a training step on this rank (any forward, backward, the
+    optimizer step) to ``handler``, which ends the process: unwound, it would leave the other ranks
+    blocked in the step's collectives. ``train()`` looks ``train_step`` up in its module."""
+    from megatron.training import training
+
+    original = training.train_step
+
+    def train_step(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        except torch.OutOfMemoryError as e:
+            handler(e)
+
+    training.train_step = train_step
+    try:
+        yield
+    finally:
+        training.train_step = original
 
 
 if __name__ == "__main__":

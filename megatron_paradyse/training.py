@@ -9,7 +9,9 @@ sets it up).
   :func:`~megatron_paradyse.micro_batch.micro_batch_scope` with its plan, Megatron 0.19's per-token
   loss (with Megatron's NaN, Inf and spiky-loss checks);
 - the end of each iteration: measured time and peak per micro-batch
-  (:class:`~megatron_paradyse.run_log.MicroBatchMeter`), the table on the last rank, JSONL, plot.
+  (:class:`~megatron_paradyse.run_log.MicroBatchMeter`), the table on the last rank, JSONL, plot;
+- an out-of-memory error in a step: every rank stops, the budget shrunk and saved
+  (:class:`~megatron_paradyse.fault.FaultWatch`, watching from the first call of the provider on).
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
 from megatron_paradyse.config import ParadyseConfig
+from megatron_paradyse.fault import STATE_FILE, FaultWatch
 
 if TYPE_CHECKING:
     from megatron_paradyse.pretrain_gpt import Job
@@ -53,6 +56,8 @@ class TrainingRun:
         self._checked_parameters = False
         self._last_end = time.perf_counter()
         self.is_logging_rank = False
+        args = job.args
+        self.fault_watch = FaultWatch(job.config.memory, state=job.budget_state, save_dir=args.save, load_dir=args.load)
 
     # provider ----------------------------------------------------------------------------------
     def dataset_provider(self):
@@ -131,6 +136,7 @@ class TrainingRun:
         from megatron_paradyse.modules import model_shape
 
         job = self.job
+        self.fault_watch.start()
         self.dataset = _open_dataset(job.config, job.args.local_rank)
         profile = job.profile if job.profile is not None else _calibrate_once(job)
         self.cost_models = job.cost_models(profile)
@@ -144,6 +150,15 @@ class TrainingRun:
         check_ranks_agree(inputs, [job.config.cost.profile] if job.config.cost.profile else [])
         self.is_logging_rank = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
         self.dp_rank = mpu.get_data_parallel_rank()
+        state = job.budget_state
+        if self.is_logging_rank and state is not None and job.budget_bytes == state.budget_bytes:
+            iterations = sorted({e.iteration for e in state.out_of_memory})
+            print(
+                f"paradyse: memory budget {job.budget_bytes / _GIB:.4g} GiB (shrunk after out-of-memory at "
+                f"iteration{'s' if len(iterations) > 1 else ''} {', '.join(map(str, iterations))}, from "
+                f"{Path(job.args.load) / STATE_FILE})",
+                flush=True,
+            )
 
     def _saved_loader_state(self) -> dict:
         from megatron.core import parallel_state as mpu
@@ -262,6 +277,12 @@ class TrainingRun:
                 held,
                 counted,
             )
+
+    def out_of_memory(self, error: torch.OutOfMemoryError) -> NoReturn:
+        """The step Megatron is running on this rank ran out of memory (``args.curr_iteration`` counts the
+        steps done): stop every rank, the budget shrunk."""
+        job = self.job
+        self.fault_watch.out_of_memory(error, iteration=job.args.curr_iteration + 1, budget_bytes=job.budget_bytes)
 
     # iteration end ------------------------------------------------------------------------------
     def end_iteration(self, iteration: int, loss_dict: dict) -> None:
