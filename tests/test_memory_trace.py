@@ -144,7 +144,7 @@ def test_bench_memory_trace_prints_its_table_and_last_line(tmp_path):
     options = "tp_sp/tp_sp,lean/zero3+rc"
     run = subprocess.run(
         [sys.executable, "-m", "megatron_paradyse.bench", "memory", "--trace", "--models", "llama3-8b"]
-        + ["--lengths", "4096", "--options", options, "--json", str(out)],
+        + ["--lengths", "4096", "--options", options, "--events", "--json", str(out)],
         cwd=ROOT,
         check=True,
         capture_output=True,
@@ -164,6 +164,9 @@ def test_bench_memory_trace_prints_its_table_and_last_line(tmp_path):
     # a recomputed layer keeps its output only: one [s/p, b, h] bf16 activation
     assert recomputed["traced_saved_bytes"] == 4096 // 8 * 4096 * 2
     assert tp_sp["traced_peak_bytes"] > tp_sp["traced_saved_bytes"] > recomputed["traced_saved_bytes"]
+    for row in rows:  # the events account for the figures
+        assert sum(e["nbytes"] for e in row["alive_at_peak"]) == row["traced_peak_bytes"]
+        assert row["events"][row["forward_events"] - 1]["live"] == row["traced_saved_bytes"]
     layout = SequenceLayout.build(4096, 8, causal=True)
     dims = TRACE_MODELS["llama3-8b"].dims("megatron", 8, layout, 1, torch.bfloat16)
     predicted = layer_terms(LayerOption.parse("lean/zero3+rc"), dims, layout, recomputed["rank"])

@@ -217,6 +217,12 @@ def _parser() -> argparse.ArgumentParser:
     trace.add_argument(
         "--all-ranks", action="store_true", help="trace every rank (default: the rank of the largest predicted peak)"
     )
+    trace.add_argument(
+        "--events",
+        action="store_true",
+        help="with --json: every case's allocations and frees, and what was alive at its peak (large: restrict the "
+        "cases with --models, --lengths, --options)",
+    )
     return parser
 
 
@@ -326,6 +332,8 @@ class TraceConfig:
     dtype: torch.dtype
     all_ranks: bool
     batch: int
+    events: bool = False
+    """Keep every case's events (:class:`~megatron_paradyse.memory.MemoryEvent`) in its row."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,6 +350,8 @@ def _trace_config(args: argparse.Namespace) -> TraceConfig:
             "--trace runs fake tensors on the CPU; for the CUDA allocator run `python -m megatron_paradyse.bench "
             "allocator`"
         )
+    if args.events and not args.json:
+        raise ValueError("--events goes into the --json file; give one")
     p = 8 if args.p is None else args.p
     models = tuple(args.models.split(","))
     unknown = [m for m in models if m not in TRACE_MODELS]
@@ -367,6 +377,7 @@ def _trace_config(args: argparse.Namespace) -> TraceConfig:
         dtype=DTYPES[args.dtype],
         all_ranks=args.all_ranks,
         batch=args.batch,
+        events=args.events,
     )
 
 
@@ -423,6 +434,7 @@ def run_traces(cfg: TraceConfig) -> list[dict]:
                 [(c.option, layouts[c.length]) for c in mine],
                 layer=cfg.layer,
                 dtype=cfg.dtype,
+                record=cfg.events,
                 progress=progress,
             )
     rows = []
@@ -443,6 +455,10 @@ def run_traces(cfg: TraceConfig) -> list[dict]:
                 "seconds": trace.seconds,
             }
         )
+        if cfg.events:
+            rows[-1]["forward_events"] = trace.forward_events
+            rows[-1]["events"] = [dataclasses.asdict(e) for e in trace.events]
+            rows[-1]["alive_at_peak"] = [dataclasses.asdict(e) for e in trace.alive_at_peak()]
     return rows
 
 

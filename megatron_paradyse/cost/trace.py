@@ -157,6 +157,21 @@ class LayerTrace:
     def transient_bytes(self) -> int:
         return self.peak_bytes - self.saved_bytes
 
+    def alive_at_peak(self) -> list[MemoryEvent]:
+        """The creations whose storages were alive when the high-water mark was first reached, in the
+        order they were made (``record=True`` only): what a prediction's peak must add up to."""
+        if not self.events:
+            raise ValueError("the trace kept no events; trace with record=True")
+        alive: dict[int, MemoryEvent] = {}
+        for event in self.events:
+            if event.nbytes < 0:
+                del alive[event.storage]
+                continue
+            alive[event.storage] = event
+            if event.live == self.peak_bytes:
+                return list(alive.values())
+        raise AssertionError("no event reaches the trace's peak")
+
 
 @contextlib.contextmanager
 def fake_world(rank: int, p: int) -> Iterator[None]:
