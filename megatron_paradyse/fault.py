@@ -23,7 +23,8 @@ The ranks talk through the default process group's store (a failed rank cannot j
    does without torchrun): rank 0 exits last, once every rank has counted itself out.
 
 A clean end wakes the rank's own watcher with a stop value, and rank 0 again waits until every rank
-has stopped watching.
+has stopped watching. The keys carry a token rank 0 draws at start-up: a store can outlive a launch
+(torchrun's shared rendezvous store does), and the relaunch must not read the fault that ended it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import os
 import sys
 import threading
 import traceback
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -63,10 +65,9 @@ allows: a configuration-level error, as ``paradyse: error:`` elsewhere."""
 STATE_FILE = "paradyse_state.json"
 
 _GIB = 2**30
-_PREFIX = "paradyse/"
 _STOP = b"stop"
 _WATCH_CHUNK = datetime.timedelta(hours=12)
-"""A watcher waits in chunks of this (a store times out a wait; the longest it takes is ~24 days)."""
+"""A watcher renews its wait this often (a store's wait always has a timeout)."""
 _GATHER_TIMEOUT = datetime.timedelta(seconds=10)
 """How long rank 0 waits for the other ranks to count themselves out (and a rank for its watcher)."""
 
@@ -251,7 +252,12 @@ class FaultWatch:
 
         self._store = distributed_c10d._get_default_store()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self._wake_key = f"{_PREFIX}wake/{self.rank}"
+        # Keys of this launch only: a store can outlive a launch (torchrun's shared rendezvous store keeps
+        # its keys across restarts), and a stale wake key would stop the relaunched ranks at once.
+        launch = [uuid.uuid4().hex if self.rank == 0 else None]
+        dist.broadcast_object_list(launch, src=0)
+        self._prefix = f"paradyse/{launch[0]}/"
+        self._wake_key = self._key(f"wake/{self.rank}")
         # A store client serialises its calls, and a wait holds it: the watcher gets its own connection.
         self._thread = threading.Thread(
             target=self._watch, args=(self._store.clone(),), name="paradyse-fault-watch", daemon=True
@@ -262,7 +268,7 @@ class FaultWatch:
 
     def out_of_memory(self, error: BaseException, *, iteration: int, budget_bytes: float) -> NoReturn:
         """Shrink the budget (or give up), save it, stop every rank, exit."""
-        if self._store.add(f"{_PREFIX}claims", 1) > 1:
+        if self._store.add(self._key("claims"), 1) > 1:
             self._wait_for_exit()  # another rank's fault came first: its announcement ends this rank too
         history = self.state or BudgetState(budget_bytes=budget_bytes)
         state = history.after_out_of_memory(
@@ -279,7 +285,7 @@ class FaultWatch:
             state_path=state_path,
             save_dir=self.save_dir,
         )
-        others = [f"{_PREFIX}wake/{r}" for r in range(self.world_size) if r != self.rank]
+        others = [self._key(f"wake/{r}") for r in range(self.world_size) if r != self.rank]
         if others:
             self._store.multi_set(others, [fault.to_bytes()] * len(others))
         print(fault.message([e.budget_before_bytes for e in failures]), file=sys.stderr, flush=True)
@@ -342,12 +348,15 @@ class FaultWatch:
         import torch.distributed as dist
 
         try:
-            if store.add(f"{_PREFIX}{name}", 1) == self.world_size:
-                store.set(f"{_PREFIX}all_{name}", b"1")
+            if store.add(self._key(name), 1) == self.world_size:
+                store.set(self._key(f"all_{name}"), b"1")
             if self.rank == 0:
-                store.wait([f"{_PREFIX}all_{name}"], _GATHER_TIMEOUT)
+                store.wait([self._key(f"all_{name}")], _GATHER_TIMEOUT)
         except dist.DistError as e:  # timed out, or the server went away: go on without the others
             logger.debug("paradyse: leaving the store without the other ranks: %s", e)
+
+    def _key(self, name: str) -> str:
+        return self._prefix + name
 
     def _wait_for_exit(self) -> NoReturn:
         """Let the watcher end the process; if it cannot (it has not heard of the fault in time), end it."""
