@@ -8,6 +8,7 @@
 #   paradyse_master_env          MASTER_ADDR (the job's first node, where rank 0 runs) and MASTER_PORT
 #   paradyse_srun_env            in an srun task (one per GPU): RANK, WORLD_SIZE, LOCAL_RANK + the above
 #   paradyse_torchrun_node ...   in an srun task (one per node): exec torchrun for this node's GPUs
+#                                (restarting them up to MAX_RESTARTS times)
 #   paradyse_job_setup           in the batch script: checks the job's variables, exports the environment
 #                                Megatron needs, fills PARADYSE_CMD (what each rank runs) and SRUN_ARGS
 #   paradyse_run CMD...          runs CMD; with PARADYSE_DRY_RUN=1 prints it instead
@@ -27,6 +28,11 @@
 #                       the directory the job was submitted from, with
 #   CONTAINER_MOUNTS    these mounts (optional), which must include that directory and the data
 #   GPUS_PER_NODE       default: SLURM_GPUS_ON_NODE, else 8
+#   MAX_RESTARTS        train_torchrun.sbatch only: torchrun starts every rank again, up to this many
+#                       times, when one exits non-zero (optional; default: never). An out-of-memory
+#                       error exits every rank with the memory budget shrunk and saved in the --save
+#                       directory: give --save and --load the same directory, and the restart re-runs
+#                       the failed step from the last checkpoint (configs/README.md, "Out of memory")
 
 paradyse_first_host() {
   local list=${1:?paradyse_first_host needs a SLURM hostlist}
@@ -93,10 +99,19 @@ paradyse_srun_env() {
 paradyse_torchrun_node() {
   _paradyse_require SLURM_NNODES SLURM_NODEID || return 1
   paradyse_master_env || return 1
+  local nproc=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+  if ((${MAX_RESTARTS:-0} > 0)); then
+    # Restarts need the c10d rendezvous with a store of their own per attempt: the static rendezvous
+    # and the store torchrun shares by default keep the first attempt's keys, and the restarted ranks'
+    # process group fails to connect (pytorch/pytorch#135712). Node ranks then come in the order the
+    # nodes join, but each node still holds GPUS_PER_NODE consecutive ranks (TP groups stay in a node).
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    exec torchrun --nnodes "$SLURM_NNODES" --nproc_per_node "$nproc" --max-restarts "$MAX_RESTARTS" \
+      --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "paradyse-${SLURM_JOB_ID:-0}" "$@"
+  fi
   # static rendezvous: node i holds ranks i*GPUS_PER_NODE .. (i+1)*GPUS_PER_NODE-1, so a TP group of
   # at most GPUS_PER_NODE consecutive ranks stays on one node
-  exec torchrun --nnodes "$SLURM_NNODES" --node_rank "$SLURM_NODEID" \
-    --nproc_per_node "${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}" \
+  exec torchrun --nnodes "$SLURM_NNODES" --node_rank "$SLURM_NODEID" --nproc_per_node "$nproc" \
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$@"
 }
 
