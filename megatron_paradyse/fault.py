@@ -147,10 +147,10 @@ def read_state(directory: str | None) -> BudgetState | None:
     try:
         events = tuple(OutOfMemoryEvent(**event) for event in data["out_of_memory"])
         return BudgetState(budget_bytes=float(data["budget_bytes"]), out_of_memory=events)
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError) as e:  # a key missing, or one OutOfMemoryEvent does not have
         raise ValueError(
-            f"{path} is not a megatron-paradyse state file (missing or unknown key {e}); delete it to plan "
-            f"with memory.budget_gib"
+            f"{path} is not a megatron-paradyse state file ({type(e).__name__}: {e}); delete it to plan with "
+            f"memory.budget_gib"
         ) from e
 
 
