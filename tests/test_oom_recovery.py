@@ -94,8 +94,8 @@ def _launch(folder: Path, config: Path, *flags: str, inject: list[str] = ()) -> 
     out = folder / f"launch{len(list(folder.glob('launch*')))}"
     command = [sys.executable, str(RANKS), "--world-size", "4", "--out", str(out), *inject, "--"]
     command += ["--paradyse-config", str(config), *MODEL, "--save", str(folder / "ckpt"), *flags]
-    # Megatron's start-up warms its fused kernels up with torch.compile, ~13 s a rank on this CPU; eager
-    # kernels give the same numbers, and every run here runs them
+    # Megatron's start-up warms its fused kernels up with torch.compile, ~13 s a rank on this CPU; every run
+    # here runs them eager instead, alike, so that the runs compare
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1"}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
