@@ -141,7 +141,7 @@ def _last_line_figures(stdout: str) -> dict[str, str]:
 
 def test_bench_memory_trace_prints_its_table_and_last_line(tmp_path):
     out = tmp_path / "trace.json"
-    options = "tp_sp/tp_sp,lean/zero3+rc"
+    options = "tp_sp/tp_sp,ring/zero3+rc"
     run = subprocess.run(
         [sys.executable, "-m", "megatron_paradyse.bench", "memory", "--trace", "--models", "llama3-8b"]
         + ["--lengths", "4096", "--options", options, "--events", "--json", str(out)],
@@ -169,7 +169,7 @@ def test_bench_memory_trace_prints_its_table_and_last_line(tmp_path):
         assert row["events"][row["forward_events"] - 1]["live"] == row["traced_saved_bytes"]
     layout = SequenceLayout.build(4096, 8, causal=True)
     dims = TRACE_MODELS["llama3-8b"].dims("megatron", 8, layout, 1, torch.bfloat16)
-    predicted = layer_terms(LayerOption.parse("lean/zero3+rc"), dims, layout, recomputed["rank"])
+    predicted = layer_terms(LayerOption.parse("ring/zero3+rc"), dims, layout, recomputed["rank"])
     assert recomputed["predicted_peak_bytes"] == predicted.peak_bytes
 
 
@@ -178,7 +178,7 @@ def test_bench_allocator_runs_each_allocator_setting_in_a_child(tmp_path):
     out = tmp_path / "allocator.json"
     run = subprocess.run(
         [sys.executable, "-m", "megatron_paradyse.bench", "allocator", "--device", "cpu", "--model", "tiny"]
-        + ["--lengths", "64", "--options", "tp_sp/tp_sp,ring/zero3+rc", "--sequence", "64,32", "--json", str(out)],
+        + ["--lengths", "64", "--options", "tp_sp/tp_sp,ulysses/lean+rc", "--sequence", "64,32", "--json", str(out)],
         cwd=ROOT,
         check=True,
         capture_output=True,
