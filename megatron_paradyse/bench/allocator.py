@@ -52,7 +52,16 @@ from collections.abc import Iterator
 import torch
 
 from megatron_paradyse.attention import kernel_names
-from megatron_paradyse.bench.memory import DTYPES, GIB, TRACE_MODELS, TraceCase, TraceConfig, trace_cases
+from megatron_paradyse.bench.memory import (
+    DTYPES,
+    GIB,
+    TRACE_MODELS,
+    TraceCase,
+    TraceConfig,
+    parse_lengths,
+    parse_options,
+    trace_cases,
+)
 from megatron_paradyse.cost.terms import layer_terms
 from megatron_paradyse.cost.trace import LayerModel, LayerTrace, RankTracer, fake_world
 from megatron_paradyse.layout import SequenceLayout
@@ -118,30 +127,20 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _ints(flag: str, text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(n) for n in text.split(","))
-    except ValueError as e:
-        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from e
-    if min(values) < 1:
-        raise ValueError(f"{flag} must be positive, got {text!r}")
-    return values
-
-
 def _config(args: argparse.Namespace) -> AllocatorConfig:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible (--device cpu runs the tracker only)")
-    shape = MODELS[args.model].shape
+    model = {args.model: MODELS[args.model]}
     if args.options is None:
-        options = layer_options(PlannerConfig(), shape, args.p)[0]
+        options = layer_options(PlannerConfig(), model[args.model].shape, args.p)[0]
     else:
-        options = tuple(LayerOption.parse(text) for text in args.options.split(","))
+        options = parse_options(args.options, model, args.p)
     return AllocatorConfig(
         model=args.model,
         p=args.p,
-        lengths=tuple(sorted(_ints("--lengths", args.lengths))),
+        lengths=tuple(sorted(parse_lengths(args.lengths))),
         options=tuple(options),
-        sequence=_ints("--sequence", args.sequence),
+        sequence=parse_lengths(args.sequence, "--sequence"),
         device=args.device,
         kernel=args.kernel,
         dtype=DTYPES[args.dtype],

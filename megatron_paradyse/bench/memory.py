@@ -226,14 +226,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _lengths(text: str) -> tuple[int, ...]:
+def parse_lengths(text: str, flag: str = "--lengths") -> tuple[int, ...]:
+    """``"1024,4096"`` -> ``(1024, 4096)``; a ValueError naming ``flag`` otherwise."""
     try:
         lengths = tuple(int(n) for n in text.split(","))
     except ValueError as e:
-        raise ValueError(f"--lengths must be comma-separated integers, got {text!r}") from e
-    if not lengths or min(lengths) < 1:
-        raise ValueError(f"--lengths must be positive, got {text!r}")
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from e
+    if min(lengths) < 1:
+        raise ValueError(f"{flag} must be positive, got {text!r}")
     return lengths
+
+
+def parse_options(text: str, models: dict[str, LayerModel], p: int) -> tuple[LayerOption, ...]:
+    """``"tp_sp/tp_sp,lean/lean+rc"`` -> layer options every model can run on ``p`` ranks; a
+    ValueError naming what cannot run otherwise."""
+    options = tuple(LayerOption.parse(option) for option in text.split(","))
+    for name, model in models.items():
+        for option in options:
+            for sublayer, strategy in (("attention", option.attention), ("mlp", option.mlp)):
+                reason = unsupported_reason(sublayer, strategy, model.shape, p)
+                if reason:
+                    raise ValueError(
+                        f"--options: {sublayer} strategy {strategy!r} cannot run {name} on p={p}: {reason}"
+                    )
+    return options
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
@@ -247,7 +263,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         kv_channels=hidden // heads,
         ffn_hidden_size=args.ffn or 4 * hidden,
     )
-    lengths = _lengths(args.lengths or "1024,4096,8192")
+    lengths = parse_lengths(args.lengths or "1024,4096,8192")
     pairings = tuple(args.pairings.split(","))
     if pairings[0] != PAIRINGS[0]:
         raise ValueError(f"--pairings must start with the baseline {PAIRINGS[0]}, got {args.pairings!r}")
@@ -357,22 +373,12 @@ def _trace_config(args: argparse.Namespace) -> TraceConfig:
     unknown = [m for m in models if m not in TRACE_MODELS]
     if unknown:
         raise ValueError(f"--models: unknown {', '.join(map(repr, unknown))}; known: {', '.join(TRACE_MODELS)}")
-    options = None
-    if args.options is not None:
-        options = tuple(LayerOption.parse(text) for text in args.options.split(","))
-        for name in models:
-            for option in options:
-                for sublayer, strategy in (("attention", option.attention), ("mlp", option.mlp)):
-                    reason = unsupported_reason(sublayer, strategy, TRACE_MODELS[name].shape, p)
-                    if reason:
-                        raise ValueError(
-                            f"--options: {sublayer} strategy {strategy!r} cannot run {name} on p={p}: {reason}"
-                        )
+    chosen = {name: TRACE_MODELS[name] for name in models}
     return TraceConfig(
-        models={name: TRACE_MODELS[name] for name in models},
+        models=chosen,
         p=p,
-        lengths=_lengths(args.lengths or ",".join(map(str, TRACE_LENGTHS))),
-        options=options,
+        lengths=parse_lengths(args.lengths or ",".join(map(str, TRACE_LENGTHS))),
+        options=None if args.options is None else parse_options(args.options, chosen, p),
         layer=args.layer,
         dtype=DTYPES[args.dtype],
         all_ranks=args.all_ranks,

@@ -46,7 +46,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from megatron_paradyse import compat
+from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.cost.measure import make_layer_params, run_layer
 from megatron_paradyse.cost.terms import Dims
 from megatron_paradyse.layout import SequenceLayout
@@ -94,6 +97,7 @@ class LayerModel:
         """Megatron's ``TransformerConfig`` of one such layer on ``p`` tensor-parallel ranks (sequence
         parallel, no dropout, fusions off as Megatron-Core's config defaults them; parameters in
         ``dtype`` and left uninitialised: memory does not depend on their values)."""
+        compat.install()
         from megatron.core.transformer import TransformerConfig
 
         s = self.shape
@@ -222,11 +226,16 @@ class RankTracer:
         self.micro_batch_size = micro_batch_size
         self.rank, self.p = dist.get_rank(), dist.get_world_size()
         self._gen = torch.Generator().manual_seed(seed + self.rank)
-        self._mode = _fake_mode() if fake else None
+        # Real tensors the code holds (the layout's index tensors) enter a fake trace as constants.
+        self._mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
         self._megatron_state = False
         self._rotary_tables: dict[int, Tensor] = {}
-        with self._tensors():
-            self._run = self._build_megatron() if layer == "megatron" else self._build_run_layer(seed)
+        try:
+            with self._tensors():
+                self._run = self._build_megatron() if layer == "megatron" else self._build_run_layer(seed)
+        except BaseException:
+            self.close()  # Megatron's parallel state, if it got that far
+            raise
 
     # -- the window ----------------------------------------------------------------------------------
     def trace(self, option: LayerOption, layout: SequenceLayout, *, record: bool = False) -> LayerTrace:
@@ -295,7 +304,7 @@ class RankTracer:
             return torch.empty(size, dtype=self.dtype, device=self.device)
         return torch.randn(size, generator=self._gen).to(self.device, self.dtype)
 
-    def _with_zero_grads(self, params: Sequence[Tensor]) -> None:
+    def _initialise(self, params: Sequence[Tensor]) -> None:
         """Values drawn for real parameters; gradient buffers before any window, as Megatron's."""
         for param in params:
             if self._mode is None:
@@ -309,7 +318,7 @@ class RankTracer:
         )
         group, shape = dist.group.WORLD, self.model.shape
         mctx = MLPContext(group=group, shape=shape, activation=F.silu if shape.gated_mlp else F.gelu)
-        kernel = _kernel(self.kernel, self.device, self.dtype)
+        kernel = get_kernel(self.kernel, self.device, self.dtype)
 
         def run(x_local: Tensor, option: LayerOption, layout: SequenceLayout, rotary: Tensor | None) -> Tensor:
             actx = AttentionContext(
@@ -321,8 +330,6 @@ class RankTracer:
 
     def _build_megatron(self) -> Callable:
         # The Megatron adapter sits above the cost models; only this layer kind needs it.
-        from megatron_paradyse import compat
-
         compat.install()
         from megatron.core import parallel_state
         from megatron.core.transformer.spec_utils import build_module
@@ -339,7 +346,7 @@ class RankTracer:
         layer = build_module(paradyse_layer_spec, config=config, layer_number=1)
         if self._mode is None:
             layer.to(self.device)  # Megatron builds on the CPU (use_cpu_initialization), as get_model moves it
-        self._with_zero_grads(list(layer.parameters()))
+        self._initialise(list(layer.parameters()))
 
         def run(x_local: Tensor, option: LayerOption, layout: SequenceLayout, rotary: Tensor | None) -> Tensor:
             step = MicroBatch(layout=layout, plan=Plan((option,)), attention_kernel=self.kernel)
@@ -387,19 +394,6 @@ def trace_rank(
             if progress is not None:
                 progress(i, traces[-1])
     return traces
-
-
-def _fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    # Real tensors the code holds (the layout's index tensors) enter the trace as constants.
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
-def _kernel(name: str, device: torch.device, dtype: torch.dtype):
-    from megatron_paradyse.attention import get_kernel
-
-    return get_kernel(name, device, dtype)
 
 
 class _AllocatorWindow:
