@@ -6,14 +6,62 @@ rank's tokens (the q/k norms: only some heads or tokens), so its gradient is par
 all-reduces it over the tensor-parallel group, for every parameter marked ``sequence_parallel``.
 This norm marks its parameters that way. Its state-dict keys (``weight``, ``bias``) are those of
 Megatron's other norms.
+
+Both norms keep the same tensors on every device, their input and per-token statistics, which is what
+the memory model counts: LayerNorm is ``torch.nn.LayerNorm``'s fused kernel; RMSNorm runs torch's
+fused kernel (``aten._fused_rms_norm``: what ``F.rms_norm`` runs on CUDA) forward on every device,
+where ``F.rms_norm`` on the CPU would keep fp32 copies of its input and output (four bf16
+activations' worth per norm), and torch's fused backward where there is one (CUDA).
 """
 
 from __future__ import annotations
 
 import torch
 from megatron.core.transformer import TransformerConfig
+from torch import Tensor
 
-__all__ = ["sequence_parallel_norm"]
+from megatron_paradyse.precision import accumulation_dtype
+
+__all__ = ["RMSNorm", "sequence_parallel_norm"]
+
+
+class _RMSNorm(torch.autograd.Function):
+    """``y = x rstd w`` over the last dimension, ``rstd = 1 / sqrt(mean(x^2) + eps)`` per token in fp32;
+    keeps ``x``, ``w`` and ``rstd``.
+
+        backward: x_hat = x rstd;  g = dy w;  dw = sum_tokens dy x_hat;
+                  dx = rstd (g - x_hat mean_h(g x_hat))
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        if dy.is_cuda:
+            mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1]]
+            dx, dweight = torch.ops.aten._fused_rms_norm_backward(dy, x, [x.shape[-1]], rstd, weight, mask)
+            return dx, dweight, None
+        # No fused CPU backward: the same sums, in fp32 for half precision.
+        acc = accumulation_dtype(x.dtype)
+        x_hat = x * rstd  # [..., h] (acc: rstd is fp32)
+        g = dy.to(acc) * weight  # [..., h]
+        dweight = (dy * x_hat).sum(dim=tuple(range(dy.dim() - 1))).to(weight.dtype)  # [h]
+        mean = (g * x_hat).mean(dim=-1, keepdim=True)  # [..., 1]
+        dx = g.sub_(x_hat.mul_(mean)).mul_(rstd).to(x.dtype)
+        return dx, dweight, None
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` (its parameters and state dict) computed as :class:`_RMSNorm`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return _RMSNorm.apply(x, self.weight, eps)
 
 
 def sequence_parallel_norm(config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> torch.nn.Module:
@@ -30,7 +78,7 @@ def sequence_parallel_norm(config: TransformerConfig, hidden_size: int, eps: flo
     if config.normalization == "LayerNorm":
         norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
     elif config.normalization == "RMSNorm":
-        norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        norm = RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
     else:
         raise ValueError(f"config.normalization must be 'LayerNorm' or 'RMSNorm', got {config.normalization!r}")
     for param in norm.parameters():
