@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Segment", "SequenceLayout", "padded_length", "zigzag_permutation"]
+__all__ = ["LayoutIndices", "Segment", "SequenceLayout", "padded_length", "zigzag_permutation"]
 
 
 def padded_length(seq_len: int, p: int) -> int:
@@ -64,6 +64,21 @@ class Segment(NamedTuple):
     k_start: int
     k_end: int
     causal: bool
+
+
+class LayoutIndices(NamedTuple):
+    """A layout's index tensors on one device (:meth:`SequenceLayout.indices`)."""
+
+    natural_positions: torch.Tensor
+    """Canonical index -> natural position, ``[padded_len]`` int64."""
+    canonical_index: torch.Tensor
+    """Natural position -> canonical index, ``[padded_len]`` int64."""
+    position_ids: torch.Tensor
+    """Rotary position of every canonical token, ``[padded_len]`` int64."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self)
 
 
 class _Run(NamedTuple):
@@ -142,6 +157,22 @@ class SequenceLayout:
     def canonical_index(self) -> torch.Tensor:
         """Natural position -> canonical index: the inverse of :attr:`natural_positions`."""
         return torch.argsort(self.natural_positions)
+
+    def indices(self, device: torch.device | str) -> LayoutIndices:
+        """The index tensors strategies need, on ``device``; copied there once per layout (that is, per
+        micro-batch): the entry point asks for them before the model runs, so that no layer copies
+        host data (a host synchronisation on a GPU) and every layer shares one copy."""
+        device = torch.device(device)
+        if device not in self._indices:
+            host = (self.natural_positions, self.canonical_index, self.position_ids)
+            if device.type == "cuda":  # from pinned memory, without waiting for the copy
+                host = tuple(t.pin_memory() for t in host)
+            self._indices[device] = LayoutIndices(*(t.to(device, non_blocking=True) for t in host))
+        return self._indices[device]
+
+    @functools.cached_property
+    def _indices(self) -> dict[torch.device, LayoutIndices]:
+        return {}
 
     @property
     def is_identity(self) -> bool:

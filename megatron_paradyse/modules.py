@@ -220,7 +220,7 @@ class _QKTransform:
         if self.k_norm is not None:
             k = self.k_norm(k)
         if self.freqs is not None:
-            q_freqs, k_freqs = (f.index_select(0, position_ids.to(f.device)) for f in self.freqs)  # [s, 1, 1, rot]
+            q_freqs, k_freqs = (f.index_select(0, position_ids) for f in self.freqs)  # [s, 1, 1, rot]
             rope = functools.partial(
                 apply_rotary_pos_emb, config=self.config, mscale=self.mscale, cp_group=self.cp_group
             )

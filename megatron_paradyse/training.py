@@ -201,6 +201,7 @@ class TrainingRun:
         tokens, labels, loss_mask, position_ids = (
             batch[k].to(self.job.device, non_blocking=True) for k in ("tokens", "labels", "loss_mask", "position_ids")
         )
+        planned.layout.indices(self.job.device)  # the layers' index tensors, on the device before they run
         step = MicroBatch(
             layout=planned.layout, plan=planned.decision.plan, attention_kernel=self.job.config.attention_kernel
         )

@@ -8,7 +8,7 @@ from torch import Tensor
 from megatron_paradyse.attention import segment_attention
 from megatron_paradyse.strategies.base import AttentionContext, ModelShape
 
-__all__ = ["activate", "add_bias", "attend_full_sequence", "heads_first", "split_qkv"]
+__all__ = ["activate", "add_bias", "attend_full_sequence", "heads_first", "local_positions", "split_qkv"]
 
 
 def split_qkv(mixed: Tensor, shape: ModelShape) -> tuple[Tensor, Tensor, Tensor]:
@@ -34,19 +34,25 @@ def attend_full_sequence(qkv_full: Tensor, ctx: AttentionContext) -> Tensor:
     canonical order. Tokens are put in natural order first so each document is one dense block.
     """
     layout = ctx.layout
+    indices = layout.indices(qkv_full.device)
     q, k, v = split_qkv(qkv_full, ctx.shape)
     if ctx.qk_transform is not None:
-        q, k = ctx.qk_transform(q, k, layout.position_ids.to(q.device))
+        q, k = ctx.qk_transform(q, k, indices.position_ids)
     if not layout.is_identity:
-        to_natural = layout.canonical_index.to(q.device)
-        q, k, v = (t.index_select(0, to_natural) for t in (q, k, v))
+        q, k, v = (t.index_select(0, indices.canonical_index) for t in (q, k, v))
     out = segment_attention(
         heads_first(q), heads_first(k), heads_first(v), layout.full_segments(), ctx.softmax_scale, ctx.kernel
     )
     out = out.permute(2, 0, 1, 3)  # [s, b, nq, hn], natural order
     if not layout.is_identity:
-        out = out.index_select(0, layout.natural_positions.to(out.device))
+        out = out.index_select(0, indices.natural_positions)
     return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def local_positions(ctx: AttentionContext, device: torch.device) -> Tensor:
+    """Rotary positions of this rank's tokens ``[s/p]`` (a view of the layout's device copy)."""
+    layout = ctx.layout
+    return layout.indices(device).position_ids[layout.local_slice(ctx.group.rank())]
 
 
 def activate(h: Tensor, shape: ModelShape, activation, blocks: int) -> Tensor:

@@ -27,18 +27,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_paradyse.strategies.base import AttentionContext, AttentionWeights, MLPContext, MLPWeights, Strategy
-from megatron_paradyse.strategies.common import activate, add_bias, heads_first, split_qkv
+from megatron_paradyse.strategies.common import activate, add_bias, heads_first, local_positions, split_qkv
 from megatron_paradyse.strategies.registry import register
 from megatron_paradyse.strategies.ring import ring_attention_backward, ring_attention_forward
 from megatron_paradyse.strategies.streaming import broadcast_shards, ring_shards
 
 __all__ = ["attention", "mlp"]
-
-
-def _local_positions(ctx: AttentionContext, device: torch.device) -> Tensor:
-    """Rotary positions of this rank's tokens ``[s/p]``."""
-    layout = ctx.layout
-    return layout.position_ids[layout.local_slice(ctx.group.rank())].to(device)
 
 
 def _group_heads(qkv: Tensor, ctx: AttentionContext, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -78,7 +72,7 @@ class _LeanAttention(torch.autograd.Function):
     def forward(ctx, x_local: Tensor, qkv_w: Tensor, proj_w: Tensor, qkv_b: Tensor | None, actx: AttentionContext):
         group, layout = actx.group, actx.layout
         s_local, b, h = x_local.shape
-        positions = _local_positions(actx, x_local.device)
+        positions = local_positions(actx, x_local.device)
         y = x_local.new_zeros(s_local * b, h)
         outs, lses = [], []
 
@@ -105,7 +99,7 @@ class _LeanAttention(torch.autograd.Function):
         s_local, b, h = x_local.shape
         x2, dy2 = x_local.reshape(-1, h), dy.reshape(-1, h)
         dx2 = torch.zeros_like(x2)
-        positions = _local_positions(actx, x_local.device)
+        positions = local_positions(actx, x_local.device)
 
         def step(j: int, shard, grad) -> None:
             w_qkv, w_proj, b_qkv = shard

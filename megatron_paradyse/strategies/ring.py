@@ -27,7 +27,7 @@ from megatron_paradyse.attention import (
 from megatron_paradyse.comm import RingComm, zero3_linear
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.strategies.base import AttentionContext, AttentionWeights, Strategy
-from megatron_paradyse.strategies.common import add_bias, heads_first, split_qkv
+from megatron_paradyse.strategies.common import add_bias, heads_first, local_positions, split_qkv
 from megatron_paradyse.strategies.registry import register
 
 __all__ = ["ring_attention", "ring_attention_backward", "ring_attention_forward"]
@@ -132,8 +132,7 @@ def attention(x_local: Tensor, w: AttentionWeights, ctx: AttentionContext) -> Te
     qkv = zero3_linear(x_local, w.qkv, w.qkv_bias, group, dim=0)
     q, k, v = split_qkv(qkv, ctx.shape)  # all heads, local tokens
     if ctx.qk_transform is not None:
-        positions = layout.position_ids[layout.local_slice(group.rank())].to(q.device)
-        q, k = ctx.qk_transform(q, k, positions)
+        q, k = ctx.qk_transform(q, k, local_positions(ctx, q.device))
     out = ring_attention(heads_first(q), heads_first(k), heads_first(v), layout, group, ctx.kernel, ctx.softmax_scale)
     core = out.permute(2, 0, 1, 3).reshape(s_local, b, -1)  # [s/p, b, np*hn]
     return add_bias(zero3_linear(core, w.proj, None, group, dim=1), w.proj_bias)
