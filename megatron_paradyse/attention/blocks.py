@@ -57,6 +57,7 @@ def accumulate_block(
         rows, cols = slice(seg.q_start, seg.q_end), slice(seg.k_start, seg.k_end)
         part_out, part_lse = kernel.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], seg.causal, scale)
         merge_into(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
+        del part_out, part_lse  # freed before the next call allocates its own
 
 
 def accumulate_block_grads(
@@ -89,6 +90,7 @@ def accumulate_block_grads(
         dq[:, :, rows] += dq_seg
         dk[:, :, cols] += dk_seg
         dv[:, :, cols] += dv_seg
+        del dq_seg, dk_seg, dv_seg  # freed before the next call allocates its own
 
 
 def _one_call(segments: Sequence[Segment], sq: int, sk: int) -> bool:
