@@ -287,6 +287,7 @@ class Job:
                 static_bytes=f.static_bytes,
                 vocab_size=self.args.padded_vocab_size if f.has_output_layer else 0,
                 rotary_dim=rotary_dim,
+                bias=self.model_config.transformer.add_bias_linear,
             )
             for f in self.footprints()
         ]

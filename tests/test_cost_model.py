@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from megatron_paradyse.cli import main as cli_main
-from megatron_paradyse.cost import terms
+from megatron_paradyse.cost import allocations
+from megatron_paradyse.cost.allocations import Dims, sublayer_memory
 from megatron_paradyse.cost.analytic import AnalyticCostModel
 from megatron_paradyse.cost.empirical import EmpiricalCostModel, HybridRegressor, Sample, aic_polynomial
 from megatron_paradyse.cost.fitting import fit_nonnegative, mape
 from megatron_paradyse.cost.profile import PROFILE_SCHEMA, ProfileError, fingerprint, load_profile, save_profile
-from megatron_paradyse.cost.terms import Dims, attention_terms, layer_terms, sublayer_terms
+from megatron_paradyse.cost.terms import layer_terms, sublayer_terms
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.strategies import ModelShape
@@ -85,15 +86,17 @@ def test_tp_sp_terms_match_hand_counts():
     assert [(c.kind, c.nbytes) for c in attn.fwd_comm] == [("all_gather", 2048 * 256 * 4), ("reduce_scatter", 2097152)]
     assert [c.kind for c in attn.bwd_comm] == ["all_gather", "reduce_scatter", "all_gather"]
     # kept: the local input (as Megatron), natural-order q/k/v copies, output, lse, output in canonical order
-    assert attn.saved == {
+    assert dict(sublayer_memory("attention", "tp_sp", d, layout).saved) == {
         "x_local": 2048 // 4 * 256 * 4,
-        "qkv_natural": 2048 * 192 * 4,
+        "q_natural": 2048 * 64 * 4,
+        "k_natural": 2048 * 64 * 4,
+        "v_natural": 2048 * 64 * 4,
         "attn_out": 2048 * 64 * 4,
         "lse": 2048 * 2 * 4,
         "core": 2048 * 64 * 4,
     }
-    mlp = sublayer_terms("mlp", "tp_sp", d, layout)
-    assert mlp.saved == {"x_local": 524288, "fc1_out": 2048 * 256 * 4, "act_out": 2048 * 256 * 4}
+    mlp = sublayer_memory("mlp", "tp_sp", d, layout)
+    assert dict(mlp.saved) == {"x_local": 524288, "fc1_out": 2048 * 256 * 4, "act_out": 2048 * 256 * 4}
     # the whole layer: sublayers, two LN statistics pairs, the residual sum and the output (measured: 8937472)
     assert layer_terms(LayerOption("tp_sp", "tp_sp"), d, layout).saved_bytes == 8937472
 
@@ -111,19 +114,20 @@ def test_zero3_strategies_gather_weights_for_each_gemm_and_keep_none():
         ("all_to_all", t * 2 * 256 * 2),
         ("all_gather", 256 * 256 * 2),
     ]
-    # backward gathers each weight again before reduce-scattering its gradient
+    # backward gathers each weight again before reduce-scattering its gradient, in fp32
     assert [(c.kind, c.nbytes) for c in uly.bwd_comm] == [
         ("all_gather", 256 * 256 * 2),
-        ("reduce_scatter", 256 * 256 * 2),
+        ("reduce_scatter", 256 * 256 * 4),
         ("all_to_all", t * 2 * 256 * 2),
         ("all_to_all", t * 2 * qkv * 2),
         ("all_gather", qkv * 256 * 2),
-        ("reduce_scatter", qkv * 256 * 2),
+        ("reduce_scatter", qkv * 256 * 4),
     ]
-    assert set(uly.saved) == {"x_local", "qkv_natural", "attn_out", "lse", "core_local"}
+    saved = dict(sublayer_memory("attention", "ulysses", d, layout).saved)
+    assert set(saved) == {"x_local", "q_natural", "k_natural", "v_natural", "attn_out", "lse", "core_local"}
     mlp = sublayer_terms("mlp", "zero3", d, layout)
     assert [(g.m, g.n, g.k) for g in mlp.gemms] == [(t * 2, 1024, 256), (t * 2, 256, 512)]  # gated fc1: 2 ffn rows
-    assert mlp.saved == {
+    assert dict(sublayer_memory("mlp", "zero3", d, layout).saved) == {
         "x_local": t * 2 * 256 * 2,
         "fc1_out": t * 2 * 1024 * 2,
         "act_gate": t * 2 * 512 * 2,
@@ -135,7 +139,7 @@ def test_zero3_mlp_peaks_match_hand_counts():
     """Ungated, p=4, t=512 local tokens of h=256, ffn=1024, fp32: x = 0.5 MiB, fc1's output and the
     activation's 2 MiB each, linear_fc2's full weight 1 MiB."""
     layout = SequenceLayout.build(2048, 4, causal=True)
-    mlp = sublayer_terms("mlp", "zero3", Dims(MHA, 4, 2048, 1, 4), layout)
+    mlp = sublayer_memory("mlp", "zero3", Dims(MHA, 4, 2048, 1, 4), layout)
     x, hidden, w2 = 512 * 256 * 4, 512 * 1024 * 4, 256 * 1024 * 4
     # forward: input, fc1's output, the activation, and fc2's weight gathered as [p, h, ffn/p] beside
     # its [h, ffn] layout
@@ -152,20 +156,21 @@ def test_lean_terms_match_hand_counts():
     layout = SequenceLayout.build(s, p, causal=True)
     x = t * 256 * 4
     mlp = sublayer_terms("mlp", "lean", d, layout)
+    mlp_memory = sublayer_memory("mlp", "lean", d, layout)
     shard = (units * 256 + 256 * units + units) * 4  # fc1 rows, fc2 columns, fc1 bias
-    assert mlp.saved == {"x_local": x}
+    assert dict(mlp_memory.saved) == {"x_local": x}
     assert [c.nbytes for c in mlp.fwd_streamed] == [shard] * (p - 1) and not mlp.fwd_comm
     assert len(mlp.bwd_streamed) + len(mlp.bwd_comm) == 2 * p - 1  # p - 1 shard hops, p gradient hops
     assert [(g.m, g.n, g.k) for g in mlp.recompute_gemms] == [(t, units, 256)] * p
     # forward: input, y, two shards, one shard's [t, ffn/p] before and after the activation
-    assert mlp.fwd_peak == 2 * x + 2 * shard + 2 * t * units * 4
+    assert mlp_memory.fwd_peak == 2 * x + 2 * shard + 2 * t * units * 4
     # backward: dx, two shards, the gradient being filled, the one leaving and the one arriving,
     # fc1's output, the activation, its gradient and fc1 output's gradient
-    assert mlp.bwd_peak == x + 5 * shard + 4 * t * units * 4
+    assert mlp_memory.bwd_peak == x + 5 * shard + 4 * t * units * 4
 
     attn = sublayer_terms("attention", "lean", d, layout)
     # kept: the input, each head group's output and log-sum-exp
-    assert attn.saved_bytes == x + t * 8 * 32 * 4 + 8 * t * 4
+    assert sublayer_memory("attention", "lean", d, layout).saved_bytes == x + t * 8 * 32 * 4 + 8 * t * 4
     shard = (192 * 256 + 256 * 64 + 192) * 4  # qkv rows, proj columns, qkv bias
     assert [(c.kind, c.nbytes) for c in attn.fwd_comm + attn.fwd_streamed] == [("broadcast", shard)] * p
     assert sorted(c.kind for c in attn.bwd_comm + attn.bwd_streamed) == ["broadcast"] * p + ["reduce"] * p
@@ -174,7 +179,7 @@ def test_lean_terms_match_hand_counts():
     # rank 0 keeps its own shard's gradient from the first group on: one shard more than the last rank
     # (bidirectional: every rank's ring steps are alike)
     bidir = SequenceLayout.build(s, p, causal=False)
-    peaks = [sublayer_terms("attention", "lean", d, bidir, rank).bwd_peak for rank in range(p)]
+    peaks = [sublayer_memory("attention", "lean", d, bidir, rank).bwd_peak for rank in range(p)]
     assert peaks[0] - peaks[p - 1] == shard and len(set(peaks[1:])) == 1
 
 
@@ -219,9 +224,10 @@ def test_rope_keeps_its_angles_and_the_rotated_q_k_where_attention_keeps_them():
     assert extra("ring/zero3", causal) == angles * (s // p) + s // p * b * 2 * nq_hn * e
     assert extra("lean/lean", causal) == 0
     assert extra("ulysses/zero3+rc", causal) == 0  # recompute keeps the input only
-    # backward through the rotation: three q-sized temporaries on top
-    peak = layer_terms(LayerOption("ring", "zero3"), rope, causal).peak_bytes
-    assert peak >= layer_terms(LayerOption("ring", "zero3"), plain, causal).peak_bytes + 3 * s // p * nq_hn * e
+    # backward through the rotation adds its temporaries (where the attention's backward is the peak)
+    for option in ("tp_sp/tp_sp", "ring/zero3"):
+        peak = layer_terms(LayerOption.parse(option), rope, causal).peak_bytes
+        assert peak > layer_terms(LayerOption.parse(option), plain, causal).peak_bytes, option
 
 
 def test_recompute_keeps_the_output_only():
@@ -307,8 +313,9 @@ def test_peak_bytes_adds_static_saved_and_the_larger_working_set():
     full = 1024 * 2 * 256 * 4
     loss = 1024 * 2 * 32000 // 4 * 4 + 2 * full + 2 * full // 4
     assert model.loss_bytes(layout, 2) == loss
-    # the stage's input [s/p, b, h] and the rotary table [s, 1, 1, 32] fp32, whatever the plan
-    stage = full // 4 + 1024 * 32 * 4
+    # the stage's input [s/p, b, h], the rotary table [s, 1, 1, 32] fp32 and the layout's three int64
+    # index tensors on the device, whatever the plan
+    stage = full // 4 + 1024 * 32 * 4 + 3 * 1024 * 8
     assert model.stage_bytes(layout, 2) == stage
     assert model.peak_bytes(layout, 2, 100.0, 50.0) == pytest.approx(1e9 + stage + 100 + 1.1 * loss)
     assert model.peak_bytes(layout, 2, 100.0, 2 * loss) == pytest.approx(1e9 + stage + 100 + 2.2 * loss)
@@ -423,25 +430,32 @@ def test_ring_is_priced_at_its_slowest_rank():
 
 def test_memoised_scripts_give_what_a_cold_evaluation_gives():
     """Ring steps, lean's head groups and the scripts around the ring are memoised by what each one
-    depends on: every rank's ring and lean terms, computed one after another (the memos warm with
-    the other strategy's and ranks' iterations), equal the same terms computed with every memo
+    depends on: every rank's ring and lean memory, computed one after another (the memos warm with
+    the other strategy's and ranks' iterations), equals the same memory computed with every memo
     cleared first."""
     layout = SequenceLayout.build((3000, 100, 20), 4, causal=True)
     d = Dims(GQA, 4, layout.padded_len, 2, 2, rotary_dim=16)
-    warm = {(name, rank): attention_terms(name, d, layout, rank) for name in ("ring", "lean") for rank in range(4)}
-    memos = [f for f in vars(terms).values() if hasattr(f, "cache_clear")]
+    warm = {
+        (name, rank): sublayer_memory("attention", name, d, layout, rank)
+        for name in ("ring", "lean")
+        for rank in range(4)
+    }
+    memos = [f for f in vars(allocations).values() if hasattr(f, "cache_clear")]
     assert len(memos) >= 5
     for (name, rank), expected in warm.items():
         for memo in memos:
             memo.cache_clear()
-        assert attention_terms(name, d, layout, rank) == expected, (name, rank)
+        assert sublayer_memory("attention", name, d, layout, rank) == expected, (name, rank)
 
 
-def test_mlp_terms_are_the_same_on_every_rank():
+def test_mlp_memory_and_terms_are_the_same_on_every_rank():
     """The analytic model prices MLPs on rank 0 only (its memo relies on it)."""
     layout = SequenceLayout.build((3000, 100, 20), 4, causal=True)
     d = Dims(GQA, 4, layout.padded_len, 2, 4)
     for name in ("tp_sp", "zero3", "lean"):
         assert all(
             sublayer_terms("mlp", name, d, layout, r) == sublayer_terms("mlp", name, d, layout) for r in range(4)
+        )
+        assert all(
+            sublayer_memory("mlp", name, d, layout, r) == sublayer_memory("mlp", name, d, layout) for r in range(4)
         )

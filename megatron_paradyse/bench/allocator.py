@@ -274,7 +274,7 @@ def _run_children(argv: list[str]) -> dict[str, dict]:
 
 def _predicted_peak(cfg: AllocatorConfig, row: dict) -> float:
     model, layout = MODELS[cfg.model], SequenceLayout.build(row["length"], cfg.p, causal=True)
-    dims = model.dims("megatron", cfg.p, layout, 1, cfg.dtype)
+    dims = model.dims("megatron", cfg.p, layout, 1, cfg.dtype, device=torch.device(cfg.device).type)
     return layer_terms(LayerOption.parse(row["option"]), dims, layout, row["rank"]).peak_bytes
 
 

@@ -56,7 +56,12 @@ def build_cost_model(
         rates = load_profile(profile, p=p, check_machine=False)
         description = f"analytic, calibrated profile {profile}"
     model = AnalyticCostModel(
-        rates, shape, p, dtype=getattr(torch, rates["dtype"]), static_bytes=stage_static_bytes(shape, num_layers, p)
+        rates,
+        shape,
+        p,
+        dtype=getattr(torch, rates["dtype"]),
+        static_bytes=stage_static_bytes(shape, num_layers, p),
+        bias=False,  # LLaMA's linear layers have no biases
     )
     return model, description
 

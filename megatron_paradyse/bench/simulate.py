@@ -344,7 +344,13 @@ def simulate_setting(
     vocab = dataset.vocab_size if head else 0
     static = stage_static_bytes(model.shape, model.num_layers, gpu.p, vocab_size=vocab)
     analytic = AnalyticCostModel(
-        hardware_profile(gpu), model.shape, gpu.p, dtype=torch.bfloat16, static_bytes=static, vocab_size=vocab
+        hardware_profile(gpu),
+        model.shape,
+        gpu.p,
+        dtype=torch.bfloat16,
+        static_bytes=static,
+        vocab_size=vocab,
+        bias=False,  # the paper's models have no linear biases
     )
     cost = MemoCostModel(analytic)
     budget = gpu.memory_bytes * (1 - model.margin)

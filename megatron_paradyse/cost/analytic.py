@@ -18,7 +18,7 @@ they are issued, so they add up; the ring overlaps its hops with its kernels, ``
 transfers with its compute. ``syncs`` counts collectives and ring hops. The correction (``k = 1``,
 the rest 0 without one) is fitted by ``paradyse calibrate --fit-correction`` on a few measured layers.
 
-Memory is :func:`cost.terms.layer_terms`' saved and transient bytes; the stage peak adds the static
+Memory is :mod:`cost.allocations`' saved and transient bytes of the layer; the stage peak adds the static
 bytes (the same for every plan, given by the caller: see :mod:`megatron_paradyse.static_memory`), the
 stage's own activations (:meth:`AnalyticCostModel.stage_bytes`), and the larger of
 the largest layer working set and the output layer's (:meth:`AnalyticCostModel.loss_bytes`), with
@@ -41,21 +41,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_paradyse.cost.allocations import (
+    RANK_DEPENDENT,
+    Dims,
+    LayerMemory,
+    SublayerMemory,
+    layer_memory,
+    sublayer_memory,
+)
 from megatron_paradyse.cost.base import LayerCost
 from megatron_paradyse.cost.profile import load_profile
-from megatron_paradyse.cost.terms import (
-    RANK_DEPENDENT,
-    AttentionCall,
-    Collective,
-    Dims,
-    Gemm,
-    LayerMemory,
-    RingStage,
-    SublayerTerms,
-    attention_terms,
-    layer_memory,
-    sublayer_terms,
-)
+from megatron_paradyse.cost.terms import AttentionCall, Collective, Gemm, RingStage, SublayerTerms, sublayer_terms
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.strategies import ModelShape
@@ -90,11 +86,12 @@ class _Pass:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Sublayer:
-    """One sublayer's terms on one rank, its priced passes, and what of it a layer's memory depends on."""
+    """One sublayer on one rank: its priced passes, its memory, and what of that memory a layer's
+    depends on."""
 
-    terms: SublayerTerms
     forward: _Pass
     backward: _Pass
+    memory: SublayerMemory
     memory_key: tuple
 
 
@@ -128,12 +125,14 @@ class AnalyticCostModel:
         static_bytes: float = 0.0,
         vocab_size: int = 0,
         rotary_dim: int = 0,
+        bias: bool = True,
         use_correction: bool = True,
     ):
         """``static_bytes``: what the rank holds whatever the plan, its weights, gradients and optimizer
         state (see :mod:`megatron_paradyse.static_memory`) and anything else resident; ``vocab_size``: Megatron's padded
         vocabulary if the stage holds the output layer, else 0 (see :meth:`loss_bytes`);
-        ``rotary_dim``: the channels of each head RoPE rotates (0: the model has no RoPE)."""
+        ``rotary_dim``: the channels of each head RoPE rotates (0: the model has no RoPE); ``bias``: the
+        linear layers have biases. Memory is counted for the profile's device."""
         if p > 1 and str(p) not in profile["collectives"]:
             raise ValueError(f"the profile has no collectives for p={p}; run `paradyse calibrate --p {p}`")
         dtype_name = str(dtype).removeprefix("torch.")
@@ -150,6 +149,8 @@ class AnalyticCostModel:
         self.static_bytes = float(static_bytes)
         self.vocab_size = vocab_size
         self.rotary_dim = rotary_dim
+        self.bias = bias
+        self.device = profile["fingerprint"]["device"]
         correction = profile.get("correction") if use_correction else None
         self._k_compute = correction["compute"] if correction else 1.0
         self._k_comm = correction["comm"] if correction else 1.0
@@ -184,10 +185,16 @@ class AnalyticCostModel:
 
     def stage_bytes(self, layout: SequenceLayout, micro_batch_size: int) -> float:
         """What the stage keeps outside its layers for the whole step: its input ``[t, b, h]`` (the
-        embedding's output or the previous stage's activation; the first layer's norm keeps it) and
-        GPTModel's rotary table ``[s, 1, 1, rotary_dim]`` (fp32)."""
+        embedding's output or the previous stage's activation; the first layer's norm keeps it),
+        GPTModel's rotary table ``[s, 1, 1, rotary_dim]`` (fp32) and the layout's index tensors on the
+        device (:meth:`SequenceLayout.indices`: three int64 ``[s]``)."""
         tokens = layout.padded_len * micro_batch_size
-        return tokens // self.p * self.shape.hidden_size * self.element_size + layout.padded_len * self.rotary_dim * 4
+        indices = 3 * layout.padded_len * 8
+        return (
+            tokens // self.p * self.shape.hidden_size * self.element_size
+            + layout.padded_len * self.rotary_dim * 4
+            + indices
+        )
 
     def loss_bytes(self, layout: SequenceLayout, micro_batch_size: int) -> float:
         """The output layer's working set on a stage that holds it, as Megatron computes it with
@@ -226,7 +233,7 @@ class AnalyticCostModel:
             attn = self._sublayer(memo, layout, "attention", option.attention, rank)
             key = (attn.memory_key, mlp.memory_key)
             if key not in memo.layer_memory:
-                memo.layer_memory[key] = layer_memory(attn.terms, mlp.terms, memo.dims)
+                memo.layer_memory[key] = layer_memory(attn.memory, mlp.memory, memo.dims)
             saved, peak = memo.layer_memory[key].saved_and_peak(recompute=option.recompute)
             per_rank.append((self._time((attn, mlp), option.recompute, memo.dims.x), saved, peak - saved))
         return per_rank
@@ -240,7 +247,16 @@ class AnalyticCostModel:
         key = (layout.doc_lengths, layout.causal, layout.padded_len, micro_batch_size)
         memo = self._last_memo
         if memo is None or memo.key != key:
-            dims = Dims(self.shape, self.p, layout.padded_len, micro_batch_size, self.element_size, self.rotary_dim)
+            dims = Dims(
+                self.shape,
+                self.p,
+                layout.padded_len,
+                micro_batch_size,
+                self.element_size,
+                self.rotary_dim,
+                bias=self.bias,
+                device=self.device,
+            )
             memo = self._last_memo = _LayoutMemo(key, dims)
             self._call_times.clear()
         return memo
@@ -250,13 +266,11 @@ class AnalyticCostModel:
         key = (sublayer, name, rank)
         entry = memo.sublayers.get(key)
         if entry is None:
-            if sublayer == "attention":
-                sub = attention_terms(name, memo.dims, layout, rank)
-            else:
-                sub = sublayer_terms("mlp", name, memo.dims, layout, rank)
+            sub = sublayer_terms(sublayer, name, memo.dims, layout, rank)
+            memory = sublayer_memory(sublayer, name, memo.dims, layout, rank)
             # all layer_memory reads of a sublayer
-            memory = (sub.saved_bytes, sub.fwd_peak, sub.bwd_peak)
-            entry = _Sublayer(sub, self._pass(sub, backward=False), self._pass(sub, backward=True), memory)
+            memory_key = (memory.saved_bytes, memory.fwd_peak, memory.bwd_peak)
+            entry = _Sublayer(self._pass(sub, backward=False), self._pass(sub, backward=True), memory, memory_key)
             memo.sublayers[key] = entry
         return entry
 

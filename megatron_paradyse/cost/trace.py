@@ -50,8 +50,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatron_paradyse import compat
 from megatron_paradyse.attention import get_kernel
+from megatron_paradyse.cost.allocations import Dims
 from megatron_paradyse.cost.measure import make_layer_params, run_layer
-from megatron_paradyse.cost.terms import Dims
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.memory import MemoryEvent, _StorageTracker
 from megatron_paradyse.plan import LayerOption
@@ -88,10 +88,30 @@ class LayerModel:
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"LayerModel.normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}")
 
-    def dims(self, layer: LayerKind, p: int, layout: SequenceLayout, micro_batch_size: int, dtype: torch.dtype) -> Dims:
-        """The sizes :func:`~megatron_paradyse.cost.terms.layer_terms` predicts ``layer`` from."""
-        rotary_dim = self.shape.kv_channels if layer == "megatron" and self.rotary_base is not None else 0
-        return Dims(self.shape, p, layout.padded_len, micro_batch_size, dtype.itemsize, rotary_dim)
+    def dims(
+        self,
+        layer: LayerKind,
+        p: int,
+        layout: SequenceLayout,
+        micro_batch_size: int,
+        dtype: torch.dtype,
+        device: Literal["cpu", "cuda"] = "cpu",
+    ) -> Dims:
+        """The sizes :func:`~megatron_paradyse.cost.terms.layer_terms` predicts ``layer`` from, run on
+        ``device``."""
+        megatron = layer == "megatron"
+        rotary_dim = self.shape.kv_channels if megatron and self.rotary_base is not None else 0
+        return Dims(
+            self.shape,
+            p,
+            layout.padded_len,
+            micro_batch_size,
+            dtype.itemsize,
+            rotary_dim,
+            bias=self.bias,
+            normalization=self.normalization if megatron else "LayerNorm",
+            device=device,
+        )
 
     def transformer_config(self, p: int, dtype: torch.dtype):
         """Megatron's ``TransformerConfig`` of one such layer on ``p`` tensor-parallel ranks (sequence
@@ -242,10 +262,9 @@ class RankTracer:
         """Forward and backward of the layer under ``option`` on ``layout``, counted (module docstring)."""
         if layout.p != self.p:
             raise ValueError(f"the layout is for p={layout.p}, this rank's group has {self.p} ranks")
-        for attr in ("natural_positions", "canonical_index", "position_ids"):
-            getattr(layout, attr)  # real index tensors, built once outside the window (as a warm run would)
         cuda = self.device.type == "cuda" and self._mode is None
         with self._tensors():
+            layout.indices(self.device)  # on the device before the layer runs, as the entry point does
             size = (layout.local_len, self.micro_batch_size, self.model.shape.hidden_size)
             x_local = self._random(size).requires_grad_()
             dy_local = self._random(size)
