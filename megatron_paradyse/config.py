@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -56,8 +58,8 @@ class MemorySection:
     failure stops the run with a message."""
 
     def __post_init__(self) -> None:
-        if self.budget_gib is not None and not self.budget_gib > 0:
-            raise ValueError(f"memory.budget_gib must be > 0, got {self.budget_gib}")
+        if self.budget_gib is not None and not 0 < self.budget_gib < math.inf:
+            raise ValueError(f"memory.budget_gib must be a finite number > 0, got {self.budget_gib}")
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"memory.margin must be in [0, 1), got {self.margin}")
         if not 0.0 < self.oom_shrink < 1.0:
@@ -96,6 +98,7 @@ class DataSection:
     """``curriculum``: short to long, as the paper; ``bucketed``: shuffled within length buckets."""
     bucket_size: int = 256
     seed: int = 1234
+    """Seed of the data order (the ``bucketed`` and ``random`` shuffles); >= 0."""
     dna_sequences: int = 1000
     """Sequences of the built-in DNA corpus."""
 
@@ -103,6 +106,8 @@ class DataSection:
         for name in ("max_len", "bucket_size", "dna_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if self.seed < 0:  # numpy's generators take non-negative seeds only
+            raise ValueError(f"data.seed must be >= 0, got {self.seed}")
         if self.num_documents is not None and self.num_documents < 1:
             raise ValueError(f"data.num_documents must be >= 1, got {self.num_documents}")
         if not 2 <= self.min_len <= self.max_len:
@@ -155,7 +160,7 @@ def load_config(path: str | Path) -> ParadyseConfig:
     except OSError as e:
         raise ConfigError(f"cannot read the paradyse config {path}: {e.strerror}") from e
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {e}") from e
     if data is None:
@@ -167,6 +172,18 @@ def load_config(path: str | Path) -> ParadyseConfig:
     if errors:
         raise ConfigError(f"{path}:\n  " + "\n  ".join(errors))
     return _resolve_paths(config, path.parent)
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading numbers in exponent form without a dot as floats: PyYAML follows
+    YAML 1.1, where ``1e-30`` is a string; YAML 1.2 (and every user) reads it as a number."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"),
+)
 
 
 def _resolve_paths(config: ParadyseConfig, base: Path) -> ParadyseConfig:
@@ -225,9 +242,20 @@ def _convert(value: Any, hint: Any, where: str, errors: list[str]) -> Any:
             errors.append(f"{where}: must be a list, got {value!r}")
             return None
         return tuple(_convert(v, args[0], f"{where}[{i}]", errors) for i, v in enumerate(value))
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint in (int, float, str, bool) and (type(value) is not hint):
+    if hint is float:
+        return _float(value, where, errors)
+    if hint in (int, str, bool) and (type(value) is not hint):
         errors.append(f"{where}: must be {hint.__name__}, got {value!r}")
         return None
     return value
+
+
+def _float(value: Any, where: str, errors: list[str]) -> float | None:
+    """A float key's value: a finite number (an int converts)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        errors.append(f"{where}: must be float, got {value!r}")
+        return None
+    if not math.isfinite(value):
+        errors.append(f"{where}: must be a finite number, got {value!r}")
+        return None
+    return float(value)

@@ -32,7 +32,10 @@ Around ``pretrain()``:
   step from the last checkpoint, up to ``memory.oom_retries`` times per iteration
   (:mod:`megatron_paradyse.fault`).
 
-Configuration errors print ``paradyse: error: ...`` and return 2 before any process group exists.
+Configuration errors print ``paradyse: error: ...`` and return 2 before Megatron starts. A rank of
+several that fails at start-up (its config, cost profile or dataset) stops every rank within seconds:
+the ranks join the default process group first and agree (:mod:`megatron_paradyse.startup`); rank 0
+prints the one message, naming the rank and the cause.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import functools
+import re
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -62,23 +67,28 @@ def main(argv: list[str] | None = None) -> int:
     """Run this rank of a job, as ``torchrun ... -m megatron_paradyse.pretrain_gpt <flags>`` would
     (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` from the environment)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if {"-h", "--help"} & set(argv):
+        return _print_help()
     try:
         config = _paradyse_config(argv)
     except ValueError as e:
-        return _error(e)
+        return _failed_to_start(e, argv)
     compat.install()
     from megatron_paradyse.agreement import RankDisagreement
     from megatron_paradyse.cost import ProfileError
     from megatron_paradyse.planned_loader import ResumeError
     from megatron_paradyse.planner import InfeasibleSequenceError
+    from megatron_paradyse.startup import StartupError
 
     with compat.megatron_training_on_cpu():
         try:
             job = Job.from_argv(config, argv)
         except ValueError as e:
-            return _error(e)
+            return _failed_to_start(e, [*(config.megatron_args if config else ()), *argv])
         try:
             job.run()
+        except StartupError as e:  # the same message on every rank: one is enough
+            return _error(e) if torch.distributed.get_rank() == 0 else 2
         except (InfeasibleSequenceError, RankDisagreement, ProfileError, ResumeError) as e:
             # Raised on every rank at the same point (before any forward of the step, at start-up):
             # a message, not a traceback.
@@ -91,16 +101,58 @@ def _error(e: Exception) -> int:
     return 2
 
 
-def _paradyse_config(argv: list[str]) -> ParadyseConfig | None:
-    """The ``--paradyse-config`` of ``argv``, loaded (None with ``--help``: Megatron prints its help)."""
+def _failed_to_start(e: ValueError, flags: list[str]) -> int:
+    """This rank cannot start (``flags``: its Megatron flags, as far as it knows them). One rank of
+    several still joins the others (:mod:`megatron_paradyse.startup`), so that every rank stops now;
+    rank 0 prints the one message."""
+    from megatron_paradyse.startup import (
+        StartupError,
+        agree,
+        distributed_launch,
+        distributed_settings,
+        init_distributed,
+    )
+
+    if not distributed_launch():
+        return _error(e)
+    init_distributed(*distributed_settings(flags))
+    try:
+        agree(str(e))
+    except StartupError as every:
+        return _error(every) if torch.distributed.get_rank() == 0 else 2
+    raise AssertionError("agree() raises when this rank reports a problem")
+
+
+def _paradyse_config(argv: list[str]) -> ParadyseConfig:
+    """The ``--paradyse-config`` of ``argv``, loaded."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     _add_paradyse_args(parser)
     known, _ = parser.parse_known_args(argv)
     if known.paradyse_config is None:
-        if {"-h", "--help"} & set(argv):
-            return None
         raise ValueError("--paradyse-config FILE is required (see configs/README.md)")
     return load_config(known.paradyse_config)
+
+
+def _print_help() -> int:
+    """Megatron's flags and ours, as Megatron's parser describes them."""
+    import warnings
+
+    compat.install()
+    with warnings.catch_warnings():  # Megatron's "TE/apex not installed": nothing to do with its flags
+        warnings.simplefilter("ignore")
+        from megatron.training.arguments import add_megatron_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="pretrain_gpt", description="Megatron-LM arguments, and megatron-paradyse's", allow_abbrev=False
+    )
+    _add_paradyse_args(add_megatron_arguments(parser))
+    for action in parser._actions:
+        if action.help:
+            # megatron-core 0.19 writes a bare "%" in a help text (10%), which argparse reads as a format
+            # directive: its own --help fails. Escape what is not "%%" or "%(name)s".
+            action.help = re.sub(r"%%|%\(|%", lambda m: m[0] if len(m[0]) == 2 else "%%", action.help)
+    parser.print_help()
+    return 0
 
 
 def _add_paradyse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -126,8 +178,8 @@ def entry_defaults(config: ParadyseConfig, *, cuda: bool) -> list[str]:
     ]  # fmt: skip
     vocab_size = _dataset_tokenizer(config)[0]
     if vocab_size is not None:
-        # NullTokenizer(n) has n + 1 ids (it adds an end-of-document id): the dataset's ids all fit.
-        flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab_size - 1)]
+        # megatron-core 0.19's NullTokenizer(n) has ids 0..n-1: the dataset's whole vocabulary.
+        flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab_size)]
     if not cuda:
         flags += [
             "--distributed-backend", "gloo",
@@ -175,7 +227,7 @@ class Job:
     """What ``paradyse_state.json`` in the ``--load`` directory holds (None: there is none)."""
 
     @classmethod
-    def from_argv(cls, config: ParadyseConfig | None, argv: list[str]) -> Job:
+    def from_argv(cls, config: ParadyseConfig, argv: list[str]) -> Job:
         """Parse and check everything that can be checked without a process group."""
         from megatron.core.transformer.enums import AttnMaskType
         from megatron.training.argument_utils import gpt_config_from_args
@@ -185,13 +237,15 @@ class Job:
         from megatron_paradyse.spec import get_paradyse_layer_spec
 
         cuda = torch.cuda.is_available()
-        defaults = [] if config is None else [*entry_defaults(config, cuda=cuda), *config.megatron_args]
+        defaults = [*entry_defaults(config, cuda=cuda), *config.megatron_args]
         _use_prebuilt_dataset_helpers()
         with _command_line([*defaults, *argv]):
             try:
                 args = parse_and_validate_args(extra_args_provider=_add_paradyse_args)
             except AssertionError as e:  # Megatron checks its arguments with asserts
                 raise ValueError(f"Megatron's argument check failed: {_assertion(e)}") from e
+            except (ValueError, TypeError, KeyError) as e:  # a failure inside Megatron's own argument code
+                raise ValueError(f"Megatron's argument handling failed: {type(e).__name__}: {e}") from e
         problems = _argument_problems(args, config)
         if problems:
             raise ValueError("the Megatron arguments do not fit this entry point:\n  - " + "\n  - ".join(problems))
@@ -239,9 +293,14 @@ class Job:
         from megatron.training import pretrain
         from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
+        from megatron_paradyse.startup import agree, init_distributed
         from megatron_paradyse.training import TrainingRun
 
+        timeout = datetime.timedelta(minutes=self.args.distributed_timeout_minutes)
+        init_distributed(self.args.distributed_backend, timeout)
+        agree(None)  # where a rank that could not read its config or profile reports it (main)
         run = TrainingRun(self)
+        run.start_up()
         with _after_each_iteration(run.end_iteration), _on_out_of_memory(run.out_of_memory), run.fault_watch:
             pretrain(
                 pretrain_cfg_container_from_args(self.args, self.model_config),
@@ -293,9 +352,7 @@ class Job:
         ]
 
 
-def _argument_problems(args: argparse.Namespace, config: ParadyseConfig | None) -> list[str]:
-    if config is None:
-        return ["--paradyse-config FILE is required (see configs/README.md)"]
+def _argument_problems(args: argparse.Namespace, config: ParadyseConfig) -> list[str]:
     problems = []
     longest = config.data.token_budget or config.data.max_len
     wanted = {

@@ -1,10 +1,12 @@
 """What Megatron's ``pretrain()`` runs of megatron-paradyse on each rank (:mod:`megatron_paradyse.pretrain_gpt`
 sets it up).
 
-- the dataset provider's train iterator: the dataset (a built-in corpus is built into the cache by the
-  first rank of each node), one planner per pipeline stage, the loader's position restored on
-  ``--load``; on the first call, the cost profile (calibrated by rank 0 and shared when the config
-  names none) and the start-up check that every rank plans from the same inputs;
+- start-up, before Megatron builds the model: the dataset (a built-in corpus is built into the cache by
+  the first rank of each node), its token ids checked against the tokenizer's vocabulary; a rank that
+  fails stops every rank (:func:`~megatron_paradyse.startup.agree`);
+- the dataset provider's train iterator: one planner per pipeline stage, the loader's position
+  restored on ``--load``; on the first call, the cost profile (calibrated by rank 0 and shared when
+  the config names none) and the start-up check that every rank plans from the same inputs;
 - the forward step: the micro-batch's tensors to the device, the model under
   :func:`~megatron_paradyse.micro_batch.micro_batch_scope` with its plan, Megatron 0.19's per-token
   loss (with Megatron's NaN, Inf and spiky-loss checks);
@@ -58,6 +60,25 @@ class TrainingRun:
         self.is_logging_rank = False
         args = job.args
         self.fault_watch = FaultWatch(job.config.memory, state=job.budget_state, save_dir=args.save, load_dir=args.load)
+
+    # start-up -----------------------------------------------------------------------------------
+    def start_up(self) -> None:
+        """On every rank, once the default process group exists: the dataset, opened and checked. Every
+        rank raises :class:`~megatron_paradyse.startup.StartupError` if one fails."""
+        from megatron.training import get_tokenizer
+
+        from megatron_paradyse.startup import agree
+
+        config, local_rank = self.job.config, self.job.args.local_rank
+        problem = None
+        if config.data.dataset in _BUILT_IN and local_rank in (0, None):
+            _, problem = _attempt(lambda: _build_corpus(config))
+        agree(problem)  # then the other ranks of the node read what its first rank built
+        opened, problem = _attempt(lambda: _open_dataset(config))
+        if problem is None:
+            self.dataset, whole = opened
+            _, problem = _attempt(lambda: whole.check_token_ids(get_tokenizer().vocab_size))
+        agree(problem)
 
     # provider ----------------------------------------------------------------------------------
     def dataset_provider(self):
@@ -137,7 +158,6 @@ class TrainingRun:
 
         job = self.job
         self.fault_watch.start()
-        self.dataset = _open_dataset(job.config, job.args.local_rank)
         profile = job.profile if job.profile is not None else _calibrate_once(job)
         self.cost_models = job.cost_models(profile)
         self.footprints = job.footprints()
@@ -343,30 +363,42 @@ class TrainingRun:
             print(f"paradyse: wrote {self.job.config.log.plot}", flush=True)
 
 
-def _open_dataset(config: ParadyseConfig, local_rank: int | None):
-    """The dataset, built into the cache by the first rank of each node if it is a built-in corpus."""
-    from megatron_paradyse.data import DocumentDataset
+_BUILT_IN = ("code", "dna")
+
+
+def _build_corpus(config: ParadyseConfig) -> str:
+    """The prefix of the built-in corpus ``data.dataset``, built into ``data.cache_dir`` if it is not there."""
     from megatron_paradyse.data.corpora import build_code_corpus, build_dna_corpus
+
+    data = config.data
+    if data.dataset == "code":
+        return build_code_corpus(data.cache_dir)
+    return build_dna_corpus(data.cache_dir, num_sequences=data.dna_sequences, max_len=data.max_len, seed=data.seed)
+
+
+def _open_dataset(config: ParadyseConfig):
+    """(the training documents, the whole dataset they come from)."""
+    from megatron_paradyse.data import DocumentDataset
     from megatron_paradyse.data.subset import DocumentSubset, spread_by_length
 
     data = config.data
-    builders = {
-        "code": lambda: build_code_corpus(data.cache_dir),
-        "dna": lambda: build_dna_corpus(
-            data.cache_dir, num_sequences=data.dna_sequences, max_len=data.max_len, seed=data.seed
-        ),
-    }
-    prefix = data.dataset
-    if prefix in builders:
-        if local_rank in (0, None):
-            prefix = builders[prefix]()
-        torch.distributed.barrier()
-        prefix = builders[data.dataset]()  # built: now only resolves (and checks) the cached prefix
-    dataset = DocumentDataset(prefix)
-    if data.num_documents is not None:
-        docs = spread_by_length(dataset.lengths, data.num_documents, data.min_len, data.max_len)
-        dataset = DocumentSubset(dataset, docs)
-    return dataset
+    # built: now only resolves (and checks) the cached prefix
+    dataset = DocumentDataset(_build_corpus(config) if data.dataset in _BUILT_IN else data.dataset)
+    if data.num_documents is None:
+        return dataset, dataset
+    docs = spread_by_length(dataset.lengths, data.num_documents, data.min_len, data.max_len)
+    return DocumentSubset(dataset, docs), dataset
+
+
+def _attempt(fn):
+    """``(fn(), None)``, or ``(None, what went wrong)`` for the errors of reading a file or a dataset: the
+    one-line description :func:`~megatron_paradyse.startup.agree` shares."""
+    try:
+        return fn(), None
+    except ValueError as e:
+        return None, str(e)
+    except OSError as e:
+        return None, f"{type(e).__name__}: {e}"
 
 
 def _calibrate_once(job: Job) -> dict:

@@ -30,7 +30,7 @@ def test_every_problem_is_reported_with_its_key(tmp_path):
         "  loggin: unknown key; did you mean 'log'?\n"
         "  planner.hysterisis: unknown key; did you mean 'hysteresis'?\n"
         "  planner.bucket_tokens: must be int, got '512'\n"
-        "  memory.budget_gib must be > 0, got -1.0\n"
+        "  memory.budget_gib must be a finite number > 0, got -1.0\n"
         "  data.sampler: must be one of 'curriculum', 'bucketed', 'random'; got 'sorted'"
     )
 
@@ -60,3 +60,31 @@ def test_paths_resolve_relative_to_the_config_file(tmp_path):
 @pytest.mark.parametrize("preset", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_preset_is_valid(preset):
     load_config(preset)
+
+
+def test_values_that_make_no_sense_are_refused_and_numbers_in_exponent_form_are_numbers(tmp_path):
+    path = _write(
+        tmp_path,
+        "planner:\n  bucket_ratio: .inf\n  hysteresis: .nan\nmemory:\n  budget_gib: .inf\n  margin: 1e-2\n"
+        "data:\n  seed: -1\n",
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (
+        f"{path}:\n"
+        "  planner.hysteresis: must be a finite number, got nan\n"
+        "  planner.bucket_ratio: must be a finite number, got inf\n"
+        "  memory.budget_gib: must be a finite number, got inf\n"
+        "  data.seed must be >= 0, got -1"
+    )
+    config = load_config(_write(tmp_path, "memory:\n  budget_gib: 1e-30\n  margin: 5E-2\n"))
+    assert (config.memory.budget_gib, config.memory.margin) == (1e-30, 0.05)
+    with pytest.raises(ConfigError, match=r"memory.budget_gib: must be float, got '1e-30'"):
+        load_config(_write(tmp_path, "memory:\n  budget_gib: '1e-30'\n"))  # quoted: a string, as YAML says
+
+
+def test_a_planner_config_built_in_code_refuses_an_infinite_bucket_ratio():
+    from megatron_paradyse.planner import PlannerConfig
+
+    with pytest.raises(ValueError, match=r"planner.bucket_ratio must be a finite number > 1, got inf"):
+        PlannerConfig(bucket_ratio=float("inf"))

@@ -27,8 +27,9 @@ with ``LINEAR = {"coef": [c0, c1, c2]}`` (time = c0 + c1 * FLOPs + c2 * bytes), 
 {"per_call_s": c0, "by_head_dim": {"<hn>": {"lengths": [L...], "per_unit_s": [r...]}}}`` (time = c0 +
 r(L) * pairs * hn * heads * b at the nearest calibrated head dim, ``r`` interpolated in log length;
 ``L`` = sq causal, sqrt(sq sk) full) and
-``ALPHA_BETA = {"latency_s": a, "per_byte_s": b}``. Loading checks everything a cost model reads
-and raises :class:`ProfileError` naming the file and what to do.
+``ALPHA_BETA = {"latency_s": a, "per_byte_s": b}``. Loading checks everything a cost model reads,
+field by field (present, of its type, finite, in its range), and raises :class:`ProfileError` naming
+the file, the field and what to do.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import socket
@@ -148,6 +150,92 @@ def _check(profile: Any, where: str) -> None:
     missing = [key for key in _required_keys(profile) if _lookup(profile, key) is None]
     if missing:
         raise ProfileError(f"cost profile {where} lacks {', '.join(missing)}; recalibrate with `paradyse calibrate`")
+    bad = list(_bad_values(profile))
+    if bad:
+        raise ProfileError(
+            f"cost profile {where} has values a cost model cannot use: {'; '.join(bad)}; recalibrate with "
+            f"`paradyse calibrate`"
+        )
+
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _bad_values(profile: dict[str, Any]) -> Iterable[str]:
+    """``"field: what is wrong (the value)"`` for every value of a complete profile a cost model cannot use."""
+
+    def number(key: str, value: Any, low: float = 0.0, high: float = math.inf, *, low_open: bool = False):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"{key} must be a number, got {value!r}"
+        if not math.isfinite(value):
+            return f"{key} must be finite, got {value!r}"
+        if value < low or (low_open and value == low) or value > high:
+            opening = "(" if low_open else "["
+            closing = "]" if math.isfinite(high) else ")"
+            return f"{key} must be in {opening}{low:g}, {high:g}{closing}, got {value!r}"
+        return None
+
+    def numbers(key: str, values: Any, length: int | None = None, **bounds):
+        if not isinstance(values, list) or not values or (length is not None and len(values) != length):
+            return [f"{key} must be a list of {length or 'one or more'} numbers, got {values!r}"]
+        return [number(f"{key}[{i}]", v, **bounds) for i, v in enumerate(values)]
+
+    checks = [
+        None if profile["fingerprint"]["device"] in ("cpu", "cuda") else
+        f"fingerprint.device must be 'cpu' or 'cuda', got {profile['fingerprint']['device']!r}",
+        None if profile["dtype"] in _DTYPES else f"dtype must be one of {', '.join(_DTYPES)}, got {profile['dtype']!r}",
+        None if type(profile["concurrency"]) is int and profile["concurrency"] >= 1 else
+        f"concurrency must be a positive int, got {profile['concurrency']!r}",
+        None if isinstance(profile["attention"]["kernel"], str) else
+        f"attention.kernel must be a kernel name, got {profile['attention']['kernel']!r}",
+        number("ring_overlap", profile["ring_overlap"], high=1.0),
+        number("allocator_slack", profile["allocator_slack"]),
+        number("elementwise.per_byte_s", profile["elementwise"]["per_byte_s"]),
+        number("elementwise.per_op_s", profile["elementwise"]["per_op_s"]),
+    ]  # fmt: skip
+    for direction in ("forward", "backward"):
+        checks += numbers(f"gemm.{direction}.coef", profile["gemm"][direction]["coef"], length=3)
+        for mask in ("causal", "full"):
+            rate = profile["attention"][direction][mask]
+            key = f"attention.{direction}.{mask}"
+            checks.append(number(f"{key}.per_call_s", rate["per_call_s"]))
+            checks += _head_dim_rates(f"{key}.by_head_dim", rate["by_head_dim"], numbers)
+    for p, kinds in profile["collectives"].items():
+        if not (isinstance(p, str) and p.isdigit() and int(p) >= 2):
+            checks.append(f"collectives: keys are group sizes >= 2 as strings, got {p!r}")
+        for kind in COLLECTIVE_KINDS:
+            for field in ("latency_s", "per_byte_s"):
+                checks.append(number(f"collectives.{p}.{kind}.{field}", kinds[kind][field]))
+    correction = profile.get("correction")
+    if correction is not None:
+        if not isinstance(correction, dict):
+            checks.append(f"correction must be null or a mapping, got {correction!r}")
+        else:
+            for field, bounds in (("compute", {"low_open": True}), ("comm", {"low_open": True}), ("per_sync_s", {}),
+                                  ("per_layer_s", {})):  # fmt: skip
+                checks.append(number(f"correction.{field}", correction.get(field), **bounds))
+    return [c for c in checks if c is not None]
+
+
+def _head_dim_rates(key: str, rates: Any, numbers) -> list[str | None]:
+    """The ``by_head_dim`` table of an attention rate: per head dim, increasing lengths and their rates."""
+    if not isinstance(rates, dict) or not rates:
+        return [f"{key} must be a mapping of head dims to rates, got {rates!r}"]
+    problems: list[str | None] = []
+    for hn, table in rates.items():
+        where = f"{key}.{hn}"
+        if not (isinstance(hn, str) and hn.isdigit() and int(hn) >= 1):
+            problems.append(f"{key}: keys are head dims as strings, got {hn!r}")
+        if not isinstance(table, dict):
+            problems.append(f"{where} must be a mapping with lengths and per_unit_s, got {table!r}")
+            continue
+        lengths = table.get("lengths")
+        problems += numbers(f"{where}.lengths", lengths, low=0.0, low_open=True)
+        problems += numbers(f"{where}.per_unit_s", table.get("per_unit_s"), length=len(lengths or []) or None)
+        if isinstance(lengths, list) and all(isinstance(v, (int, float)) for v in lengths):
+            if any(b <= a for a, b in zip(lengths, lengths[1:])):
+                problems.append(f"{where}.lengths must increase, got {lengths!r}")
+    return problems
 
 
 def _required_keys(profile: dict[str, Any]) -> Iterable[str]:

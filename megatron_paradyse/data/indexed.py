@@ -144,6 +144,32 @@ class DocumentDataset:
         self._check_doc(doc)
         return self.read(doc, 0, int(self.lengths[doc]))
 
+    def check_token_ids(self, vocab_size: int, *, chunk_tokens: int = 1 << 26) -> None:
+        """Raise ``ValueError`` naming the first document with a token id outside ``[0, vocab_size)``.
+
+        An id past the vocabulary trains on nothing at TP > 1 (each embedding shard masks the ids it
+        does not hold), and stops a TP=1 run with an index error at whatever step reads it. Reads the
+        whole ``.bin`` once, ``chunk_tokens`` at a time; nothing to read when the file's dtype cannot
+        hold an id outside the vocabulary.
+        """
+        dtype = self.info.dtype
+        if np.iinfo(dtype).min >= 0 and np.iinfo(dtype).max < vocab_size:
+            return
+        tokens = np.memmap(self.path_prefix + ".bin", dtype=dtype, mode="r")
+        for start in range(0, len(tokens), chunk_tokens):
+            chunk = tokens[start : start + chunk_tokens]
+            outside = np.flatnonzero((chunk < 0) | (chunk >= vocab_size))
+            if len(outside):
+                token = start + int(outside[0])
+                doc_starts = np.concatenate([[0], np.cumsum(self.lengths)])
+                doc = int(np.searchsorted(doc_starts, token, side="right")) - 1
+                raise ValueError(
+                    f"dataset {self.path_prefix}: document {doc} has token id {tokens[token]} (at its token "
+                    f"{token - doc_starts[doc]}), outside the tokenizer's vocabulary [0, {vocab_size}); prepare the "
+                    f"dataset with the tokenizer the run uses (--tokenizer-type, --vocab-size, or the dataset's "
+                    f"manifest)"
+                )
+
     def _check_doc(self, doc: int) -> None:
         if not 0 <= doc < len(self):
             raise IndexError(f"document {doc} out of range for {len(self)} documents")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -74,8 +75,8 @@ class PlannerConfig:
             raise ValueError(f"planner.hysteresis must be in [0, 1), got {self.hysteresis}")
         if not isinstance(self.bucket_tokens, int) or self.bucket_tokens < 1:
             raise ValueError(f"planner.bucket_tokens must be a positive int, got {self.bucket_tokens!r}")
-        if not self.bucket_ratio > 1.0:
-            raise ValueError(f"planner.bucket_ratio must be > 1, got {self.bucket_ratio}")
+        if not 1.0 < self.bucket_ratio < math.inf:
+            raise ValueError(f"planner.bucket_ratio must be a finite number > 1, got {self.bucket_ratio}")
         if not isinstance(self.cache_size, int) or self.cache_size < 1:
             raise ValueError(f"planner.cache_size must be a positive int, got {self.cache_size!r}")
 
