@@ -1,11 +1,12 @@
 """The canonical token layout of one micro-batch over a group of ``p`` ranks.
 
 Every strategy reads and writes activations as ``[s/p, b, h]``: Megatron's sequence-parallel split of
-the sequence *in canonical order*. The padded sequence is cut into ``2p`` equal chunks; for causal
-attention rank ``r`` holds chunks ``r`` and ``2p-1-r`` (zigzag), so every rank does the same amount of
-causal attention work; for bidirectional attention rank ``r`` holds chunks ``2r`` and ``2r+1``
-(contiguous). The data pipeline applies the permutation once to ids, labels, loss mask and positions;
-Megatron's contiguous split then hands each rank its canonical shard.
+the sequence *in canonical order*. The padded sequence is cut into ``2p`` equal chunks. In the
+``zigzag`` order (the default for causal attention) rank ``r`` holds chunks ``r`` and ``2p-1-r``, so
+every rank does the same amount of causal attention work; in the ``contiguous`` order (the default for
+bidirectional attention, and the order stock Megatron feeds a model in) rank ``r`` holds chunks ``2r``
+and ``2r+1``: canonical order is natural order. The data pipeline applies the permutation once to ids,
+labels, loss mask and positions; Megatron's contiguous split then hands each rank its canonical shard.
 
 Sequences are padded to a multiple of ``2p``. Padding is a document of its own: it never attends to,
 or is attended by, a real token, and the loss mask removes it.
@@ -24,6 +25,8 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["LayoutIndices", "Segment", "SequenceLayout", "padded_length", "zigzag_permutation"]
+
+_ORDERS = ("zigzag", "contiguous")
 
 
 def padded_length(seq_len: int, p: int) -> int:
@@ -103,11 +106,18 @@ class SequenceLayout:
     p: int
     """Size of the group that shares the sequence."""
     causal: bool
-    """Causal (zigzag order) or bidirectional (contiguous order) attention."""
+    """Causal or bidirectional attention."""
     padded_len: int
     """Total tokens after padding: a multiple of 2p."""
+    order: str | None = None
+    """``zigzag`` or ``contiguous`` (see the module's docstring); None: zigzag for causal attention,
+    contiguous for bidirectional. Every order is exact; only the causal work per rank differs."""
 
     def __post_init__(self) -> None:
+        if self.order is None:
+            object.__setattr__(self, "order", "zigzag" if self.causal else "contiguous")
+        if self.order not in _ORDERS:
+            raise ValueError(f"order must be one of {', '.join(_ORDERS)} (or None), got {self.order!r}")
         if not self.doc_lengths or any(int(n) < 1 for n in self.doc_lengths):
             raise ValueError(f"doc_lengths must be positive, got {self.doc_lengths}")
         _check_padded(self.padded_len, self.p)
@@ -115,10 +125,12 @@ class SequenceLayout:
             raise ValueError(f"padded_len={self.padded_len} is shorter than the {self.valid_len} real tokens")
 
     @classmethod
-    def build(cls, doc_lengths: int | Sequence[int], p: int, *, causal: bool) -> SequenceLayout:
+    def build(
+        cls, doc_lengths: int | Sequence[int], p: int, *, causal: bool, order: str | None = None
+    ) -> SequenceLayout:
         """Layout of documents packed back to back and padded to a multiple of ``2p``."""
         docs = (int(doc_lengths),) if isinstance(doc_lengths, int) else tuple(map(int, doc_lengths))
-        return cls(docs, p, causal, padded_length(sum(docs), p))
+        return cls(docs, p, causal, padded_length(sum(docs), p), order)
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -129,10 +141,6 @@ class SequenceLayout:
     def local_len(self) -> int:
         """Tokens per rank: ``s/p``."""
         return self.padded_len // self.p
-
-    @property
-    def order(self) -> str:
-        return "zigzag" if self.causal else "contiguous"
 
     @functools.cached_property
     def doc_bounds(self) -> tuple[tuple[int, int], ...]:
@@ -149,7 +157,7 @@ class SequenceLayout:
     @functools.cached_property
     def natural_positions(self) -> torch.Tensor:
         """Canonical index -> natural position, ``[padded_len]``."""
-        if self.causal:
+        if self.order == "zigzag":
             return zigzag_permutation(self.padded_len, self.p)
         return torch.arange(self.padded_len)
 
@@ -176,8 +184,8 @@ class SequenceLayout:
 
     @property
     def is_identity(self) -> bool:
-        """True when canonical order is natural order (bidirectional, or p=1)."""
-        return not self.causal or self.p == 1
+        """True when canonical order is natural order (contiguous, or p=1)."""
+        return self.order == "contiguous" or self.p == 1
 
     @functools.cached_property
     def position_ids(self) -> torch.Tensor:
@@ -253,7 +261,7 @@ class SequenceLayout:
         if not 0 <= rank < self.p:
             raise ValueError(f"rank must be in [0, {self.p}), got {rank}")
         chunk = self.padded_len // (2 * self.p)
-        first, second = (rank, 2 * self.p - 1 - rank) if self.causal else (2 * rank, 2 * rank + 1)
+        first, second = (rank, 2 * self.p - 1 - rank) if self.order == "zigzag" else (2 * rank, 2 * rank + 1)
         if second == first + 1:
             return (_Run(0, first * chunk, 2 * chunk),)
         return (_Run(0, first * chunk, chunk), _Run(chunk, second * chunk, chunk))

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.plan import LayerOption, Plan
 
-__all__ = ["MicroBatch", "current_micro_batch", "micro_batch_scope"]
+__all__ = ["MicroBatch", "active_micro_batch", "current_micro_batch", "micro_batch_scope"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,6 +70,11 @@ def micro_batch_scope(micro_batch: MicroBatch) -> Iterator[MicroBatch]:
         yield micro_batch
     finally:
         _CURRENT.reset(token)
+
+
+def active_micro_batch() -> MicroBatch | None:
+    """The micro-batch of the innermost :func:`micro_batch_scope`, or None outside any."""
+    return _CURRENT.get()
 
 
 def current_micro_batch() -> MicroBatch:

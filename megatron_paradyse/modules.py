@@ -18,6 +18,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
+import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -36,7 +37,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megatron_paradyse.attention import get_kernel
-from megatron_paradyse.micro_batch import MicroBatch, current_micro_batch, micro_batch_scope
+from megatron_paradyse.drop_in import implicit_micro_batch
+from megatron_paradyse.micro_batch import MicroBatch, active_micro_batch, current_micro_batch, micro_batch_scope
 from megatron_paradyse.norm import sequence_parallel_norm
 from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.recompute import recompute
@@ -116,6 +118,18 @@ def _mlp_activation(config: TransformerConfig) -> Callable[[Tensor], Tensor]:
     raise ValueError("bias_activation_fusion=True supports gelu and gated silu (SwiGLU) only, as in Megatron")
 
 
+def _run_forward_pre_hooks(*modules: torch.nn.Module) -> None:
+    """Run the forward pre-hooks of weight holders whose weights a strategy reads without calling them, as
+    their call would: with ``--overlap-param-gather``, Megatron's DDP waits there for the all-gather of
+    their parameters (and starts the next bucket's), which the distributed optimizer's step left running."""
+    for module in modules:
+        for key, hook in tuple(module._forward_pre_hooks.items()):
+            if key in module._forward_pre_hooks_with_kwargs:
+                hook(module, (), {})
+            else:
+                hook(module, ())
+
+
 def _stage_position(config: TransformerConfig, layer_number: int, pp_rank: int) -> tuple[int, int]:
     """(index of global layer ``layer_number`` among the layers of pipeline rank ``pp_rank``, their count).
 
@@ -171,17 +185,21 @@ class ParadyseTransformerLayer(TransformerLayer):
         self.shape = model_shape(config)
 
     def forward(self, hidden_states: Tensor, **kwargs):
-        step = current_micro_batch()
+        step = active_micro_batch()
+        if step is None:  # a job that does not know the Paradyse layers (megatron_paradyse.drop_in)
+            step = implicit_micro_batch(self, hidden_states, kwargs.get("packed_seq_params"))
+            # the layout holds the documents; Megatron's mask is causal, which the layer's mask type says
+            kwargs = {**kwargs, "packed_seq_params": None}
+            if self.self_attention.causal:
+                kwargs["attention_mask"] = None
         option = step.option(self.plan_index, self.stage_layers)
         self._check_runnable(option, step)
-        if not option.recompute:
-            return super().forward(hidden_states, **kwargs)
 
-        def rerun(x: Tensor):
-            with micro_batch_scope(step):
+        def run(x: Tensor):
+            with micro_batch_scope(step):  # also what a recompute reruns under
                 return TransformerLayer.forward(self, x, **kwargs)
 
-        return recompute(rerun, hidden_states)
+        return recompute(run, hidden_states) if option.recompute else run(hidden_states)
 
     def _check_runnable(self, option: LayerOption, step: MicroBatch) -> None:
         """Raise before any communication if this layer cannot run ``option`` on ``step``."""
@@ -296,6 +314,7 @@ class ParadyseSelfAttention(SelfAttention):
             softmax_scale=self.softmax_scale,
             qk_transform=self._qk_transform(rotary_pos_emb),
         )
+        _run_forward_pre_hooks(self.linear_qkv, self.linear_proj)
         weights = AttentionWeights(
             qkv=self.linear_qkv.weight,
             proj=self.linear_proj.weight,
@@ -348,6 +367,7 @@ class ParadyseMLP(MLP):
             raise RuntimeError("ParadyseMLP must be built by ParadyseTransformerLayer (megatron_paradyse.spec)")
         step = current_micro_batch()
         ctx = MLPContext(group=self.tp_group, shape=self.shape, activation=self.activation)
+        _run_forward_pre_hooks(self.linear_fc1, self.linear_fc2)
         weights = MLPWeights(
             fc1=self.linear_fc1.weight,
             fc2=self.linear_fc2.weight,

@@ -255,7 +255,7 @@ class Job:
         args.moe_token_dispatcher_type = "alltoall"
         args.dataloader_save = args.save  # Megatron then saves the loader's position with each checkpoint
         model_config = gpt_config_from_args(args)
-        problems = config_problems(model_config.transformer)
+        problems = config_problems(model_config.transformer) + _overlap_problems(args, config, model_config.transformer)
         if problems:
             raise ValueError("the Paradyse layers cannot run this model:\n  - " + "\n  - ".join(problems))
         mask = AttnMaskType.causal if config.attention_mask == "causal" else AttnMaskType.no_mask
@@ -283,6 +283,14 @@ class Job:
     @property
     def tp(self) -> int:
         return self.args.tensor_model_parallel_size
+
+    @property
+    def planner_config(self):
+        """The config's planner section; at TP=1, plans choose recompute per layer only: one rank holds the
+        whole sequence, and every strategy runs the same computation there."""
+        if self.tp > 1:
+            return self.config.planner
+        return dataclasses.replace(self.config.planner, pairs=("tp_sp/tp_sp",), attention=None, mlp=None)
 
     @property
     def causal(self) -> bool:
@@ -384,6 +392,24 @@ def _argument_problems(args: argparse.Namespace, config: ParadyseConfig) -> list
     if not torch.cuda.is_available() and config.memory.budget_gib is None:
         problems.append("memory.budget_gib is required on a machine without CUDA (the config's memory section)")
     return problems
+
+
+def _overlap_problems(args: argparse.Namespace, config: ParadyseConfig, transformer) -> list[str]:
+    """What of Megatron's overlapped gradient reduction the plans would break."""
+    from megatron_paradyse.modules import model_shape
+    from megatron_paradyse.planner import layer_options
+
+    if not (args.overlap_grad_reduce and transformer.qk_layernorm) or args.tensor_model_parallel_size == 1:
+        return []
+    options, _ = layer_options(config.planner, model_shape(transformer), args.tensor_model_parallel_size)
+    if not any(option.attention == "lean" for option in options):
+        return []
+    return [
+        "--overlap-grad-reduce with --qk-layernorm and the lean attention strategy in the plans: lean's backward "
+        "adds the q/k norm weights' gradients once per head group, and Megatron's overlapped reduction counts each "
+        "as the weight's gradient being ready; leave out --overlap-grad-reduce (and --overlap-param-gather), or "
+        "keep lean out of the plans (planner.attention or planner.pairs)"
+    ]
 
 
 def _megatron_pad_id() -> int:

@@ -122,7 +122,7 @@ class TrainingRun:
         )
         planners = [
             Planner.for_model(
-                config.planner,
+                job.planner_config,
                 cost,
                 shape=cost.shape,
                 p=job.tp,

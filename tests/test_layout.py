@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from megatron_paradyse.layout import SequenceLayout, padded_length, zigzag_permutation
+from megatron_paradyse.layout import Segment, SequenceLayout, padded_length, zigzag_permutation
 
 
 @pytest.mark.parametrize(("seq_len", "p", "expected"), [(1, 1, 2), (13, 2, 16), (16, 2, 16), (25, 3, 30), (29, 4, 32)])
@@ -129,3 +129,17 @@ def test_errors_name_the_problem():
         layout.check_local(torch.zeros(6, 1, 4))
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
         layout.local_slice(2)
+
+
+def test_causal_attention_in_contiguous_order_is_stock_megatrons_split():
+    """Stock Megatron feeds tokens in natural order, split contiguously: the layout of the drop-in spec."""
+    layout = SequenceLayout.build((5, 11), 2, causal=True, order="contiguous")
+    assert (layout.order, SequenceLayout.build(16, 2, causal=True).order) == ("contiguous", "zigzag")
+    assert layout.is_identity and torch.equal(layout.natural_positions, torch.arange(16))
+    assert [tuple(r) for r in layout.local_runs(1)] == [(0, 8, 8)]
+    # rank 1 holds positions 8..15: its queries see all of rank 0's keys of their own document (5..7)
+    assert layout.ring_segments(1, 0) == (Segment(0, 8, 5, 8, False),)
+    assert layout.ring_segments(0, 1) == ()
+    assert layout.ring_segments(0, 0) == (Segment(0, 5, 0, 5, True), Segment(5, 8, 5, 8, True))
+    with pytest.raises(ValueError, match=r"order must be one of zigzag, contiguous \(or None\), got 'natural'"):
+        SequenceLayout.build(16, 2, causal=True, order="natural")

@@ -1,0 +1,253 @@
+"""The Paradyse layers in a job that does not know them: a stock ``pretrain_gpt.py`` with
+``--spec megatron_paradyse.spec get_paradyse_layer_spec`` and Megatron's own data pipeline.
+
+Such a job calls the model as for Megatron's stock spec: tokens in natural order, split contiguously
+over the tensor-parallel ranks by sequence parallelism, packed documents (if any) as
+``PackedSeqParams`` (THD, ``cu_seqlens``), no :func:`~megatron_paradyse.micro_batch.micro_batch_scope`.
+A Paradyse layer that finds no scope builds the micro-batch from what Megatron passes
+(:func:`implicit_micro_batch`): the layout (the sequence length, the packed documents, the contiguous
+order) and the plan of a planner made on first use from the paradyse config ``PARADYSE_CONFIG`` names
+(or the defaults: the device's memory minus ``memory.margin``; on a machine without CUDA the config
+must give ``memory.budget_gib``), priced by its ``cost.profile`` or a quick profile calibrated once and
+cached in ``data.cache_dir``. Every layer of a forward gets the same micro-batch; a new plan is printed
+once.
+
+The helpers that turn a Megatron job's arguments into the planner's inputs (:func:`stage_footprints`,
+:func:`stage_cost_models`) serve the entry point (:mod:`megatron_paradyse.pretrain_gpt`) too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import weakref
+from pathlib import Path
+
+import torch
+
+from megatron_paradyse.config import DataSection, ParadyseConfig, load_config
+from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.micro_batch import MicroBatch
+
+__all__ = ["CONFIG_ENV", "implicit_micro_batch", "stage_cost_models", "stage_footprints"]
+
+logger = logging.getLogger(__name__)
+
+CONFIG_ENV = "PARADYSE_CONFIG"
+_GIB = 2**30
+
+
+# -- a Megatron job's planner inputs --------------------------------------------------------------------
+def stage_footprints(args: argparse.Namespace, transformer):
+    """Static memory of every pipeline stage of a job with Megatron arguments ``args``."""
+    from megatron_paradyse.static_memory import pipeline_footprints
+
+    states = {"adam": 2, "sgd": 1 if args.sgd_momentum else 0}.get(args.optimizer, 2)
+    return pipeline_footprints(
+        transformer,
+        vocab_size=args.padded_vocab_size,
+        tied_embeddings=not args.untie_embeddings_and_output_weights,
+        learned_positions=args.max_position_embeddings if args.position_embedding_type == "learned_absolute" else 0,
+        optimizer_states=states,
+        grads_in_fp32=args.accumulate_allreduce_grads_in_fp32 or not (args.bf16 or args.fp16),
+        optimizer_shards=args.data_parallel_size if args.use_distributed_optimizer else 1,
+    )
+
+
+def stage_cost_models(args: argparse.Namespace, transformer, profile: dict):
+    """One analytic cost model per pipeline stage of the job, priced by ``profile``."""
+    from megatron_paradyse.cost import AnalyticCostModel
+    from megatron_paradyse.modules import model_shape
+
+    shape = model_shape(transformer)
+    rope = args.position_embedding_type == "rope"
+    rotary_dim = int(shape.kv_channels * args.rotary_percent) if rope else 0
+    return [
+        AnalyticCostModel(
+            profile,
+            shape,
+            args.tensor_model_parallel_size,
+            dtype=transformer.params_dtype,
+            static_bytes=f.static_bytes,
+            vocab_size=args.padded_vocab_size if f.has_output_layer else 0,
+            rotary_dim=rotary_dim,
+            bias=transformer.add_bias_linear,
+        )
+        for f in stage_footprints(args, transformer)
+    ]
+
+
+# -- the implicit micro-batch ------------------------------------------------------------------------------
+def implicit_micro_batch(layer, hidden_states: torch.Tensor, packed_seq_params) -> MicroBatch:
+    """The micro-batch a Paradyse ``layer`` runs when Megatron calls it outside any scope: built from its
+    input ``hidden_states [s/p, b, h]`` (contiguous sequence-parallel shard) and ``packed_seq_params``."""
+    p = layer.tp_group.size()
+    s, b = hidden_states.shape[0] * p, hidden_states.shape[1]
+    stage = _Stage.of(layer)
+    key = (s, b, None if packed_seq_params is None else id(packed_seq_params))
+    if stage.last is not None and stage.last[0] == key and stage.last[1]() is packed_seq_params:
+        return stage.last[2]  # the other layers of the same forward
+    layout = _layout(s, p, layer.self_attention.causal, packed_seq_params)
+    step = stage.plan(layout, b)
+    anchor = packed_seq_params if packed_seq_params is not None else _NOTHING
+    stage.last = (key, weakref.ref(anchor), step)
+    return step
+
+
+class _Nothing:
+    """What an unpacked micro-batch's layers share: any object a weak reference can point to."""
+
+
+_NOTHING = _Nothing()
+
+
+def _layout(s: int, p: int, causal: bool, packed) -> SequenceLayout:
+    if s % (2 * p):
+        raise ValueError(
+            f"the Paradyse layers split a sequence into 2p = {2 * p} equal chunks, but it has {s} tokens; give "
+            f"--seq-length a multiple of {2 * p} (twice the tensor-parallel size)"
+        )
+    docs: tuple[int, ...] = (s,)
+    if packed is not None:
+        if packed.qkv_format != "thd":
+            raise ValueError(f"PackedSeqParams with qkv_format={packed.qkv_format!r}: the Paradyse layers read 'thd'")
+        cu = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
+        bounds = [int(v) for v in cu.tolist()]
+        docs = tuple(e - a for a, e in zip(bounds, bounds[1:]) if e > a)
+        if bounds[0] != 0 or sum(docs) > s:
+            raise ValueError(f"PackedSeqParams' cu_seqlens {bounds} do not describe the micro-batch's {s} tokens")
+    return SequenceLayout(docs, p, causal, s, order="contiguous")
+
+
+class _Stage:
+    """The planner of this process's pipeline stage, made on first use, and the last micro-batch it planned."""
+
+    _by_layers: dict[tuple[int, int], _Stage] = {}
+
+    def __init__(self, layer) -> None:
+        from megatron.core.utils import get_pg_rank
+
+        from megatron_paradyse.planner import Planner
+
+        config = _paradyse_config()
+        transformer = layer.config
+        args = _megatron_args()
+        p = layer.tp_group.size()
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        profile = _profile(config, p, transformer.params_dtype, device, layer.tp_group)
+        pp_rank = get_pg_rank(layer.pg_collection.pp)
+        cost = stage_cost_models(args, transformer, profile)[pp_rank]
+        planner_config = config.planner if p > 1 else _recompute_only(config.planner)
+        self.planner = Planner.for_model(
+            planner_config,
+            cost,
+            shape=cost.shape,
+            p=p,
+            num_layers=layer.stage_layers,
+            budget_bytes=_budget_bytes(config, device),
+        )
+        self.printing = torch.distributed.get_rank(layer.tp_group) == 0 and _data_parallel_rank() == 0
+        self.pp_rank = pp_rank
+        self.shown: str | None = None
+        self.last: tuple | None = None
+
+    @classmethod
+    def of(cls, layer) -> _Stage:
+        key = (layer.tp_group.size(), layer.stage_layers)
+        if key not in cls._by_layers:
+            cls._by_layers[key] = cls(layer)
+        return cls._by_layers[key]
+
+    def plan(self, layout: SequenceLayout, micro_batch_size: int) -> MicroBatch:
+        decision = self.planner.decide(layout, micro_batch_size)
+        plan = decision.plan
+        if self.printing and plan.compact() != self.shown:
+            self.shown = plan.compact()
+            print(
+                f"paradyse: stage {self.pp_rank}: {layout.valid_len} tokens ({len(layout.doc_lengths)} documents) x "
+                f"{micro_batch_size}: plan {plan.compact()} (predicted {plan.predicted_time_s:.4g} s, peak "
+                f"{plan.predicted_peak_bytes / _GIB:.3f} GiB of {self.planner.budget_bytes / _GIB:.3f})",
+                flush=True,
+            )
+        return MicroBatch(layout=layout, plan=plan)
+
+
+def _recompute_only(planner_config):
+    """At TP=1 one rank holds the whole sequence and every strategy runs the same computation: plans
+    choose recompute per layer only."""
+    import dataclasses
+
+    return dataclasses.replace(planner_config, pairs=("tp_sp/tp_sp",), attention=None, mlp=None)
+
+
+def _paradyse_config() -> ParadyseConfig:
+    path = os.environ.get(CONFIG_ENV)
+    if path is None:
+        return ParadyseConfig(data=DataSection(cache_dir=str(_default_cache())))
+    return load_config(path)
+
+
+def _default_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "megatron-paradyse"
+
+
+def _megatron_args() -> argparse.Namespace:
+    from megatron.training.global_vars import get_args
+
+    try:
+        return get_args()
+    except AssertionError as e:
+        raise ValueError(
+            "the Paradyse layers ran outside micro_batch_scope and outside Megatron's training entry "
+            "(megatron.training's arguments are not set): plan the model's inputs yourself, under "
+            "`with micro_batch_scope(MicroBatch(layout=..., plan=...)):` (megatron_paradyse.micro_batch)"
+        ) from e
+
+
+def _data_parallel_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+
+
+def _budget_bytes(config: ParadyseConfig, device: torch.device) -> float:
+    if config.memory.budget_gib is not None:
+        return config.memory.budget_gib * _GIB
+    if device.type != "cuda":
+        raise ValueError(
+            f"the Paradyse layers need a memory budget on a machine without CUDA: set memory.budget_gib in the "
+            f"paradyse config {CONFIG_ENV} names"
+        )
+    return torch.cuda.get_device_properties(device).total_memory * (1.0 - config.memory.margin)
+
+
+def _profile(config: ParadyseConfig, p: int, dtype: torch.dtype, device: torch.device, group) -> dict:
+    """The config's cost profile; or a quick one, read from the cache or calibrated by the first rank of
+    the tensor-parallel group (the ranks that plan together) and sent to the others."""
+    from megatron_paradyse.cost import ProfileError, load_profile
+
+    if config.cost.profile is not None:
+        return load_profile(config.cost.profile, p=p, check_machine=config.cost.check_machine)
+    from megatron_paradyse.cost.calibrate import calibrate
+    from megatron_paradyse.cost.profile import save_profile
+
+    name = str(dtype).removeprefix("torch.")
+    path = Path(config.data.cache_dir) / f"cost-profile-quick-{device.type}-p{p}-{name}.json"
+    message: list = [None]
+    if torch.distributed.get_rank(group) == 0:
+        try:
+            try:
+                message[0] = load_profile(path, p=p)
+            except ProfileError:
+                print(f"paradyse: no cost.profile: calibrating a quick profile for p={p} into {path}", flush=True)
+                profile = calibrate([p], device=device.type, grid="quick", dtype=dtype, show_progress=False)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                save_profile(profile, path)
+                message[0] = profile
+        except Exception as e:  # noqa: BLE001 - the group's other ranks must hear of it, not wait
+            message[0] = ProfileError(f"could not calibrate a cost profile ({e}); name one in cost.profile")
+    torch.distributed.broadcast_object_list(message, group_src=0, group=group)
+    if isinstance(message[0], Exception):
+        raise message[0]
+    return message[0]

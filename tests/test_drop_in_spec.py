@@ -1,0 +1,72 @@
+"""The drop-in layer spec in Megatron's unmodified training loop: ``megatron.training.pretrain`` with the stock
+script's ``forward_step`` and Megatron's own datasets (``tests/stock_pretrain_gpt.py``), ``--spec
+megatron_paradyse.spec get_paradyse_layer_spec``, no paradyse loop code. Each run's per-iteration losses
+(Megatron's ``lm loss`` log) equal those of Megatron's stock local spec on the same batches within 1e-5.
+
+The Paradyse runs plan every micro-batch themselves (the config ``PARADYSE_CONFIG`` names gives the
+budget and cost profile); their budget makes the plans stream weights (``lean``) or recompute.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve().parent / "stock_pretrain_gpt.py"
+GPT = [
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--seed", "1234",
+    "--tensor-model-parallel-size", "2", "--sequence-parallel", "--num-layers", "2", "--hidden-size", "64",
+    "--num-attention-heads", "4", "--ffn-hidden-size", "256", "--position-embedding-type", "rope",
+    "--seq-length", "512", "--max-position-embeddings", "512", "--attention-dropout", "0", "--hidden-dropout", "0",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-3", "--log-interval", "1",
+    "--eval-iters", "0", "--eval-interval", "1000", "--transformer-impl", "local", "--distributed-backend", "gloo",
+    "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--no-rope-fusion",
+]  # fmt: skip
+STOCK = ["--spec", "megatron_paradyse.stock_spec", "stock_block_spec"]
+PARADYSE = ["--spec", "megatron_paradyse.spec", "get_paradyse_layer_spec"]
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory) -> Path:
+    path = os.environ.get("PARADYSE_TEST_PROFILE")
+    if path:
+        return Path(path)
+    from megatron_paradyse.cost.calibrate import calibrate
+    from megatron_paradyse.cost.profile import save_profile
+
+    path = tmp_path_factory.mktemp("profile") / "p2.json"
+    save_profile(calibrate([2], grid="quick", show_progress=False), path)
+    return path
+
+
+def _train(*flags: str, config: Path | None = None) -> tuple[list[float], str]:
+    """(Megatron's lm loss per iteration, stdout) of a 2-rank torchrun of the stock-style script."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if config is not None:
+        env["PARADYSE_CONFIG"] = str(config)
+    result = subprocess.run([*command, *GPT, *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"\blm loss: ([-+.\dE]+)", result.stdout)]
+    assert len(losses) == 4, result.stdout[-3000:]
+    return losses, result.stdout
+
+
+def test_the_drop_in_spec_trains_in_megatrons_own_loop_like_the_stock_spec(tmp_path, profile):
+    config = tmp_path / "paradyse.yaml"
+    config.write_text(
+        yaml.safe_dump({"memory": {"budget_gib": 0.0105}, "cost": {"profile": str(profile), "check_machine": False}})
+    )
+    stock, _ = _train(*STOCK)
+    paradyse, stdout = _train(*PARADYSE, config=config)
+    assert paradyse == pytest.approx(stock, rel=TOLERANCE)
+    plans = re.findall(r"paradyse: stage 0: 512 tokens \(1 documents\) x 2: plan (.*) \(predicted", stdout)
+    assert plans and all("lean" in plan or "+rc" in plan for plan in plans), stdout[-3000:]

@@ -1,0 +1,159 @@
+"""Megatron's own flags under the entry point: ``--help``, TP=1, ``--overlap-grad-reduce`` and
+``--overlap-param-gather`` with the distributed optimizer (the same losses and weights as without them),
+and the one combination refused at start-up.
+
+Multi-rank runs go through ``torchrun`` on gloo; the cost profile is calibrated once for the module
+(``PARADYSE_TEST_PROFILE`` names one to reuse).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from megatron_paradyse.run_log import read_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL_GPT = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
+    "--position-embedding-type", "rope", "--attention-dropout", "0", "--hidden-dropout", "0", "--lr", "1e-3",
+    "--log-interval", "1",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """The code corpus and a cost profile for p=2, shared by the runs of this module."""
+    from megatron_paradyse.cost.calibrate import calibrate
+    from megatron_paradyse.cost.profile import save_profile
+    from megatron_paradyse.data.corpora import build_code_corpus
+
+    path = tmp_path_factory.mktemp("cache")
+    build_code_corpus(path)
+    profile = os.environ.get("PARADYSE_TEST_PROFILE")
+    if profile:
+        (path / "profile.json").write_text(Path(profile).read_text())
+    else:
+        save_profile(calibrate([2], grid="quick", show_progress=False), path / "profile.json")
+    return path
+
+
+def _config(path: Path, cache: Path, **sections) -> Path:
+    data = {
+        "memory": {"budget_gib": 1 / 64},
+        "cost": {"profile": str(cache / "profile.json"), "check_machine": False},
+        "data": {"dataset": "code", "cache_dir": str(cache), "num_documents": 8, "min_len": 128, "max_len": 4096},
+        "planner": {"on_infeasible": "skip"},
+        "log": {"jsonl": "log.jsonl"},
+        **sections,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _torchrun(nproc: int, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    command += ["-m", "megatron_paradyse.pretrain_gpt", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_megatrons_flags_and_ours(tmp_path):
+    for argv in (["--help"], ["--paradyse-config", str(tmp_path / "none.yaml"), "-h"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "megatron_paradyse.pretrain_gpt", *argv],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.startswith("usage: pretrain_gpt ")
+        assert "paradyse:\n  megatron-paradyse (see configs/README.md)\n\n  --paradyse-config FILE" in result.stdout
+        # Megatron's own, the one whose help text has a bare "%" among them
+        assert "--tensor-model-parallel-size" in result.stdout
+        assert "(e.g. 1.10 = 10%)" in " ".join(result.stdout.split())
+
+
+def test_tp1_trains_choosing_recompute_only(tmp_path, cache):
+    # files of 519 to 2549 tokens: at TP=1 the longest fit the budget only recomputed
+    data = {"dataset": "code", "cache_dir": str(cache), "num_documents": 4, "min_len": 512, "max_len": 2560}
+    config = _config(tmp_path / "cfg.yaml", cache, data=data)
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    env |= {"MASTER_PORT": "29533", "OMP_NUM_THREADS": "1"}
+    flags = [*SMALL_GPT, "--tensor-model-parallel-size", "1", "--global-batch-size", "1", "--train-iters", "4"]
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_paradyse.pretrain_gpt", "--paradyse-config", str(config), *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "layer options: tp_sp/tp_sp, tp_sp/tp_sp+rc." in result.stdout
+    records = read_jsonl(tmp_path / "log.jsonl")
+    assert [r.iteration for r in records] == [1, 2, 3, 4]
+    plans = {mb.plan for r in records for mb in r.micro_batches}
+    assert plans <= {"2x tp_sp/tp_sp", "1x tp_sp/tp_sp, 1x tp_sp/tp_sp+rc", "2x tp_sp/tp_sp+rc"}, plans
+    assert len(plans) >= 2, plans  # the budget makes the longer files recompute
+
+
+def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Data-parallel rank 0's model state, both tensor-parallel ranks (legacy ``torch`` checkpoint format)."""
+    files = sorted(checkpoint.glob("iter_*/mp_rank_*/model_optim_rng.pt"))
+    assert len(files) == 2, files
+    return {
+        f"{f.parent.name}/{k}": v
+        for f in files
+        for k, v in torch.load(f, map_location="cpu", weights_only=False)["model"].items()
+        if isinstance(v, torch.Tensor)
+    }
+
+
+def test_overlapped_gradient_reduction_and_parameter_gather_give_the_same_losses_and_weights(tmp_path, cache):
+    """TP=2 x DP=2 with the distributed optimizer. Every strategy reads the linear layers' weights without
+    calling the modules, where Megatron's DDP waits for the overlapped all-gather of their parameters."""
+    flags = [*SMALL_GPT, "--tensor-model-parallel-size", "2", "--global-batch-size", "2", "--train-iters", "4"]
+    flags += ["--use-distributed-optimizer", "--ckpt-format", "torch", "--save-interval", "4"]
+    flags += ["--ddp-bucket-size", "4096"]  # many buckets: the layers' weights are gathered apart from the rest
+    runs = {}
+    for name, extra in (("plain", []), ("overlap", ["--overlap-grad-reduce", "--overlap-param-gather"])):
+        config = _config(tmp_path / name / "cfg.yaml", cache)
+        result = _torchrun(4, "--paradyse-config", str(config), *flags, *extra, "--save", str(tmp_path / name / "ckpt"))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        runs[name] = read_jsonl(tmp_path / name / "log.jsonl"), _weights(tmp_path / name / "ckpt")
+    (plain, plain_weights), (overlap, overlap_weights) = runs["plain"], runs["overlap"]
+    assert [mb.plan for r in overlap for mb in r.micro_batches] == [mb.plan for r in plain for mb in r.micro_batches]
+    # The same arithmetic in the same order: only when the reductions and gathers run differs.
+    assert [r.loss for r in overlap] == pytest.approx([r.loss for r in plain], rel=1e-6)
+    assert overlap_weights.keys() == plain_weights.keys()
+    for key, value in plain_weights.items():
+        torch.testing.assert_close(overlap_weights[key], value, rtol=1e-5, atol=1e-7, msg=key)
+
+
+def test_overlapped_reduction_is_refused_where_lean_would_break_it(tmp_path, cache):
+    config = _config(tmp_path / "cfg.yaml", cache)
+    flags = [*SMALL_GPT, "--tensor-model-parallel-size", "2", "--global-batch-size", "1", "--train-iters", "2"]
+    flags += ["--qk-layernorm", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+    result = _torchrun(2, "--paradyse-config", str(config), *flags)
+    assert result.returncode != 0
+    assert re.search(
+        r"paradyse: error: the Paradyse layers cannot run this model:\n  - --overlap-grad-reduce with --qk-layernorm "
+        r"and the lean attention strategy in the plans: lean's backward adds the q/k norm weights' gradients once "
+        r"per head group, .* keep lean out of the plans \(planner.attention or planner.pairs\)\n",
+        result.stderr,
+    ), result.stderr[-3000:]
+    assert result.stderr.count("paradyse: error:") == 1
+
+    config = _config(tmp_path / "no-lean" / "cfg.yaml", cache, planner={"attention": ["tp_sp", "ring"]})
+    result = _torchrun(2, "--paradyse-config", str(config), *flags)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
