@@ -23,13 +23,21 @@ PATCH = ROOT / "patches" / "pretrain_gpt_core_v0.19.0.patch"
 CHECKOUT = os.environ.get("MEGATRON_LM_DIR")
 
 
-def _hunk() -> tuple[str, str]:
-    """The text the patch expects and the text it leaves (its one hunk)."""
+def _hunks() -> list[tuple[str, str]]:
+    """(the text the patch expects, the text it leaves) of each of its hunks."""
     lines = PATCH.read_text().splitlines(keepends=True)
-    body = lines[next(i for i, line in enumerate(lines) if line.startswith("@@")) + 1 :]
-    before = "".join(line[1:] for line in body if line[0] in " -")
-    after = "".join(line[1:] for line in body if line[0] in " +")
-    return before, after
+    starts = [i for i, line in enumerate(lines) if line.startswith("@@")]
+    hunks = []
+    for start, end in zip(starts, [*starts[1:], len(lines)]):
+        body = lines[start + 1 : end]
+        hunks.append(("".join(x[1:] for x in body if x[0] in " -"), "".join(x[1:] for x in body if x[0] in " +")))
+    return hunks
+
+
+def _hunk() -> tuple[str, str]:
+    """The text the patch expects and the text it leaves, all hunks one after the other."""
+    hunks = _hunks()
+    return "".join(before for before, _ in hunks), "".join(after for _, after in hunks)
 
 
 def _checkout(tmp_path: Path, version: str | None = "0.19.1", script: str | None = None) -> Path:
@@ -122,10 +130,10 @@ def _run_as_main(script: Path, argv: list[str], monkeypatch) -> tuple[list | Non
 
 def test_the_patched_lines_hand_the_command_line_to_paradyse_main(tmp_path, monkeypatch):
     """The patched ``__main__`` block of the fake checkout (only the patch's lines) is real Python."""
-    _, after = _hunk()
+    _, after = _hunks()[-1]
     script = tmp_path / "pretrain_gpt.py"
-    script.write_text(after)
-    for argv in (["--num-layers", "2", "--paradyse-config", "cfg.yaml"], ["--paradyse-config=cfg.yaml"]):
+    script.write_text(f"import time\n{after}")
+    for argv in (["--num-layers", "2", "--paradyse-config", "cfg.yaml"], ["--paradyse-config=cfg.yaml"], ["-h"]):
         assert _run_as_main(script, argv, monkeypatch) == (argv, 3)
     for argv in ([], ["--paradyse-configs", "x"], ["--num-layers", "2"]):
         assert _run_as_main(script, argv, monkeypatch) == (None, None)
@@ -133,8 +141,6 @@ def test_the_patched_lines_hand_the_command_line_to_paradyse_main(tmp_path, monk
 
 _DRIVER = """
 import runpy, sys, types
-from megatron_paradyse import compat
-compat.install()  # the stock script imports megatron.core and megatron.training first; on CPU they need it
 checkout, script, *argv = sys.argv[1:]
 sys.path.insert(0, checkout)  # as `python pretrain_gpt.py` in the checkout: its megatron, gpt_builders, ...
 stand_in = types.ModuleType("megatron_paradyse.pretrain_gpt")
