@@ -1,7 +1,8 @@
 """``paradyse <command>``: the command-line entry point (``python -m megatron_paradyse.cli``).
 
 Commands: ``calibrate`` (measure this machine and write a cost profile), ``check-config`` (validate a
-paradyse config and print it resolved), ``demo`` (the CPU demo; ``paradyse demo --help``). Each command is a
+paradyse config and print it resolved), ``plan`` (will it fit: the plans per length before launching),
+``demo`` (the CPU demo; ``paradyse demo --help``). Each command is a
 ``_cmd_<name>(args) -> int`` registered in :func:`_parser`; user errors print ``paradyse: error: ...``
 and exit 2, without a traceback.
 """
@@ -13,7 +14,7 @@ import os
 import sys
 import time
 
-from megatron_paradyse import config_cli
+from megatron_paradyse import config_cli, plan_cli
 
 __all__ = ["main"]
 
@@ -74,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check-config", help="validate a paradyse config and its megatron_args")
     config_cli.add_check_config_arguments(check)
     check.set_defaults(run=config_cli.run_check_config)
+    plan = commands.add_parser("plan", help="will it fit? the plans, time and peak per length, before launching")
+    plan_cli.add_plan_arguments(plan)
+    plan.set_defaults(run=plan_cli.run_plan)
     # Listed for --help; main() hands "demo ..." to the demo, which parses its own options.
     commands.add_parser("demo", help="the CPU demo: train a small GPT on 4 gloo ranks, switching plans")
     return parser

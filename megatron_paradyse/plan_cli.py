@@ -1,0 +1,267 @@
+"""``paradyse plan CONFIG``: will it fit? The plans a job would run, before it is launched.
+
+    paradyse plan configs/llama3-8b.yaml --gpu h100 --lengths 4096,32768,131072,262144
+    paradyse plan cfg.yaml --profile profile.json --dataset data/mine --json plan.json --plot plan.png
+
+From a paradyse config (its planner, memory budget and ``megatron_args``: the model and its parallel
+layout), a cost profile (``--profile``, the config's ``cost.profile``, or ``--gpu``: a node's published
+figures, simulated) and sequence lengths (``--lengths``, or every document of ``--dataset``, by the
+planner's length buckets): per length, the plan each pipeline stage would choose, its predicted time
+and peak per rank; the longest length each static strategy fits (Megatron's own TP+SP included) and
+the longest the planner fits; a plot and JSON on request. Nothing runs on a device: the answer is the
+analytic cost model's, priced by the profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+__all__ = ["add_plan_arguments", "run_plan"]
+
+_GIB = 2**30
+STATIC = {
+    "tp_sp/tp_sp": "Megatron TP+SP (stock)",
+    "tp_sp/tp_sp+rc": "Megatron TP+SP, recomputed",
+    "ulysses/zero3": "Ulysses + ZeRO-3",
+    "ring/zero3": "ring CP + ZeRO-3",
+    "lean/lean": "lean (streamed weights)",
+}
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="paradyse YAML config (its megatron_args give the model and layout)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--gpu", choices=("a100", "h100", "h200"), help="price with a node's published figures")
+    source.add_argument("--profile", help="price with this calibrated cost profile (default: the config's)")
+    lengths = parser.add_mutually_exclusive_group(required=True)
+    lengths.add_argument("--lengths", help="sequence lengths in tokens, e.g. 4096,32768,131072")
+    lengths.add_argument("--dataset", help="prefix of an indexed dataset: every document's length")
+    parser.add_argument("--json", help="write the answer to this file")
+    parser.add_argument("--plot", help="write a PNG of predicted peaks against length")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from megatron_paradyse.config import load_config
+
+    config = load_config(args.config)
+    job = _Job.from_config(config, gpu=args.gpu, profile=args.profile)
+    lengths = _lengths(args, config, job)
+    planner = job.planners()
+    rows = []
+    for length in lengths:
+        row = {"tokens": length}
+        for stage, stage_planner in enumerate(planner):
+            decision = _decide(stage_planner, length, job)
+            row[f"stage{stage}"] = decision
+        rows.append(row)
+    static = {
+        pair: min(p.max_feasible_length(job.tp, causal=job.causal) for p in job.planners(pair)) for pair in STATIC
+    }
+    longest = min(p.max_feasible_length(job.tp, causal=job.causal) for p in planner)
+    answer = {
+        "config": args.config,
+        "cost_model": job.description,
+        "tp": job.tp,
+        "pp": len(planner),
+        "budget_gib": job.budget_bytes / _GIB,
+        "lengths": rows,
+        "static_longest": static,
+        "longest": longest,
+    }
+    print(_format(answer))
+    if args.json:
+        Path(args.json).write_text(json.dumps(answer, indent=1) + "\n")
+    if args.plot:
+        _plot(answer, job, args.plot)
+    return 0
+
+
+def _decide(planner, length: int, job: _Job) -> dict:
+    from megatron_paradyse.layout import SequenceLayout
+    from megatron_paradyse.planner import InfeasibleSequenceError
+
+    try:
+        decision = planner.decide(SequenceLayout.build(length, job.tp, causal=job.causal))
+    except InfeasibleSequenceError as e:
+        return {"plan": None, "leanest_peak_gib": e.report.leanest_peak_bytes / _GIB}
+    plan = decision.plan
+    return {
+        "plan": plan.compact(),
+        "time_s": plan.predicted_time_s,
+        "peak_gib": plan.predicted_peak_bytes / _GIB,
+    }
+
+
+class _Job:
+    """What a job of the config would plan with: its arguments, cost models and budget."""
+
+    def __init__(self, config, args, transformer, profile: dict, description: str, budget_bytes: float) -> None:
+        self.config, self.args, self.transformer = config, args, transformer
+        self.profile, self.description, self.budget_bytes = profile, description, budget_bytes
+        self.tp = args.tensor_model_parallel_size
+        self.causal = config.attention_mask == "causal"
+
+    @classmethod
+    def from_config(cls, config, *, gpu: str | None, profile: str | None) -> _Job:
+        from megatron_paradyse.config_cli import parse_megatron_args
+        from megatron_paradyse.cost import load_profile
+        from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
+
+        args = parse_megatron_args(config.megatron_args)
+        tp = args.tensor_model_parallel_size
+        if gpu is not None:
+            node = HARDWARE[gpu]
+            if tp != node.p:
+                raise ValueError(f"--gpu {gpu}: the published figures are for TP={node.p}, the config has TP={tp}")
+            rates, description = hardware_profile(node), f"{gpu} node, published figures (simulated, not measured)"
+            device_bytes = node.memory_bytes
+        else:
+            path = profile or config.cost.profile
+            if path is None:
+                raise ValueError("no cost profile: pass --gpu or --profile, or name one in cost.profile")
+            rates, description = load_profile(path, p=tp, check_machine=False), f"calibrated profile {path}"
+            device_bytes = None
+        if config.memory.budget_gib is not None:
+            budget = config.memory.budget_gib * _GIB
+        elif device_bytes is not None:
+            budget = device_bytes * (1.0 - config.memory.margin)
+        else:
+            raise ValueError("set memory.budget_gib, or pass --gpu for a GPU's memory")
+        args.padded_vocab_size = _padded_vocab(args, config)
+        args.data_parallel_size = 1  # the distributed optimizer's shards are not counted: conservative
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+        return cls(config, args, _transformer(args, dtype), rates, description, budget)
+
+    def planners(self, pair: str | None = None) -> list:
+        """One planner per pipeline stage: the config's, or one that runs only ``pair`` on every layer."""
+        import dataclasses
+
+        from megatron_paradyse.drop_in import stage_cost_models, stage_footprints
+        from megatron_paradyse.plan import LayerOption
+        from megatron_paradyse.planner import Planner
+
+        planner_config = dataclasses.replace(self.config.planner, on_infeasible="stop")
+        if pair is not None:
+            option = LayerOption.parse(pair)
+            planner_config = dataclasses.replace(
+                planner_config,
+                pairs=(f"{option.attention}/{option.mlp}",),
+                attention=None,
+                mlp=None,
+                recompute=option.recompute,
+                hysteresis=0.0,
+            )
+        costs = stage_cost_models(self.args, self.transformer, self.profile)
+        footprints = stage_footprints(self.args, self.transformer)
+        return [
+            Planner.for_model(
+                planner_config, c, shape=c.shape, p=self.tp, num_layers=f.layers, budget_bytes=self.budget_bytes
+            )
+            for c, f in zip(costs, footprints)
+        ]
+
+
+def _padded_vocab(args: argparse.Namespace, config) -> int:
+    from megatron_paradyse.pretrain_gpt import _dataset_tokenizer
+
+    vocab = args.vocab_size or _dataset_tokenizer(config)[0]
+    if vocab is None:
+        raise ValueError("the vocabulary size is unknown: add --vocab-size to megatron_args")
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return -(-vocab // multiple) * multiple
+
+
+def _transformer(args: argparse.Namespace, dtype: torch.dtype):
+    from megatron.core.transformer import TransformerConfig
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    heads = args.num_attention_heads
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else heads,
+        kv_channels=args.kv_channels or args.hidden_size // heads,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        gated_linear_unit=args.swiglu,
+        add_bias_linear=args.add_bias_linear,
+        normalization=args.normalization,
+        qk_layernorm=args.qk_layernorm,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=tp > 1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+    )
+
+
+def _lengths(args: argparse.Namespace, config, job: _Job) -> list[int]:
+    if args.lengths:
+        try:
+            values = [int(v) for v in args.lengths.split(",") if v]
+        except ValueError:
+            raise ValueError(f"--lengths takes token counts like 4096,32768, got {args.lengths!r}") from None
+        if not values or min(values) < 1:
+            raise ValueError(f"--lengths takes positive token counts, got {args.lengths!r}")
+        return values
+    from megatron_paradyse.data import DocumentDataset
+    from megatron_paradyse.layout import padded_length
+    from megatron_paradyse.planner.buckets import LengthBuckets
+
+    planner = config.planner
+    buckets = LengthBuckets(planner.bucket, planner.bucket_tokens, planner.bucket_ratio)
+    lengths = DocumentDataset(args.dataset).lengths.clip(max=config.data.max_len)
+    edges = {buckets.edge(padded_length(int(n), job.tp), 2 * job.tp) for n in set(lengths.tolist())}
+    return sorted(edges)
+
+
+def _format(answer: dict) -> str:
+    stages = answer["pp"]
+    lines = [
+        f"cost model: {answer['cost_model']}",
+        f"TP={answer['tp']} PP={stages}; budget {answer['budget_gib']:.2f} GiB per rank",
+        f"{'tokens':>9}  {'stage':>5}  {'plan':<44} {'time s':>9} {'peak GiB':>9}",
+    ]
+    for row in answer["lengths"]:
+        for stage in range(stages):
+            d = row[f"stage{stage}"]
+            if d["plan"] is None:
+                text = f"{'does not fit':<44} {'':>9} {d['leanest_peak_gib']:>9.2f}  (the leanest plan)"
+            else:
+                text = f"{d['plan']:<44} {d['time_s']:>9.4g} {d['peak_gib']:>9.2f}"
+            lines.append(f"{row['tokens']:>9}  {stage:>5}  {text}")
+    lines.append("longest sequence that fits, per static strategy (every layer alike):")
+    for pair, longest in answer["static_longest"].items():
+        lines.append(f"  {STATIC[pair]:<28} {pair:<16} {longest:>9} tokens")
+    lines.append(f"longest sequence the planner fits: {answer['longest']} tokens")
+    return "\n".join(lines)
+
+
+def _plot(answer: dict, job: _Job, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    tokens = [r["tokens"] for r in answer["lengths"]]
+    peaks = [max((r[f"stage{s}"].get("peak_gib") or 0.0) for s in range(answer["pp"])) for r in answer["lengths"]]
+    ax.plot(tokens, peaks, "o-", label="planner: predicted peak")
+    for pair, longest in answer["static_longest"].items():
+        if longest:
+            ax.axvline(longest, linestyle=":", alpha=0.6, label=f"{STATIC[pair]}: fits up to {longest}")
+    ax.axhline(answer["budget_gib"], color="red", label="budget")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("GiB per rank")
+    ax.set_title(f"paradyse plan {Path(answer['config']).name}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

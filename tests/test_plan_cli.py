@@ -1,0 +1,42 @@
+"""``paradyse plan``: the plans, predicted time and peak per length, each static strategy's limit and the
+planner's, from a config and published figures, in seconds, without a device."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from megatron_paradyse.cli import main as paradyse
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_plan_answers_will_it_fit_for_llama3_8b_on_h100(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["plan", str(CONFIGS / "llama3-8b.yaml"), "--gpu", "h100", "--lengths", "4096,131072,2000000"]
+    assert paradyse([*argv, "--json", str(out), "--plot", str(tmp_path / "plan.png")]) == 0
+    printed = capsys.readouterr().out
+    answer = json.loads(out.read_text())
+    rows = {row["tokens"]: row["stage0"] for row in answer["lengths"]}
+    assert rows[4096]["plan"] == "32x tp_sp/tp_sp"  # short: Megatron's own TP+SP is fastest
+    assert rows[131072]["plan"] is not None and rows[131072]["peak_gib"] <= answer["budget_gib"]
+    assert rows[2000000]["plan"] is None and rows[2000000]["leanest_peak_gib"] > answer["budget_gib"]
+    static = answer["static_longest"]
+    assert static["tp_sp/tp_sp"] < 131072 < answer["longest"] < 2000000
+    assert answer["longest"] >= max(static.values())
+    assert re.search(r"^\s+131072\s+0\s+\S.*\d$", printed, re.MULTILINE)
+    assert f"longest sequence the planner fits: {answer['longest']} tokens" in printed
+    assert "Megatron TP+SP (stock)" in printed and "does not fit" in printed
+    assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_refuses_what_it_cannot_price(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_status:
+        paradyse(["plan", str(CONFIGS / "tiny-cpu.yaml"), "--gpu", "h100", "--lengths", "1024"])
+    assert exit_status.value.code == 2
+    assert "paradyse: error: --gpu h100: the published figures are for TP=8, the config has TP=4" in (
+        capsys.readouterr().err
+    )
