@@ -479,7 +479,7 @@ ERRORS = {
         "p=2 ranks (it is never usable); usable: tp_sp"
     ),
     "plan length": "the plan has 3 layer options, but this pipeline stage has 4 transformer layers",
-    "no scope": "a Paradyse layer ran outside micro_batch_scope",
+    "no scope": "the Paradyse layers ran outside micro_batch_scope and outside Megatron's training entry",
     "attention mask": "ParadyseSelfAttention got attention_mask",
     "layout for other p": "the micro-batch's layout is for p=4, the TP group has 2 ranks",
     "megatron recompute": "recompute_granularity='full': Megatron's recompute would rerun layers without",
