@@ -63,3 +63,16 @@ def test_calibrate_writes_a_profile_the_model_reads(tmp_path, monkeypatch, capfd
         assert all(0 < a.time_s < b.time_s for a, b in zip(costs, costs[1:])), option
     with pytest.raises(ValueError, match=r"has no collectives for p=4"):
         AnalyticCostModel.from_file(path, MHA, 4)
+
+
+def test_calibrate_for_one_rank(tmp_path, monkeypatch):
+    """TP=1: kernels only, no collectives, nothing to overlap; the model prices p=1 from it."""
+    monkeypatch.setitem(calibration.GRIDS, "quick", TINY)
+    path = tmp_path / "profile.json"
+    assert cli_main(["calibrate", "--output", str(path), "--p", "1", "--grid", "quick", "--quiet"]) == 0
+    profile = load_profile(path, p=1)
+    assert profile["collectives"] == {} and profile["ring_overlap"] == 0.0 and profile["concurrency"] == 1
+    cost = AnalyticCostModel.from_file(path, MHA, 1).layer_cost(
+        OPTIONS[0], SequenceLayout.build(256, 1, causal=True), 1
+    )
+    assert cost.time_s > 0 and cost.saved_bytes > 0

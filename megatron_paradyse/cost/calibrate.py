@@ -322,7 +322,7 @@ def _measure_on_rank(rank: int, world: int, grid: Grid, p_values, device_type: s
         "attention": _attention_samples(grid, device, dtype, progress),
         "elementwise": _elementwise_samples(grid, device, dtype, progress),
         "collectives": _collective_samples(grid, p_values, device, progress),
-        "ring_overlap": _overlap_sample(grid, max(p_values), device, dtype, progress),
+        "ring_overlap": _overlap_sample(grid, max(p_values, default=1), device, dtype, progress),
     }
     return samples if rank == 0 else None
 

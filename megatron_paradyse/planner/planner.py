@@ -241,15 +241,15 @@ class Planner:
 
     # -- internals --------------------------------------------------------------------------------
     def _key(self, layout: SequenceLayout, micro_batch_size: int) -> tuple:
-        """(bucket edge, micro-batch size, p, causal, document lengths or None)."""
+        """(bucket edge, micro-batch size, p, causal, token order, document lengths or None)."""
         edge = self._buckets.edge(layout.padded_len, 2 * layout.p)
         docs = layout.doc_lengths if self.config.packed_as == "documents" else None
-        return (edge, micro_batch_size, layout.p, layout.causal, docs)
+        return (edge, micro_batch_size, layout.p, layout.causal, layout.order, docs)
 
     @staticmethod
     def _bucket_layout(key: tuple) -> SequenceLayout:
-        edge, _, p, causal, docs = key
-        return SequenceLayout(docs or (edge,), p, causal, edge)
+        edge, _, p, causal, order, docs = key
+        return SequenceLayout(docs or (edge,), p, causal, edge, order)
 
     def _plan_bucket(self, key: tuple) -> _Bucket:
         edge, micro_batch_size = key[:2]
