@@ -45,6 +45,7 @@ from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShap
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RUNS = 3
+RETRIES = 3
 OPTIONS = [
     f"{a}/{m}{rc}"
     for a in ("tp_sp", "ulysses", "ring", "lean")
@@ -157,18 +158,30 @@ def _measure_sublayer(cell: Cell, rank: int, p: int) -> tuple[int, int, int]:
             tracker.peak = tracker.live
             y = run(x)
             del x
-            time.sleep(0.001)  # gloo's worker thread: the last collective's buffers
+            _settle(tracker)
             y_bytes = y.numel() * y.element_size()
             saved, fwd_peak = tracker.live - y_bytes, tracker.peak
             dy = torch.ones_like(y)
-            start = tracker.peak = tracker.live
+            tracker.peak = tracker.live
             y.backward(dy)
-            bwd_peak = tracker.peak - start
+            bwd_peak = tracker.peak - 2 * y_bytes  # above the output and its gradient, as saved below
             del y, dy
             x0.grad = None
         return saved, fwd_peak, bwd_peak
 
-    return _min_over_runs(measure)
+    saved, fwd_peak, bwd_peak = _min_over_runs(measure)
+    # above what was saved (the smallest count: a buffer gloo's thread had not dropped yet does not shift it)
+    return saved, fwd_peak, bwd_peak - saved
+
+
+def _settle(tracker: _StorageTracker) -> None:
+    """Give gloo's worker thread the GIL until it has dropped the buffers of finished collectives."""
+    live = None
+    for _ in range(20):
+        if tracker.live == live:
+            return
+        live = tracker.live
+        time.sleep(0.001)
 
 
 def _measure_megatron(cell: Cell, rank: int, p: int) -> tuple[int, int]:
@@ -222,18 +235,30 @@ def predicted(cell: Cell, rank: int, p: int) -> tuple[float, ...]:
 
 def _measure_all(rank: int, p: int) -> dict[Cell, tuple[int, ...]]:
     torch.manual_seed(rank)
+    # Megatron's layer last: those cells set up Megatron's parallel state, which stays.
+    ordered = sorted(cells(p), key=lambda cell: cell.kind == "megatron")
     out = {}
-    for cell in cells(p):
+    for cell in ordered:
         if cell.kind == "megatron":
-            continue  # after the others: they share Megatron's parallel state
-        out[cell] = _measure_cell(cell, rank, p)
-    from megatron_paradyse import compat
+            from megatron_paradyse import compat
 
-    compat.install()
-    for cell in cells(p):
-        if cell.kind == "megatron":
-            out[cell] = _measure_cell(cell, rank, p)
+            compat.install()
+        out[cell] = _measure_cell(cell, rank, p)
+        out[cell] = _remeasured_while_any_rank_differs(cell, rank, p, out[cell])
     return out
+
+
+def _remeasured_while_any_rank_differs(cell: Cell, rank: int, p: int, got: tuple[int, ...]) -> tuple[int, ...]:
+    """A loaded machine can keep gloo's worker thread from dropping a buffer in time in every one of
+    the :data:`RUNS` runs: where any rank differs from its script, every rank (the collectives need
+    them all) measures again, a few times, keeping the smallest figures. A real divergence stays."""
+    for _ in range(RETRIES):
+        differs = torch.tensor([float(got != tuple(predicted(cell, rank, p)))])
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+        if not differs.item():
+            break
+        got = tuple(map(min, got, _measure_cell(cell, rank, p)))
+    return got
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda p: f"p{p}")
