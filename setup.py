@@ -31,6 +31,6 @@ setup(
     },
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn>=2.6"],
-        "test": ["pytest", "pytest-timeout"],
+        "test": ["pytest", "pytest-timeout", "tensorboard"],  # tensorboard: reading event files back
     },
 )

@@ -118,17 +118,11 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LogSection:
-    every: int = 1
-    """Print the per-iteration table every this many iterations."""
     plot: str | None = None
     """Write a PNG of lengths and chosen plans over the run here (relative to the config file)."""
     jsonl: str | None = None
     """Append one JSON record per iteration here (relative to the config file): the table's content,
     for tools (``paradyse demo`` reads it)."""
-
-    def __post_init__(self) -> None:
-        if self.every < 1:
-            raise ValueError(f"log.every must be >= 1, got {self.every}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -201,13 +195,21 @@ def _resolve_paths(config: ParadyseConfig, base: Path) -> ParadyseConfig:
     )
 
 
+_REMOVED = {
+    "log.every": "no longer a key: the table follows Megatron's --log-interval (megatron_args or the command line)",
+}
+"""Keys older configs may still hold, with what replaced them."""
+
+
 def _build(cls: type, data: Mapping, where: str, errors: list[str]) -> Any:
     """``cls(**data)``, converting nested sections; problems go to ``errors`` (returns None then)."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     n_before = len(errors)
     for key in data:
-        if key not in names:
+        if f"{where}{key}" in _REMOVED:
+            errors.append(f"{where}{key}: {_REMOVED[f'{where}{key}']}")
+        elif key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(names)}"
             errors.append(f"{where}{key}: unknown key{hint}")

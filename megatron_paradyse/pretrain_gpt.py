@@ -21,10 +21,12 @@ Around ``pretrain()``:
   that they plan from the same inputs;
 - the data loader's position is saved with every Megatron checkpoint and restored on ``--load``;
 - after each iteration, the last rank (which holds the loss) prints one row per micro-batch: its
-  length, plan, predicted and measured time and peak (``log`` section; JSONL and a plot on request).
-  Megatron's own logging (console, TensorBoard, W&B) is unchanged: its train loop has no callback,
-  so the entry point wraps ``training_log`` (called once per iteration on every rank), calls it
-  unchanged, then logs;
+  length, plan, predicted and measured time and peak (every ``--log-interval`` iterations, as
+  Megatron's own line), and writes the iteration's figures and plans to Megatron's TensorBoard and
+  W&B writers (``--tensorboard-dir``, ``--wandb-project``; tags under ``paradyse/``), with JSONL and a
+  plot on request (``log`` section). Megatron's own logging is unchanged: its train loop has no
+  callback, so the entry point wraps ``training_log`` (called once per iteration on every rank),
+  calls it unchanged, then logs;
 - an out-of-memory error in a training step, on any rank (any forward, backward or the optimizer
   step: the entry point wraps Megatron's ``train_step``), stops every rank at once with exit code 3
   and the memory budget shrunk (``memory.oom_shrink``) and saved in the ``--save`` directory; a

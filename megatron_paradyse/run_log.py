@@ -7,6 +7,7 @@ the CUDA allocator's peak, or on the CPU the bytes held by tensors created in th
 stage's static bytes, the same quantity the planner predicts.
 
 Records are plain dataclasses: :func:`format_rows` makes the table the entry point prints,
+:func:`write_iteration` sends an iteration's figures to Megatron's TensorBoard and W&B writers,
 :func:`append_jsonl` / :func:`read_jsonl` keep them for tools, :func:`write_plot` draws a run.
 """
 
@@ -29,12 +30,17 @@ __all__ = [
     "append_jsonl",
     "format_header",
     "format_rows",
+    "iteration_scalars",
     "plan_switches",
+    "plans_markdown",
     "read_jsonl",
+    "switches_in",
+    "write_iteration",
     "write_plot",
 ]
 
 _MIB = 2**20
+_GIB = 2**30
 _PLAN_WIDTH = 40
 
 
@@ -196,11 +202,76 @@ def plan_switches(records: Iterable[IterationLog]) -> tuple[int, dict[str, int]]
     """(how often the plan changed from one micro-batch to the next, micro-batches per plan)."""
     switches, counts, previous = 0, {}, None
     for record in records:
+        changed, previous = switches_in(record, previous)
+        switches += changed
         for mb in record.micro_batches:
             counts[mb.plan] = counts.get(mb.plan, 0) + 1
-            switches += previous is not None and mb.plan != previous
-            previous = mb.plan
     return switches, counts
+
+
+def switches_in(record: IterationLog, previous: str | None) -> tuple[int, str | None]:
+    """(how often the plan changed from one micro-batch of ``record`` to the next, its first compared
+    with ``previous``, the plan of the micro-batch before it; the plan its last micro-batch ran)."""
+    switches = 0
+    for mb in record.micro_batches:
+        switches += previous is not None and mb.plan != previous
+        previous = mb.plan
+    return switches, previous
+
+
+# -- TensorBoard and W&B ---------------------------------------------------------------------------
+def iteration_scalars(record: IterationLog, switches: int) -> dict[str, float]:
+    """One iteration's figures on this rank, by TensorBoard/W&B tag. The micro-batches run one after
+    another, so their forward + backward times add up (``time-*-s``) and the iteration's peak is the
+    largest of theirs (``peak-*-gib``, static memory included, as the planner predicts it). Measured
+    figures are left out where a micro-batch has none (pipeline parallelism)."""
+    mbs = record.micro_batches
+    scalars = {
+        "paradyse/micro-batches": len(mbs),
+        "paradyse/tokens": sum(mb.tokens for mb in mbs),
+        "paradyse/plan-switches": switches,
+        "paradyse/skipped-micro-batches": len(record.skipped),
+    }
+    if mbs:
+        scalars["paradyse/time-predicted-s"] = sum(mb.predicted_time_s for mb in mbs)
+        scalars["paradyse/peak-predicted-gib"] = max(mb.predicted_peak_bytes for mb in mbs) / _GIB
+    if mbs and all(mb.measured_time_s is not None for mb in mbs):
+        scalars["paradyse/time-measured-s"] = sum(mb.measured_time_s for mb in mbs)
+        scalars["paradyse/peak-measured-gib"] = max(mb.measured_peak_bytes for mb in mbs) / _GIB
+    return scalars
+
+
+def plans_markdown(record: IterationLog) -> str:
+    """The iteration's micro-batches and their plans as a Markdown table (TensorBoard renders it)."""
+    lines = [
+        "| mb | tokens | documents | plan | predicted s | measured s | predicted MiB | measured MiB |",
+        "|---:|---:|---:|:---|---:|---:|---:|---:|",
+    ]
+    for i, mb in enumerate(record.micro_batches):
+        measured_mib = None if mb.measured_peak_bytes is None else mb.measured_peak_bytes / _MIB
+        lines.append(
+            f"| {i} | {mb.tokens} | {mb.documents} | {mb.plan} | {mb.predicted_time_s:.4g} | "
+            f"{_number(mb.measured_time_s, '.4g')} | {mb.predicted_peak_bytes / _MIB:.1f} | "
+            f"{_number(measured_mib, '.1f')} |"
+        )
+    lines += [
+        f"| - | {s['tokens']} | - | skipped: no plan fits stage {s['stage']} | - | - | - | - |" for s in record.skipped
+    ]
+    return "\n".join(lines)
+
+
+def write_iteration(record: IterationLog, switches: int, *, tensorboard=None, wandb=None) -> None:
+    """Send one iteration's figures (:func:`iteration_scalars`) and plans (:func:`plans_markdown`,
+    tag ``paradyse/plans``) to Megatron's writers: ``tensorboard`` a ``SummaryWriter``, ``wandb`` the
+    ``wandb`` module (``get_tensorboard_writer()``, ``get_wandb_writer()``); None: not configured."""
+    scalars = iteration_scalars(record, switches)
+    text = plans_markdown(record)
+    if tensorboard is not None:
+        for tag, value in scalars.items():
+            tensorboard.add_scalar(tag, value, record.iteration)
+        tensorboard.add_text("paradyse/plans", text, record.iteration)
+    if wandb is not None:
+        wandb.log({**scalars, "paradyse/plans": text}, record.iteration)
 
 
 # -- files ----------------------------------------------------------------------------------------

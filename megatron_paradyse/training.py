@@ -11,7 +11,9 @@ sets it up).
   :func:`~megatron_paradyse.micro_batch.micro_batch_scope` with its plan, Megatron 0.19's per-token
   loss (with Megatron's NaN, Inf and spiky-loss checks);
 - the end of each iteration: measured time and peak per micro-batch
-  (:class:`~megatron_paradyse.run_log.MicroBatchMeter`), the table on the last rank, JSONL, plot;
+  (:class:`~megatron_paradyse.run_log.MicroBatchMeter`); on the last rank the table (every
+  ``--log-interval`` iterations), the figures and plans to Megatron's TensorBoard and W&B writers
+  (every ``--tensorboard-log-interval``), JSONL, plot;
 - an out-of-memory error in a step: every rank stops, the budget shrunk and saved
   (:class:`~megatron_paradyse.fault.FaultWatch`, watching from the first call of the provider on).
 """
@@ -56,6 +58,8 @@ class TrainingRun:
         self._forwards: dict[int, int] = {}
         """Forward steps of this iteration, per virtual-pipeline chunk."""
         self._checked_parameters = False
+        self._last_plan: str | None = None
+        """The plan of the last micro-batch logged (plan switches count across iterations)."""
         self._last_end = time.perf_counter()
         self.is_logging_rank = False
         args = job.args
@@ -307,7 +311,16 @@ class TrainingRun:
 
     # iteration end ------------------------------------------------------------------------------
     def end_iteration(self, iteration: int, loss_dict: dict) -> None:
-        from megatron_paradyse.run_log import IterationLog, append_jsonl, format_header, format_rows
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+        from megatron_paradyse.run_log import (
+            IterationLog,
+            append_jsonl,
+            format_header,
+            format_rows,
+            switches_in,
+            write_iteration,
+        )
 
         now = time.perf_counter()
         records, self.pending = self.pending, []
@@ -333,18 +346,28 @@ class TrainingRun:
         if not self.is_logging_rank:
             return
         self.records.append(log)
+        switches, self._last_plan = switches_in(log, self._last_plan)
+        args = self.job.args
         if self.job.config.log.jsonl:
             append_jsonl(log, self.job.config.log.jsonl)
-        if iteration % self.job.config.log.every == 0 or iteration == 1:
-            lines = format_rows(log)
-            if len(self.records) == 1:
-                lines.insert(0, format_header())
-            lines += [f"paradyse: skipped on stage {s['stage']}: {s['reason']}" for s in log.skipped]
+        if iteration % args.tensorboard_log_interval == 0:  # as Megatron writes its own scalars
+            write_iteration(log, switches, tensorboard=get_tensorboard_writer(), wandb=get_wandb_writer())
+        lines = []
+        # the table follows --log-interval, as Megatron's own line does (the first iteration of a run too)
+        if iteration % args.log_interval == 0 or len(self.records) == 1:
+            lines = [format_header()] * (len(self.records) == 1) + format_rows(log)
+        lines += [f"paradyse: skipped on stage {s['stage']}: {s['reason']}" for s in log.skipped]
+        if lines:
             print("\n".join(lines), flush=True)
 
     def finish(self) -> None:
+        from megatron.training.global_vars import get_tensorboard_writer
+
         from megatron_paradyse.run_log import plan_switches, write_plot
 
+        writer = get_tensorboard_writer()
+        if writer is not None:  # Megatron flushes at the end of training only, before its last evaluation
+            writer.flush()
         if not self.is_logging_rank or not self.records:
             return
         switches, plans = plan_switches(self.records)

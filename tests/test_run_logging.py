@@ -1,0 +1,184 @@
+"""What a run reports, where its users look: Megatron's TensorBoard and W&B writers and the table.
+
+One 2-rank ``torchrun`` of the entry point (TP=2) with ``--tensorboard-dir``, ``--wandb-project`` (the
+``wandb`` module is the stand-in of ``tests/stand_ins``, which records every call) and ``--log-interval
+2``; its JSONL log is the reference the writers' figures are checked against. The cost profile is
+calibrated once for the module (``PARADYSE_TEST_PROFILE`` names one to reuse).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_paradyse.config import ConfigError, load_config
+from megatron_paradyse.run_log import IterationLog, read_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+STAND_INS = Path(__file__).resolve().parent / "stand_ins"
+GIB = 2**30
+ITERATIONS = 4
+# Eight files of 128 to 16K tokens in curriculum order, two per iteration, under 16 MiB per rank: the
+# short ones run the fastest plans, the longest are skipped (no plan fits), so plans switch and skips
+# happen within four iterations.
+MODEL = [
+    "--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--ffn-hidden-size", "256", "--position-embedding-type", "rope", "--attention-dropout", "0",
+    "--hidden-dropout", "0", "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", str(ITERATIONS),
+]  # fmt: skip
+
+
+@dataclass
+class Run:
+    stdout: str
+    records: list[IterationLog]
+    tensorboard: Path
+    wandb_calls: list[dict]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """The code corpus and a cost profile for p=2."""
+    from megatron_paradyse.cost.calibrate import calibrate
+    from megatron_paradyse.cost.profile import save_profile
+    from megatron_paradyse.data.corpora import build_code_corpus
+
+    path = tmp_path_factory.mktemp("cache")
+    build_code_corpus(path)
+    profile = os.environ.get("PARADYSE_TEST_PROFILE")
+    if profile:
+        (path / "profile.json").write_text(Path(profile).read_text())
+    else:
+        save_profile(calibrate([2], grid="quick", show_progress=False), path / "profile.json")
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, cache) -> Run:
+    folder = tmp_path_factory.mktemp("run")
+    config = folder / "cfg.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "memory": {"budget_gib": 1 / 64},
+                "cost": {"profile": str(cache / "profile.json"), "check_machine": False},
+                "data": {
+                    "dataset": "code",
+                    "cache_dir": str(cache),
+                    "num_documents": 8,
+                    "min_len": 128,
+                    "max_len": 16384,
+                },  # fmt: skip
+                "planner": {"on_infeasible": "skip"},
+                "log": {"jsonl": "log.jsonl"},
+            }
+        )
+    )
+    flags = ["--tensorboard-dir", str(folder / "tb"), "--log-interval", "2"]
+    flags += ["--wandb-project", "paradyse-test", "--wandb-exp-name", "run", "--wandb-save-dir", str(folder / "wandb")]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command += ["-m", "megatron_paradyse.pretrain_gpt", "--paradyse-config", str(config), *MODEL, *flags]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(STAND_INS), os.environ.get("PYTHONPATH", "")]),
+        "WANDB_STAND_IN_LOG": str(folder / "wandb.jsonl"),
+    }
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    calls = [json.loads(line) for line in (folder / "wandb.jsonl").read_text().splitlines()]
+    return Run(result.stdout, read_jsonl(folder / "log.jsonl"), folder / "tb", calls)
+
+
+def _expected(records: list[IterationLog]) -> dict[str, dict[int, float]]:
+    """Per tag and iteration, the figures the JSONL log implies: times summed over the iteration's
+    micro-batches, peaks the largest, switches counted from the previous micro-batch on."""
+    out: dict[str, dict[int, float]] = {}
+    previous = None
+    for r in records:
+        mbs = r.micro_batches
+        switches = 0
+        for mb in mbs:
+            switches += previous is not None and mb.plan != previous
+            previous = mb.plan
+        figures = {
+            "micro-batches": len(mbs),
+            "tokens": sum(mb.tokens for mb in mbs),
+            "plan-switches": switches,
+            "skipped-micro-batches": len(r.skipped),
+            "time-predicted-s": sum(mb.predicted_time_s for mb in mbs),
+            "time-measured-s": sum(mb.measured_time_s for mb in mbs),
+            "peak-predicted-gib": max(mb.predicted_peak_bytes for mb in mbs) / GIB,
+            "peak-measured-gib": max(mb.measured_peak_bytes for mb in mbs) / GIB,
+        }
+        for tag, value in figures.items():
+            out.setdefault(f"paradyse/{tag}", {})[r.iteration] = value
+    return out
+
+
+def test_the_run_switches_plans_and_skips(run):
+    """What the other tests need of the run: plan switches and skipped micro-batches to report."""
+    assert [r.iteration for r in run.records] == list(range(1, ITERATIONS + 1))
+    expected = _expected(run.records)
+    assert sum(expected["paradyse/plan-switches"].values()) >= 1
+    assert sum(expected["paradyse/skipped-micro-batches"].values()) >= 1
+
+
+def test_tensorboard_gets_every_iterations_figures_and_plans(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run.tensorboard), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    assert "lm loss" in events.Tags()["scalars"]  # Megatron's own, in the same event file
+    for tag, by_iteration in _expected(run.records).items():
+        written = {e.step: e.value for e in events.Scalars(tag)}
+        assert written == pytest.approx(by_iteration, rel=1e-6), tag  # event files hold float32
+    texts = {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("paradyse/plans/text_summary")}
+    assert sorted(texts) == [r.iteration for r in run.records]
+    for r in run.records:
+        rows = [line for line in texts[r.iteration].splitlines() if re.match(r"\| (\d+|-) \|", line)]
+        assert [row.split(" | ")[3] for row in rows] == [mb.plan for mb in r.micro_batches] + [
+            f"skipped: no plan fits stage {s['stage']}" for s in r.skipped
+        ]
+
+
+def test_wandb_gets_the_same_figures_and_plans(run):
+    logged: dict[int, dict] = {}
+    for call in run.wandb_calls:
+        if call["call"] == "log":
+            logged.setdefault(call["step"], {}).update(call["data"])
+    assert [c for c in run.wandb_calls if c["call"] == "init"] == [
+        {"call": "init", "project": "paradyse-test", "name": "run"}
+    ]
+    for tag, by_iteration in _expected(run.records).items():
+        assert {step: values[tag] for step, values in logged.items() if tag in values} == pytest.approx(by_iteration)
+    for r in run.records:
+        assert all(f"| {mb.plan} |" in logged[r.iteration]["paradyse/plans"] for mb in r.micro_batches)
+
+
+def test_the_table_follows_the_log_interval(run):
+    """Rows for the first iteration and every second one (``--log-interval 2``), as Megatron's own line."""
+    shown = [int(m) for m in re.findall(r"^ *(\d+) +[\d.]+ \| +0 ", run.stdout, re.MULTILINE)]
+    assert shown == [1, 2, 4]
+    assert len(re.findall(r"^ *iter +loss \|", run.stdout, re.MULTILINE)) == 1  # the header, once
+    skipped = sum(len(r.skipped) for r in run.records)
+    assert len(re.findall(r"^paradyse: skipped on stage 0: ", run.stdout, re.MULTILINE)) == skipped  # every one
+
+
+def test_log_every_is_refused_with_what_replaced_it(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("log:\n  every: 10\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (
+        f"{path}:\n  log.every: no longer a key: the table follows Megatron's --log-interval (megatron_args or "
+        "the command line)"
+    )
