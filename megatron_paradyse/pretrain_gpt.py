@@ -19,7 +19,10 @@ Around ``pretrain()``:
 - each pipeline stage has a planner, priced by the cost profile (``cost.profile``, or a quick
   calibration at start-up shared by rank 0) within the memory budget; all ranks check at start-up
   that they plan from the same inputs;
-- the data loader's position is saved with every Megatron checkpoint and restored on ``--load``;
+- the data loader's position is saved with every Megatron checkpoint and restored on ``--load``; a
+  checkpoint of Megatron's own ``pretrain_gpt`` (same model and layout) loads too, without
+  ``--finetune``: its model, optimizer state and iteration count continue, the data starts from its
+  beginning (one line says so);
 - after each iteration, the last rank (which holds the loss) prints one row per micro-batch: its
   length, plan, predicted and measured time and peak (every ``--log-interval`` iterations, as
   Megatron's own line), and writes the iteration's figures and plans to Megatron's TensorBoard and
@@ -78,7 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     compat.install()
     from megatron_paradyse.agreement import RankDisagreement
     from megatron_paradyse.cost import ProfileError
-    from megatron_paradyse.planned_loader import ResumeError
     from megatron_paradyse.planner import InfeasibleSequenceError
     from megatron_paradyse.startup import StartupError
 
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             job.run()
         except StartupError as e:  # the same message on every rank: one is enough
             return _error(e) if torch.distributed.get_rank() == 0 else 2
-        except (InfeasibleSequenceError, RankDisagreement, ProfileError, ResumeError) as e:
+        except (InfeasibleSequenceError, RankDisagreement, ProfileError) as e:
             # Raised on every rank at the same point (before any forward of the step, at start-up):
             # a message, not a traceback.
             return _error(e)

@@ -5,8 +5,9 @@ sets it up).
   the first rank of each node), its token ids checked against the tokenizer's vocabulary; a rank that
   fails stops every rank (:func:`~megatron_paradyse.startup.agree`);
 - the dataset provider's train iterator: one planner per pipeline stage, the loader's position
-  restored on ``--load``; on the first call, the cost profile (calibrated by rank 0 and shared when
-  the config names none) and the start-up check that every rank plans from the same inputs;
+  restored on ``--load`` (from the beginning for a checkpoint of Megatron's own ``pretrain_gpt``); on
+  the first call, the cost profile (calibrated by rank 0 and shared when the config names none) and the
+  start-up check that every rank plans from the same inputs;
 - the forward step: the micro-batch's tensors to the device, the model under
   :func:`~megatron_paradyse.micro_batch.micro_batch_scope` with its plan, Megatron 0.19's per-token
   loss (with Megatron's NaN, Inf and spiky-loss checks);
@@ -147,7 +148,7 @@ class TrainingRun:
                 flush=True,
             )
         if job.args.iteration > 0:
-            iterator.load_state(self._saved_loader_state())
+            self._resume(iterator)
         self.iterators.append(iterator)
         if mpu.get_pipeline_model_parallel_world_size() == 1:
             self.meter = MicroBatchMeter(job.device, self.footprints[stage].static_bytes)
@@ -184,11 +185,18 @@ class TrainingRun:
                 flush=True,
             )
 
-    def _saved_loader_state(self) -> dict:
+    def _resume(self, iterator) -> None:
+        """Continue the data where the checkpoint ``--load`` gives left it; every rank decides alike.
+
+        A checkpoint without this entry point's loader positions (one of Megatron's own ``pretrain_gpt``,
+        say) still gives the model, the optimizer state and the iteration count; its consumed samples
+        count another dataset's order, so the data starts from its beginning, with one line saying so.
+        """
         from megatron.core import parallel_state as mpu
         from megatron.training.checkpointing import get_checkpoint_name
 
         from megatron_paradyse.planned_loader import ResumeError
+        from megatron_paradyse.startup import agree
 
         args = self.job.args
         path = get_checkpoint_name(
@@ -201,13 +209,31 @@ class TrainingRun:
             expert_rank=0,
             basename=f"train_dataloader_dprank{mpu.get_data_parallel_rank():03d}.pt",
         )
-        if not os.path.isfile(path):
-            raise ResumeError(
-                f"the checkpoint of iteration {args.iteration} in {args.load} has no data-loader position "
-                f"({path}): it was not saved by this entry point. Pass --finetune to start the data from "
-                f"its beginning"
+        found: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(found, os.path.isfile(path))
+        if not any(found):
+            if self.is_logging_rank and not self.iterators:
+                print(
+                    f"paradyse: the checkpoint of iteration {args.iteration} in {args.load} has no data-loader "
+                    f"position of this entry point (Megatron's own pretrain_gpt saves none): the model, optimizer "
+                    f"state and iteration count continue, the data starts from its beginning (the checkpoint's "
+                    f"{args.consumed_train_samples} consumed samples count another dataset's order)",
+                    flush=True,
+                )
+            return
+        problem = None
+        if not all(found):
+            problem = (
+                f"the checkpoint of iteration {args.iteration} in {args.load} has data-loader positions for some "
+                f"data-parallel ranks only (not {path}): it was saved with another data-parallel size; resume with "
+                f"that one, or pass --finetune to start the data and the iteration count from the beginning"
             )
-        return torch.load(path, weights_only=False)["dataloader_state_dict"]
+        else:
+            try:
+                iterator.load_state(torch.load(path, weights_only=False)["dataloader_state_dict"])
+            except ResumeError as e:
+                problem = str(e)
+        agree(problem)
 
     # forward step -------------------------------------------------------------------------------
     def forward_step(self, data_iterator, model):
