@@ -125,6 +125,10 @@ class LogSection:
     for tools (``paradyse demo`` reads it)."""
 
 
+_Word = typing.NewType("_Word", str)
+"""One word of a command line (a flag or its value)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParadyseConfig:
     planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
@@ -137,7 +141,7 @@ class ParadyseConfig:
     attention_mask: Literal["causal", "bidirectional"] = "causal"
     """``causal`` (GPT, LLaMA; zigzag canonical order) or ``bidirectional`` (BERT-style encoders;
     contiguous order): the layers' mask, the data layout and the attention cost terms follow it."""
-    megatron_args: tuple[str, ...] = ()
+    megatron_args: tuple[_Word, ...] = ()
     """Megatron flags of a preset, e.g. ``["--num-layers", "24", ...]``; the command line overrides them."""
 
     def __post_init__(self) -> None:
@@ -246,6 +250,10 @@ def _convert(value: Any, hint: Any, where: str, errors: list[str]) -> Any:
         return tuple(_convert(v, args[0], f"{where}[{i}]", errors) for i, v in enumerate(value))
     if hint is float:
         return _float(value, where, errors)
+    if hint is _Word and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # a number written plainly in a flag list (``--lr, 3e-4``) means its text
+    if hint is _Word:
+        hint = str
     if hint in (int, str, bool) and (type(value) is not hint):
         errors.append(f"{where}: must be {hint.__name__}, got {value!r}")
         return None

@@ -119,7 +119,10 @@ def _failed_to_start(e: ValueError, flags: list[str]) -> int:
 
     if not distributed_launch():
         return _error(e)
-    init_distributed(*distributed_settings(flags))
+    try:
+        init_distributed(*distributed_settings(flags))
+    except (ValueError, RuntimeError) as join:  # no rendezvous to reach: say what stopped this rank
+        return _error(ValueError(f"{e} (and the other ranks could not be told: {join})"))
     try:
         agree(str(e))
     except StartupError as every:

@@ -83,6 +83,13 @@ def test_values_that_make_no_sense_are_refused_and_numbers_in_exponent_form_are_
         load_config(_write(tmp_path, "memory:\n  budget_gib: '1e-30'\n"))  # quoted: a string, as YAML says
 
 
+def test_numbers_in_megatron_args_are_their_text(tmp_path):
+    config = load_config(_write(tmp_path, "megatron_args: [--lr, 3e-3, --num-layers, 4, --clip-grad, 1.0]\n"))
+    assert config.megatron_args == ("--lr", "0.003", "--num-layers", "4", "--clip-grad", "1.0")
+    with pytest.raises(ConfigError, match=r"megatron_args\[1\]: must be str, got True"):
+        load_config(_write(tmp_path, "megatron_args: [--use-flash-attn, true]\n"))
+
+
 def test_a_planner_config_built_in_code_refuses_an_infinite_bucket_ratio():
     from megatron_paradyse.planner import PlannerConfig
 

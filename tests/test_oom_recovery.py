@@ -267,19 +267,18 @@ def test_an_iteration_that_keeps_running_out_of_memory_stops_the_run(attention_f
     assert state.budget_bytes == shrunk  # not shrunk again
     assert [(e.iteration, e.stopped) for e in state.out_of_memory] == [(3, False), (3, True)]
 
-    # relaunched as torchrun --max-restarts would: refused before any process group
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "TORCH_COMPILE_DISABLE": "1"}
-    command = [sys.executable, "-m", "megatron_paradyse.pretrain_gpt", "--paradyse-config", str(config), *MODEL]
-    command += ["--save", str(save), "--load", str(save)]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.endswith(
+    # relaunched as torchrun --max-restarts would: refused at start-up, every rank, one message
+    relaunch = _launch(tmp_path, config, "--load", str(save))
+    assert relaunch.codes == [STOP_EXIT_CODE] * 4, relaunch.stderr
+    assert _paradyse_lines(relaunch.stderr[0]) == [
         f"paradyse: error: iteration 3 ran out of memory 2 times, under budgets {budgets} ({save / STATE_FILE}), "
         "more than memory.oom_retries = 1 allows. To go on, raise memory.oom_retries (each retry shrinks the "
         "budget by memory.oom_shrink) and relaunch with --load; or shorten the sequences or lower "
-        "memory.budget_gib, and delete paradyse_state.json\n"
-    )
-    assert "initializing torch distributed" not in result.stdout
+        "memory.budget_gib, and delete paradyse_state.json"
+    ]
+    for rank in (1, 2, 3):
+        assert _paradyse_lines(relaunch.stderr[rank]) == []
+    assert not any("initializing torch distributed" in out for out in relaunch.stdout)
 
 
 # -- the state and the config, without ranks ------------------------------------------------------

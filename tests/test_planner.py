@@ -111,7 +111,7 @@ def test_no_option_left_is_an_error():
         ({"pairs": ("ring",)}, r"a layer option reads 'attention/mlp'"),
         ({"attention": "ring"}, r"planner.attention must be a non-empty list of names, got 'ring'"),
         ({"bucket_tokens": 0}, r"planner.bucket_tokens must be a positive int, got 0"),
-        ({"bucket_ratio": 1.0}, r"planner.bucket_ratio must be > 1, got 1.0"),
+        ({"bucket_ratio": 1.0}, r"planner.bucket_ratio must be a finite number > 1, got 1.0"),
         ({"on_infeasible": "split"}, r"planner.on_infeasible must be one of skip, stop; got 'split'"),
     ],
 )
