@@ -40,6 +40,8 @@ class PlannedMicroBatch:
 
     batch: dict
     decision: Decision
+    evaluation: bool = False
+    """Drawn for validation or test (a forward-only pass), not for training."""
 
     @property
     def layout(self) -> SequenceLayout:
@@ -63,9 +65,13 @@ class PlannedMicroBatches:
         loader: this data-parallel rank's micro-batches.
         planners: one planner per pipeline stage, in stage order (all with the same config).
         stage: this rank's pipeline stage; its planner's decisions are the plans returned.
+        evaluation: the micro-batches are for validation or test (forward-only passes, planned by
+            forward-only planners); :meth:`restart` starts each evaluation from the same one.
     """
 
-    def __init__(self, loader: DynamicSequenceLoader, planners: Sequence[Planner], stage: int) -> None:
+    def __init__(
+        self, loader: DynamicSequenceLoader, planners: Sequence[Planner], stage: int, *, evaluation: bool = False
+    ) -> None:
         if not 0 <= stage < len(planners):
             raise ValueError(f"stage must be in [0, {len(planners)}), got {stage}")
         policies = {planner.config.on_infeasible for planner in planners}
@@ -75,6 +81,7 @@ class PlannedMicroBatches:
         self.planners = tuple(planners)
         self.stage = stage
         self.policy = policies.pop()
+        self.evaluation = evaluation
         # Feasibility is asked of separate planners, so the checks never move the hysteresis of the
         # planner that makes this stage's plans.
         self._checkers = tuple(_checker(planner) for planner in planners)
@@ -92,7 +99,8 @@ class PlannedMicroBatches:
             batch = next(self.loader)
             problem = self._first_infeasible(batch["layout"])
             if problem is None:
-                return PlannedMicroBatch(batch, self.planners[self.stage].decide(batch["layout"]))
+                decision = self.planners[self.stage].decide(batch["layout"])
+                return PlannedMicroBatch(batch, decision, self.evaluation)
             stage, error = problem
             if self.policy == "stop":  # reached only when resuming in the middle of a step
                 raise self._staged(error, stage)
@@ -120,6 +128,14 @@ class PlannedMicroBatches:
         staged = InfeasibleSequenceError(error.report)
         staged.args = (f"pipeline stage {stage}: {error}",)
         return staged
+
+    def restart(self) -> None:
+        """Back to the first micro-batch, with no previous plan: each evaluation then runs the same
+        micro-batches under the same plans, and its losses compare from one evaluation to the next."""
+        self.loader.sampler.load_state_dict(self.loader.sampler.state_dict() | {"position": (0, 0, 0), "consumed": 0})
+        for planner in self.planners:
+            planner.forget_previous()
+        self.skipped.clear()
 
     # -- Megatron's checkpoint hook (``--dataloader-save``) -----------------------------------------
     def save_state(self) -> dict:

@@ -19,6 +19,10 @@ Around ``pretrain()``:
 - each pipeline stage has a planner, priced by the cost profile (``cost.profile``, or a quick
   calibration at start-up shared by rank 0) within the memory budget; all ranks check at start-up
   that they plan from the same inputs;
+- ``--eval-iters N`` (with ``--eval-interval``, and ``--split`` for the shares) holds documents out
+  for validation (and test): Megatron evaluates on them, forward only, under plans priced for
+  forward-only passes; each evaluation runs the same micro-batches, and the last rank prints one line
+  on them after Megatron's loss line;
 - the data loader's position is saved with every Megatron checkpoint and restored on ``--load``; a
   checkpoint of Megatron's own ``pretrain_gpt`` (same model and layout) loads too, without
   ``--finetune``: its model, optimizer state and iteration count continue, the data starts from its
@@ -253,7 +257,7 @@ class Job:
                 raise ValueError(f"Megatron's argument check failed: {_assertion(e)}") from e
             except (ValueError, TypeError, KeyError) as e:  # a failure inside Megatron's own argument code
                 raise ValueError(f"Megatron's argument handling failed: {type(e).__name__}: {e}") from e
-        problems = _argument_problems(args, config)
+        problems = _argument_problems(args, config, [*config.megatron_args, *argv])
         if problems:
             raise ValueError("the Megatron arguments do not fit this entry point:\n  - " + "\n  - ".join(problems))
         # Lengths change between micro-batches: pipeline stages exchange shapes first. (Megatron's
@@ -316,7 +320,12 @@ class Job:
         agree(None)  # where a rank that could not read its config or profile reports it (main)
         run = TrainingRun(self)
         run.start_up()
-        with _after_each_iteration(run.end_iteration), _on_out_of_memory(run.out_of_memory), run.fault_watch:
+        with (
+            _after_each_iteration(run.end_iteration),
+            _around_each_evaluation(run.begin_evaluation, run.end_evaluation),
+            _on_out_of_memory(run.out_of_memory),
+            run.fault_watch,
+        ):
             pretrain(
                 pretrain_cfg_container_from_args(self.args, self.model_config),
                 run.dataset_provider(),
@@ -367,19 +376,40 @@ class Job:
         ]
 
 
-def _argument_problems(args: argparse.Namespace, config: ParadyseConfig) -> list[str]:
+def _argument_problems(args: argparse.Namespace, config: ParadyseConfig, flags: list[str]) -> list[str]:
+    """What of Megatron's arguments this entry point cannot run (``flags``: the ones the user gave, the
+    config's ``megatron_args`` and the command line's)."""
     problems = []
     longest = config.data.token_budget or config.data.max_len
     wanted = {
         "dataloader_type": ("external", "--dataloader-type: the entry point feeds Megatron its own iterator"),
         "micro_batch_size": (1, "--micro-batch-size: a micro-batch is one row (one document or a packing)"),
         "context_parallel_size": (1, "--context-parallel-size: the strategies parallelise the sequence over TP"),
-        "eval_iters": (0, "--eval-iters: validation is not supported by this entry point yet"),
+        "full_validation": (False, "--full-validation: validation runs --eval-iters steps"),
+        "multiple_validation_sets": (False, "--multiple-validation-sets: validation holds out one split"),
         "spec": (None, "--spec: the entry point uses megatron_paradyse.spec"),
     }
     for name, (value, why) in wanted.items():
         if getattr(args, name) != value:
             problems.append(f"{why}; got {getattr(args, name)!r}, leave it out or set {value!r}")
+    given = {flag.split("=", 1)[0] for flag in flags}
+    if "--eval-micro-batch-size" in given and args.eval_micro_batch_size != 1:  # else it follows the above
+        problems.append(
+            f"--eval-micro-batch-size: a micro-batch is one row; got {args.eval_micro_batch_size}, leave it out "
+            f"or set 1"
+        )
+    if "--eval-interval" in given and not args.eval_iters:
+        problems.append(
+            f"--eval-interval {args.eval_interval} without --eval-iters: no validation would run; add --eval-iters N "
+            f"(validation steps per evaluation, N > 0), or leave --eval-interval out"
+        )
+    if args.split is not None:
+        from megatron_paradyse.data.subset import split_fractions
+
+        try:
+            split_fractions(args.split)
+        except ValueError as e:
+            problems.append(str(e))
     if args.seq_length < longest:
         problems.append(
             f"--seq-length {args.seq_length} is shorter than the longest micro-batch, {longest} tokens "
@@ -491,6 +521,27 @@ def _after_each_iteration(callback: Callable[[int, dict], None]) -> Iterator[Non
         yield
     finally:
         training.training_log = original
+
+
+@contextlib.contextmanager
+def _around_each_evaluation(begin: Callable[[], None], end: Callable[[str], None]) -> Iterator[None]:
+    """Call ``begin()`` before each of Megatron's evaluations (validation during and after training, test
+    at the end) and ``end(prefix)`` after it has printed its loss (``prefix``: ``iteration N ...``)."""
+    from megatron.training import training
+
+    original = training.evaluate_and_print_results
+
+    def evaluate_and_print_results(prefix, *args, **kwargs):
+        begin()
+        result = original(prefix, *args, **kwargs)
+        end(prefix)
+        return result
+
+    training.evaluate_and_print_results = evaluate_and_print_results
+    try:
+        yield
+    finally:
+        training.evaluate_and_print_results = original
 
 
 @contextlib.contextmanager

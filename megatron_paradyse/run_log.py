@@ -85,7 +85,9 @@ class MicroBatchMeter:
     ``begin()`` in ``forward_step`` before the model runs; the model's transformer block reports the
     end of its backward through the hook :meth:`attach` installs; ``collect()`` at the end of the
     iteration returns ``(time_s, peak_bytes)`` per micro-batch. Only for schedules that run each
-    micro-batch's forward and backward back to back (no pipeline parallelism).
+    micro-batch's forward and backward back to back (no pipeline parallelism). A forward-only
+    micro-batch (``begin(forward_only=True)``, evaluation) is measured until the next one begins or
+    ``collect()``: its forward and its loss.
     """
 
     def __init__(self, device: torch.device, static_bytes: float) -> None:
@@ -109,9 +111,9 @@ class MicroBatchMeter:
 
         block.register_forward_pre_hook(wrap_input, with_kwargs=True)
 
-    def begin(self) -> None:
+    def begin(self, *, forward_only: bool = False) -> None:
         self._close()
-        self._open = _Window(self.device)
+        self._open = _Window(self.device, forward_only=forward_only)
 
     def collect(self) -> list[tuple[float | None, float | None]]:
         self._close()
@@ -120,6 +122,8 @@ class MicroBatchMeter:
 
     def _close(self) -> None:
         if self._open is not None:
+            if self._open.forward_only:
+                self._open.finish()
             self._open.memory.__exit__(None, None, None)
             self._done.append(self._open)
             self._open = None
@@ -128,8 +132,9 @@ class MicroBatchMeter:
 class _Window:
     """One micro-batch's measurement: opened in its forward step, ended by its backward."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, forward_only: bool) -> None:
         self.memory = PeakMemory(device).__enter__()
+        self.forward_only = forward_only
         self.cuda = device.type == "cuda"
         self.peak: int | None = None
         if self.cuda:
@@ -146,7 +151,7 @@ class _Window:
             self.end = time.perf_counter()
 
     def result(self, static_bytes: float) -> tuple[float | None, float | None]:
-        if self.peak is None:  # no backward seen (a forward-only step)
+        if self.peak is None:  # no backward seen (the step ran forward only, unplanned for it)
             return None, None
         if self.cuda:
             self.end.synchronize()

@@ -21,6 +21,8 @@ sets it up).
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -41,6 +43,7 @@ __all__ = ["TrainingRun"]
 logger = logging.getLogger(__name__)
 
 _GIB = 2**30
+_MIB = 2**20
 
 
 class TrainingRun:
@@ -50,6 +53,14 @@ class TrainingRun:
     def __init__(self, job: Job) -> None:
         self.job = job
         self.iterators: list = []
+        """This rank's training iterators, one per virtual-pipeline chunk."""
+        self.eval_iterators: list = []
+        """Its validation and test iterators (every chunk's)."""
+        self.eval_pending: list = []
+        """The current evaluation's micro-batch records, in forward order."""
+        self.datasets: dict = {}
+        """The documents of ``train``, ``valid`` and ``test`` (None: that split has none)."""
+        self._prepared = False
         self.meter = None
         self.records: list = []
         self.pending: list = []
@@ -81,54 +92,77 @@ class TrainingRun:
         agree(problem)  # then the other ranks of the node read what its first rank built
         opened, problem = _attempt(lambda: _open_dataset(config))
         if problem is None:
-            self.dataset, whole = opened
+            documents, whole = opened
             _, problem = _attempt(lambda: whole.check_token_ids(get_tokenizer().vocab_size))
+        if problem is None:
+            self.datasets, problem = _attempt(lambda: _split(documents, self.job.args, config.data.seed))
         agree(problem)
 
     # provider ----------------------------------------------------------------------------------
     def dataset_provider(self):
-        """Megatron's dataset provider: ``(train iterator, no validation, no test)`` on every rank."""
+        """Megatron's dataset provider: the train, validation and test iterators (None for a split with
+        no documents) on every rank."""
 
         def provider(train_val_test_num_samples, vp_stage=None):
-            return self.data_iterator(vp_stage), None, None
+            return tuple(
+                None if self.datasets[split] is None else self.data_iterator(vp_stage, split)
+                for split in ("train", "valid", "test")
+            )
 
         provider.is_distributed = True  # every rank builds its own micro-batches (no TP broadcast)
         return provider
 
-    def data_iterator(self, vp_stage: int | None):
+    def data_iterator(self, vp_stage: int | None, split: str = "train"):
+        """The iterator of ``split`` (``train``, ``valid`` or ``test``) for one virtual-pipeline chunk.
+
+        Validation and test run forward only (Megatron's ``evaluate``): their micro-batches are planned
+        for that (:class:`~megatron_paradyse.planner.planner.ForwardOnlyCost`, no recompute), drawn in
+        random order (a spread of lengths, whatever ``data.sampler`` is), and every evaluation restarts
+        them (:meth:`begin_evaluation`), so its losses compare with the last one's.
+        """
         from megatron.core import parallel_state as mpu
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
         from megatron_paradyse.data import DynamicSequenceLoader, LoaderConfig
         from megatron_paradyse.planned_loader import PlannedMicroBatches
         from megatron_paradyse.planner import Planner
+        from megatron_paradyse.planner.planner import ForwardOnlyCost
         from megatron_paradyse.run_log import MicroBatchMeter
 
-        job, config = self.job, self.job.config
-        if not self.iterators:  # once per rank, whatever the number of virtual-pipeline chunks
+        job, config, args = self.job, self.job.config, self.job.args
+        if not self._prepared:  # once per rank, whatever the number of virtual-pipeline chunks
             self._prepare()
+        evaluation = split != "train"
         data = config.data
+        dp_size = mpu.get_data_parallel_world_size()
         loader = DynamicSequenceLoader(
-            self.dataset,
+            self.datasets[split],
             LoaderConfig(
                 p=job.tp,
                 max_len=data.max_len,
                 causal=job.causal,
                 overflow=data.overflow,
                 token_budget=data.token_budget,
-                sampler=data.sampler,
+                sampler="random" if evaluation else data.sampler,
                 bucket_size=data.bucket_size,
                 seed=data.seed,
-                micro_batches_per_step=get_num_microbatches(),
+                micro_batches_per_step=(
+                    args.eval_global_batch_size // (args.eval_micro_batch_size * dp_size)
+                    if evaluation
+                    else get_num_microbatches()
+                ),
                 pad_id=job.pad_id,
             ),
             dp_rank=mpu.get_data_parallel_rank(),
-            dp_size=mpu.get_data_parallel_world_size(),
+            dp_size=dp_size,
         )
+        planner_config = job.planner_config
+        if evaluation:  # nothing to recompute without a backward
+            planner_config = dataclasses.replace(planner_config, recompute=False)
         planners = [
             Planner.for_model(
-                job.planner_config,
-                cost,
+                planner_config,
+                ForwardOnlyCost(cost) if evaluation else cost,
                 shape=cost.shape,
                 p=job.tp,
                 num_layers=footprint.layers,
@@ -137,7 +171,10 @@ class TrainingRun:
             for cost, footprint in zip(self.cost_models, self.footprints)
         ]
         stage = mpu.get_pipeline_model_parallel_rank()
-        iterator = PlannedMicroBatches(loader, planners, stage=stage)
+        iterator = PlannedMicroBatches(loader, planners, stage=stage, evaluation=evaluation)
+        if evaluation:
+            self.eval_iterators.append(iterator)
+            return iterator
         if not self.iterators and self.is_logging_rank:
             print(
                 f"paradyse: TP={job.tp} PP={mpu.get_pipeline_model_parallel_world_size()} "
@@ -162,6 +199,7 @@ class TrainingRun:
         from megatron_paradyse.modules import model_shape
 
         job = self.job
+        self._prepared = True
         self.fault_watch.start()
         profile = job.profile if job.profile is not None else _calibrate_once(job)
         self.cost_models = job.cost_models(profile)
@@ -175,6 +213,14 @@ class TrainingRun:
         check_ranks_agree(inputs, [job.config.cost.profile] if job.config.cost.profile else [])
         self.is_logging_rank = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
         self.dp_rank = mpu.get_data_parallel_rank()
+        if self.is_logging_rank and self.datasets["valid"] is not None:
+            counts = {name: 0 if docs is None else len(docs) for name, docs in self.datasets.items()}
+            print(
+                f"paradyse: documents: {counts['train']} for training, {counts['valid']} for validation, "
+                f"{counts['test']} for test ({_split_source(job.args)}); validation micro-batches are planned "
+                f"for forward-only passes and kept out of the table",
+                flush=True,
+            )
         state = job.budget_state
         if self.is_logging_rank and state is not None and job.budget_bytes == state.budget_bytes:
             iterations = sorted({e.iteration for e in state.out_of_memory})
@@ -243,8 +289,10 @@ class TrainingRun:
 
         planned = next(data_iterator)
         chunk = get_attr_wrapped_model(model, "vp_stage") or 0
-        index = self._forwards.get(chunk, 0)  # chunks run the step's micro-batches in the same order
-        self._forwards[chunk] = index + 1
+        index = None  # an evaluation's losses are Megatron's to add up
+        if not planned.evaluation:
+            index = self._forwards.get(chunk, 0)  # chunks run the step's micro-batches in the same order
+            self._forwards[chunk] = index + 1
         if chunk == 0:
             self._record(planned, model)
         batch = planned.batch
@@ -268,7 +316,7 @@ class TrainingRun:
         if not self._checked_parameters:
             self._check_parameter_count(model)
         plan = planned.decision.plan
-        self.pending.append(
+        (self.eval_pending if planned.evaluation else self.pending).append(
             MicroBatchLog(
                 tokens=planned.layout.valid_len,
                 documents=len(planned.layout.doc_lengths),
@@ -280,19 +328,21 @@ class TrainingRun:
                 kept_previous=planned.decision.kept_previous,
             )
         )
-        if self.meter is not None and torch.is_grad_enabled():
+        if self.meter is not None and (planned.evaluation or torch.is_grad_enabled()):
             self.meter.attach(get_attr_wrapped_model(model, "decoder"))
-            self.meter.begin()
+            self.meter.begin(forward_only=planned.evaluation)
 
-    def _loss(self, loss_mask: torch.Tensor, index: int, output: torch.Tensor):
-        """Megatron 0.19's per-token loss convention: (sum, tokens, report)."""
+    def _loss(self, loss_mask: torch.Tensor, index: int | None, output: torch.Tensor):
+        """Megatron 0.19's per-token loss convention: (sum, tokens, report); ``index``: the micro-batch's
+        position in this iteration's records (None for an evaluation's)."""
         from megatron.core.rerun_state_machine import get_rerun_state_machine
 
         args = self.job.args
         mask = loss_mask.view(-1).float()
         loss = torch.sum(output.view(-1).float() * mask)
         num_tokens = mask.sum().clone().detach().to(torch.int)
-        self._losses[index] = (loss.detach(), num_tokens)  # read at the iteration's end: no sync here
+        if index is not None:
+            self._losses[index] = (loss.detach(), num_tokens)  # read at the iteration's end: no sync here
         rerun = get_rerun_state_machine()
         if args.check_for_nan_in_loss_and_grad:
             for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
@@ -386,6 +436,35 @@ class TrainingRun:
         if lines:
             print("\n".join(lines), flush=True)
 
+    # evaluation ---------------------------------------------------------------------------------
+    def begin_evaluation(self) -> None:
+        """Megatron starts an evaluation (validation, or test): from the first micro-batch again."""
+        for iterator in self.eval_iterators:
+            iterator.restart()
+        self.eval_pending = []
+
+    def end_evaluation(self, prefix: str) -> None:
+        """Megatron has printed the evaluation's loss (``prefix``: its ``iteration N [on ... set]``); the
+        last rank adds one line on its micro-batches."""
+        records, self.eval_pending = self.eval_pending, []
+        measured = self.meter.collect() if self.meter is not None else []
+        for record, (seconds, peak) in zip(records, measured):
+            record.measured_time_s, record.measured_peak_bytes = seconds, peak
+        # one split's iterators ran (every chunk's, skipping alike); the others were restarted, empty
+        skipped = max((len(iterator.skipped) for iterator in self.eval_iterators), default=0)
+        if not self.is_logging_rank or not records:
+            return
+        plans = collections.Counter(record.plan for record in records)
+        peaks = [r.measured_peak_bytes for r in records if r.measured_peak_bytes is not None]
+        measured_text = f", measured {max(peaks) / _MIB:.1f}" if peaks else ""
+        print(
+            f"paradyse: evaluation at {prefix}: {len(records)} micro-batches of {sum(r.tokens for r in records)} "
+            f"tokens, plans: {'; '.join(f'{n}x [{plan}]' for plan, n in plans.items())}; peak up to "
+            f"{max(r.predicted_peak_bytes for r in records) / _MIB:.1f} MiB predicted{measured_text}; "
+            f"{skipped} skipped",
+            flush=True,
+        )
+
     def finish(self) -> None:
         from megatron.training.global_vars import get_tensorboard_writer
 
@@ -437,6 +516,40 @@ def _open_dataset(config: ParadyseConfig):
         return dataset, dataset
     docs = spread_by_length(dataset.lengths, data.num_documents, data.min_len, data.max_len)
     return DocumentSubset(dataset, docs), dataset
+
+
+_DEFAULT_VALIDATION = 0.02
+"""Without ``--split``, validation takes this fraction of the documents (at least one), test none."""
+
+
+def _split(documents, args, seed: int) -> dict:
+    """The documents of training, validation and test, as ``--split`` shares them (every rank alike).
+    Without ``--split`` and without evaluation (``--eval-iters 0``) all train."""
+    from megatron_paradyse.data.subset import DocumentSubset, split_documents, split_fractions
+
+    if args.split is None and not args.eval_iters:
+        return {"train": documents, "valid": None, "test": None}
+    n = len(documents.lengths)
+    if args.split is None:
+        held = max(1, round(_DEFAULT_VALIDATION * n))
+        fractions = ((n - held) / n, held / n, 0.0)
+    else:
+        fractions = split_fractions(args.split)
+    parts = dict(zip(("train", "valid", "test"), split_documents(n, fractions, seed)))
+    needed = ["train"] + ["valid"] * bool(args.eval_iters)
+    empty = [name for name in needed if not len(parts[name])]
+    if empty:
+        raise ValueError(
+            f"{_split_source(args)} of {n} documents leaves none for {' and '.join(empty)}: give that split a "
+            f"larger share (--split), or use more documents (data.num_documents)"
+        )
+    return {name: DocumentSubset(documents, docs) if len(docs) else None for name, docs in parts.items()}
+
+
+def _split_source(args) -> str:
+    if args.split is None:
+        return f"the default split, {_DEFAULT_VALIDATION:.0%} of the documents for validation (at least one)"
+    return f"--split {args.split}"
 
 
 def _attempt(fn):

@@ -97,6 +97,14 @@ def test_megatron_arguments_that_cannot_work_are_refused_before_any_process_grou
     )
     assert "initializing torch distributed" not in result.stdout
 
+    result = _single_rank(config, *one_rank, "--eval-interval", "2")  # never silently without validation
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.endswith(
+        "paradyse: error: the Megatron arguments do not fit this entry point:\n"
+        "  - --eval-interval 2 without --eval-iters: no validation would run; add --eval-iters N (validation "
+        "steps per evaluation, N > 0), or leave --eval-interval out\n"
+    )
+
     result = _single_rank(config, *one_rank, "--save", str(tmp_path / "ckpt"))  # Megatron's own check
     assert result.returncode == 2
     assert result.stderr.endswith(
@@ -148,6 +156,32 @@ def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_s
     root_cause = second.stderr[second.stderr.index("Root Cause (first observed failure)") :]
     assert re.search(r"exitcode\s*: 2\b", root_cause), root_cause
     assert "InfeasibleSequenceError" not in second.stderr
+
+
+def test_validation_runs_forward_only_plans_on_held_out_documents(tmp_path, cache):
+    """--eval-iters with --eval-interval and --split: Megatron validates during and after training on the
+    held-out documents, under plans priced for forward-only passes, the same micro-batches every time."""
+    config = _write_config(tmp_path / "cfg.yaml", cache, data={"num_documents": 10, "min_len": 128, "max_len": 2048})
+    evaluation = ["--eval-iters", "2", "--eval-interval", "2", "--split", "70,30,0"]
+    result = _torchrun(2, "--paradyse-config", str(config), *SMALL_GPT, "--train-iters", "4", *evaluation)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "paradyse: documents: 7 for training, 3 for validation, 0 for test (--split 70,30,0)" in out
+    losses = re.findall(r"validation loss at iteration (\d+( on validation set)?) \| lm loss value: (\S+)", out)
+    assert [where for where, _, _ in losses] == ["2", "4", "4 on validation set"]
+    assert losses[1][2] == losses[2][2]  # the same weights on the same micro-batches: each evaluation restarts
+    assert losses[0][2] != losses[1][2]
+    evaluations = re.findall(
+        r"^paradyse: evaluation at iteration [^:]+: 2 micro-batches of (\d+) tokens, plans: (.+); peak up to "
+        r"([\d.]+) MiB predicted, measured ([\d.]+); 0 skipped$",
+        out,
+        re.MULTILINE,
+    )
+    assert len(evaluations) == 3 and len(set(evaluations)) == 1, evaluations
+    tokens, plans, predicted, measured = evaluations[0]
+    assert "+rc" not in plans  # nothing to recompute without a backward
+    assert 0 < float(measured) <= float(predicted)
+    assert re.search(r"^paradyse: 4 micro-batches, ", out, re.MULTILINE)  # the table: training's only
 
 
 def test_demo_trains_switches_plans_and_skips_what_no_plan_fits(tmp_path, cache, capsys):

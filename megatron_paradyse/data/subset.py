@@ -1,17 +1,20 @@
-"""A few documents of a dataset that still cover its range of lengths: for quick runs and the demo.
+"""Some of a dataset's documents: a few that still cover its range of lengths, or a held-out split.
 
 A run of a few dozen iterations over a whole corpus in curriculum order sees only its shortest
 documents; :func:`spread_by_length` picks documents whose lengths climb evenly (in log length) from
-short to long instead, and :class:`DocumentSubset` lets the loader read just those.
+short to long instead. :func:`split_documents` divides documents into training, validation and test
+by Megatron's ``--split`` shares. :class:`DocumentSubset` lets the loader read just those.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 
 from megatron_paradyse.data.indexed import DocumentDataset
 
-__all__ = ["DocumentSubset", "spread_by_length"]
+__all__ = ["DocumentSubset", "split_documents", "split_fractions", "spread_by_length"]
 
 
 def spread_by_length(lengths: np.ndarray, count: int, low: int, high: int) -> np.ndarray:
@@ -56,3 +59,29 @@ class DocumentSubset:
         if not 0 <= doc < len(self):
             raise IndexError(f"document {doc} out of range for a subset of {len(self)} documents")
         return self.dataset.read(int(self.docs[doc]), offset, length)
+
+
+def split_fractions(split: str) -> tuple[float, float, float]:
+    """Megatron's ``--split`` (``"98,2,0"``: training, validation, test shares; missing ones are 0) as
+    fractions that sum to 1."""
+    shares = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    if not 1 <= len(shares) <= 3 or sum(shares) <= 0:
+        raise ValueError(
+            f"--split {split!r}: give up to three non-negative shares of training, validation and test with a "
+            f"positive sum, e.g. 98,2,0"
+        )
+    shares += [0.0] * (3 - len(shares))
+    return tuple(share / sum(shares) for share in shares)
+
+
+def split_documents(num_documents: int, fractions: tuple[float, float, float], seed: int) -> list[np.ndarray]:
+    """Training, validation and test documents (indices, each in increasing order) of ``num_documents``.
+
+    Megatron cuts its documents into contiguous ranges at the rounded cumulative fractions; here the
+    ranges are cut from a permutation seeded by ``seed`` instead, so that each split spans the dataset
+    (a corpus in file order, or a subset in length order, would put its last documents in one split).
+    A pure function of its arguments: every rank gets the same split.
+    """
+    order = np.random.default_rng([seed, num_documents]).permutation(num_documents)
+    bounds = np.rint(np.cumsum([0.0, *fractions]) * num_documents).astype(int)
+    return [np.sort(order[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]

@@ -21,7 +21,7 @@ import logging
 import math
 from collections.abc import Sequence
 
-from megatron_paradyse.cost.base import CostModel
+from megatron_paradyse.cost.base import CostModel, LayerCost
 from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.plan import LayerOption, Plan
 from megatron_paradyse.planner.buckets import LengthBuckets
@@ -31,7 +31,7 @@ from megatron_paradyse.planner.heuristic import solve_heuristic
 from megatron_paradyse.planner.problem import Solution, StageProblem
 from megatron_paradyse.strategies import ModelShape
 
-__all__ = ["Decision", "InfeasibleReport", "InfeasibleSequenceError", "Planner"]
+__all__ = ["Decision", "ForwardOnlyCost", "InfeasibleReport", "InfeasibleSequenceError", "Planner"]
 
 logger = logging.getLogger(__name__)
 
@@ -315,3 +315,41 @@ class Planner:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return self._buckets.edge_at(lo, 2 * p)
+
+
+class ForwardOnlyCost:
+    """A training cost model's prices for forward-only passes (evaluation, under ``torch.no_grad()``),
+    for a :class:`Planner` of evaluation micro-batches.
+
+    Nothing is kept for a backward: besides what every plan holds (static bytes, the stage's input and
+    tables), a stage holds one activation ``[s/p, b, h]`` between layers (the input of the layer that
+    runs, or the last layer's output while the output layer runs) and the working set of one layer.
+    That working set is priced as the layer's whole training high-water mark, forward and backward
+    (its saved plus transient bytes), an upper bound of its forward alone, which the cost models do
+    not price apart (``tests/test_evaluation.py`` measures every option's no-grad forward against
+    it). Times stay the training pass's (forward and backward): they rank the plans, they do not
+    predict an evaluation step.
+
+    Args:
+        training: the stage's :class:`~megatron_paradyse.cost.AnalyticCostModel` (its ``shape``,
+            ``p`` and ``element_size`` give the activation's size).
+    """
+
+    def __init__(self, training) -> None:
+        self.training = training
+        self.shape = training.shape
+
+    def activation_bytes(self, layout: SequenceLayout, micro_batch_size: int) -> float:
+        tokens = layout.padded_len * micro_batch_size // self.training.p
+        return tokens * self.shape.hidden_size * self.training.element_size
+
+    def layer_cost(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> LayerCost:
+        cost = self.training.layer_cost(option, layout, micro_batch_size)
+        return LayerCost(cost.time_s, saved_bytes=0.0, transient_bytes=cost.saved_bytes + cost.transient_bytes)
+
+    def peak_bytes(
+        self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, transient_bytes: float
+    ) -> float:
+        """``saved_bytes`` is 0 (no layer keeps anything); one activation stands in for it."""
+        held = self.activation_bytes(layout, micro_batch_size)
+        return self.training.peak_bytes(layout, micro_batch_size, held, transient_bytes)
