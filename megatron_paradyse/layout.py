@@ -78,6 +78,9 @@ class LayoutIndices(NamedTuple):
     """Natural position -> canonical index, ``[padded_len]`` int64."""
     position_ids: torch.Tensor
     """Rotary position of every canonical token, ``[padded_len]`` int64."""
+    cu_seqlens: torch.Tensor
+    """Natural start of every document and the padded end, ``[docs+1]`` int32 (the padding a document
+    of its own): the bounds a variable-length attention call takes."""
 
     @property
     def nbytes(self) -> int:
@@ -172,7 +175,7 @@ class SequenceLayout:
         host data (a host synchronisation on a GPU) and every layer shares one copy."""
         device = torch.device(device)
         if device not in self._indices:
-            host = (self.natural_positions, self.canonical_index, self.position_ids)
+            host = (self.natural_positions, self.canonical_index, self.position_ids, self.cu_seqlens)
             if device.type == "cuda":  # from pinned memory, without waiting for the copy
                 host = tuple(t.pin_memory() for t in host)
             self._indices[device] = LayoutIndices(*(t.to(device, non_blocking=True) for t in host))
@@ -192,6 +195,11 @@ class SequenceLayout:
         """Rotary position of every canonical token (restarting at 0 in each document)."""
         natural = torch.cat([torch.arange(e - s) for s, e in self.doc_bounds])
         return natural[self.natural_positions]
+
+    @functools.cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """Natural start of every document and the padded end, ``[docs+1]`` int32."""
+        return torch.tensor([0, *(end for _, end in self.doc_bounds)], dtype=torch.int32)
 
     @functools.cached_property
     def loss_mask(self) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,12 +12,17 @@ from megatron_paradyse.attention import (
     accumulate_block,
     accumulate_block_grads,
     get_kernel,
+    kernels,
     merge_into,
     segment_attention,
 )
+from megatron_paradyse.attention.blocks import batch_cu_seqlens
+from megatron_paradyse.cost.allocations import Dims, sublayer_memory
 from megatron_paradyse.layout import Segment, SequenceLayout
+from megatron_paradyse.strategies import ModelShape
 
 CPU = torch.device("cpu")
+CUDA = torch.device("cuda")
 
 
 def _qkv(b=2, nq=4, nkv=2, sq=12, sk=12, d=8, dtype=torch.float64, seed=0):
@@ -136,25 +143,141 @@ def test_ring_blocks_accumulate_half_precision_parts_in_fp32():
 def test_get_kernel_rejects_unknown_names_and_wrong_devices():
     with pytest.raises(ValueError, match=r"unknown attention kernel 'flash'; known: flash_attn, math, torch, auto"):
         get_kernel("flash", CPU, torch.float32)
-    with pytest.raises(ValueError, match=r"the 'flash_attn' kernel needs CUDA \(got cpu\)"):
+    with pytest.raises(ValueError, match=r"the 'flash_attn' kernel needs cuda \(got cpu\)"):
         get_kernel("flash_attn", CPU, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"the 'torch' kernel on CUDA takes fp16, bf16 or fp32 \(got torch.float64\)"):
+        get_kernel("torch", CUDA, torch.float64)
+
+
+@pytest.fixture
+def fresh_kernels():
+    """``get_kernel`` memoises what is installed: forget it around a test that pretends otherwise."""
+    get_kernel.cache_clear()
+    yield
+    get_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("flash_attn_installed", [False, True])
+def test_auto_picks_flash_attn_then_torch_then_math(fresh_kernels, monkeypatch, flash_attn_installed):
+    """Resolving a kernel touches no device: CUDA choices are checked on a machine without one."""
+    flash = kernels._KERNELS["flash_attn"]["cuda"]
+    takes = (torch.float16, torch.bfloat16) if flash_attn_installed else ()
+    monkeypatch.setattr(flash, "unsupported", lambda device, dtype: None if dtype in takes else "not here")
     assert get_kernel("auto", CPU, torch.float32).name == "torch"
+    half = get_kernel("auto", CUDA, torch.bfloat16)
+    assert half is (flash if flash_attn_installed else kernels._KERNELS["torch"]["cuda"])
+    assert isinstance(get_kernel("auto", CUDA, torch.float32), kernels.TorchCudaKernel)
+    assert get_kernel("auto", CUDA, torch.float64).name == "math"
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flash_attn_is_absent_here_and_auto_uses_torch_on_cuda(fresh_kernels):
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here")
+    assert isinstance(get_kernel("auto", CUDA, torch.float16), kernels.TorchCudaKernel)
+
+
+def test_layout_bounds_and_their_repetition_for_several_samples():
+    layout = SequenceLayout.build((3, 6, 2), 2, causal=True)  # 11 tokens + 1 padding
+    cu = layout.indices(CPU).cu_seqlens
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 9, 11, 12]
+    assert [(seg.q_start, seg.q_end) for seg in layout.full_segments()] == list(zip(cu.tolist(), cu.tolist()[1:]))
+    assert batch_cu_seqlens(cu, 1) is cu
+    assert batch_cu_seqlens(cu, 3).tolist() == [0, 3, 9, 11, 12, 15, 21, 23, 24, 27, 33, 35, 36]
+
+
+class _VarlenMath(kernels.MathKernel):
+    """The ``math`` kernel with a variable-length call (one dense call per document, bounds read on the
+    host) and FlashAttention's ``[n, total]`` log-sum-exp: the oracle for the packing around the call."""
+
+    def varlen(self, q):
+        return True
+
+    def _documents(self, cu_seqlens):
+        bounds = cu_seqlens.tolist()
+        return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+    def forward_varlen(self, q, k, v, cu_seqlens, max_len, causal, scale):
+        assert max_len == max(b.stop - b.start for b in self._documents(cu_seqlens))
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float64)
+        for doc in self._documents(cu_seqlens):
+            doc_out, doc_lse = self.forward(*(t[doc].transpose(0, 1)[None] for t in (q, k, v)), causal, scale)
+            out[doc], lse[:, doc] = doc_out[0].transpose(0, 1), doc_lse[0]
+        return out, lse
+
+    def backward_varlen(self, dout, q, k, v, out, lse, cu_seqlens, max_len, causal, scale):
+        grads = tuple(torch.empty_like(t) for t in (q, k, v))
+        for doc in self._documents(cu_seqlens):
+            tensors = (t[doc].transpose(0, 1)[None] for t in (dout, q, k, v, out))
+            for g, part in zip(grads, self.backward(*tensors, lse[None, :, doc], causal, scale)):
+                g[doc] = part[0].transpose(0, 1)
+        return grads
+
+
 @pytest.mark.parametrize("causal", [True, False])
-def test_flash_attn_kernel_matches_math_on_gpu(causal):
-    cuda = torch.device("cuda")
-    q, k, v = (t.to(cuda, torch.bfloat16) for t in _qkv(sq=64, sk=64, d=64))
-    flash, math = get_kernel("flash_attn", cuda, torch.bfloat16), get_kernel("math", cuda, torch.bfloat16)
-    out_f, lse_f = flash.forward(q, k, v, causal, 0.125)
-    out_m, lse_m = math.forward(q, k, v, causal, 0.125)
-    torch.testing.assert_close(out_f, out_m, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lse_f, lse_m, atol=2e-2, rtol=2e-2)
-    dout = torch.randn_like(out_f)
-    for g_f, g_m in zip(
-        flash.backward(dout, q, k, v, out_f, lse_f, causal, 0.125),
-        math.backward(dout, q, k, v, out_m, lse_m, causal, 0.125),
-    ):
-        torch.testing.assert_close(g_f, g_m, atol=5e-2, rtol=5e-2)
+@pytest.mark.parametrize("b", [1, 2])
+def test_one_variable_length_call_over_packed_documents_matches_a_dense_mask(causal, b):
+    """Samples laid out sequence-major as the strategies give them (``[s, b, n, d]`` permuted), so the
+    token-major packing is a view for one sample and a copy for two."""
+    layout = SequenceLayout.build((3, 6, 2), 2, causal=causal)
+    s = layout.padded_len
+    doc = torch.cat([torch.full((e - a,), i) for i, (a, e) in enumerate(layout.doc_bounds)])
+    mask = doc[:, None] == doc[None, :]
+    if causal:
+        mask &= torch.ones(s, s, dtype=torch.bool).tril()
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(s, b, n, 8, generator=gen, dtype=torch.float64).permute(1, 2, 0, 3) for n in (4, 2, 2))
+    kernel = _VarlenMath()
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    out = segment_attention(qs, ks, vs, layout.full_segments(), 0.5, kernel, layout.indices(CPU).cu_seqlens)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = _dense(qr, kr, vr, mask, 0.5)
+    dout = torch.randn_like(ref)
+    out.backward(dout)
+    ref.backward(dout)
+    torch.testing.assert_close(out, ref)
+    for mine, theirs in ((qs, qr), (ks, kr), (vs, vr)):
+        torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_torch_cuda_kernel_calls_match_the_ops_schemas_and_shapes(monkeypatch, dtype):
+    """The CUDA kernel's op calls on meta tensors (torch's shape functions, no device): arguments
+    against each op's schema, and the shapes it hands back, FlashAttention (bf16) and memory-efficient
+    attention (fp32, whose log-sum-exp rows come padded to a multiple of 32), GQA, dense and
+    variable-length. The numbers are checked on a GPU (tests/test_attention_gpu.py)."""
+    monkeypatch.setattr(kernels, "_sm80_or_newer", lambda device: True)
+    kernel = kernels.TorchCudaKernel()
+    b, sq, sk, d = 2, 40, 24, 64
+    meta = dict(device="meta", dtype=dtype)
+    q = torch.empty(sq, b, 4, d, **meta).permute(1, 2, 0, 3)
+    k, v = (torch.empty(sk, b, 2, d, **meta).permute(1, 2, 0, 3) for _ in range(2))
+    out, lse = kernel.forward(q, k, v, False, 0.1)
+    assert out.shape == q.shape and lse.shape == (b, 4, sq) and lse.dtype == torch.float32
+    dq, dk, dv = kernel.backward(torch.empty_like(out), q, k, v, out, lse, False, 0.1)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
+    assert kernel.varlen(q) == (dtype == torch.bfloat16)
+    if kernel.varlen(q):
+        cu = torch.tensor([0, 10, 40, 50, 80], dtype=torch.int32, device="meta")
+        qt, kt, vt = (torch.empty(b * sq, n, d, **meta) for n in (4, 2, 2))
+        out, lse = kernel.forward_varlen(qt, kt, vt, cu, 30, True, 0.1)
+        assert out.shape == qt.shape and lse.shape == (4, b * sq)
+        grads = kernel.backward_varlen(torch.empty_like(out), qt, kt, vt, out, lse, cu, 30, True, 0.1)
+        assert [g.shape for g in grads] == [qt.shape, kt.shape, vt.shape]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("dtype", [2, 4])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_memory_scripts_of_full_and_ring_attention_hold_on_both_devices(device, dtype, batch):
+    """Every attention script runs through (each tensor allocated once, freed once, the backward
+    leaving only the input's gradient) for packed documents; on CUDA in half precision the packed
+    attention is one variable-length call and saves what the per-document calls save."""
+    shape = ModelShape(hidden_size=48, num_attention_heads=8, num_query_groups=4, kv_channels=8, ffn_hidden_size=96)
+    layout = SequenceLayout.build((41, 34, 6), 2, causal=True)
+    memories = {}
+    for where in ("cpu", device):
+        d = Dims(shape=shape, p=2, s=layout.padded_len, b=batch, e=dtype, device=where)
+        for name in ("tp_sp", "ulysses", "ring", "lean"):
+            memories[where, name] = sublayer_memory("attention", name, d, layout, rank=1)
+    for name in ("tp_sp", "ulysses"):
+        assert memories[device, name].saved_bytes == memories["cpu", name].saved_bytes

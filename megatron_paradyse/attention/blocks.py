@@ -6,7 +6,8 @@ kernel call. Two uses:
 
 - :func:`segment_attention`: a whole sequence against itself (``tp_sp``, ``ulysses``). Its segments
   are one per document (padding is a document of its own), so every query row is in exactly one
-  segment: results are written in place, in the inputs' dtype, and the gradients likewise.
+  segment: results are written in place, in the inputs' dtype, and the gradients likewise. A kernel
+  with a variable-length call takes all documents in that one call instead.
 - :func:`accumulate_block` / :func:`accumulate_block_grads`: one key block of ring attention. A query
   row may see several segments of a block, and several blocks: partial results are merged into
   running accumulators (fp32 for half precision) by their log-sum-exp with a max shift, in place, so
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from megatron_paradyse.attention.kernels import AttentionKernel, accumulation_dtype
+from megatron_paradyse.attention.kernels import AttentionKernel, VarlenAttentionKernel, accumulation_dtype
 from megatron_paradyse.layout import Segment
 
 __all__ = ["accumulate_block", "accumulate_block_grads", "merge_into", "segment_attention"]
@@ -98,15 +99,45 @@ def _one_call(segments: Sequence[Segment], sq: int, sk: int) -> bool:
     return len(segments) == 1 and segments[0][:4] == (0, sq, 0, sk)
 
 
+def _tokens_first(t: Tensor) -> Tensor:
+    """``[b, n, s, d] -> [b*s, n, d]``: samples back to back, as a variable-length call takes them (a
+    view for one sample of a sequence-major tensor, a copy otherwise)."""
+    b, n, s, d = t.shape
+    return t.transpose(1, 2).reshape(b * s, n, d)
+
+
+def _heads_first(t: Tensor, b: int) -> Tensor:
+    """The inverse of :func:`_tokens_first` (a view)."""
+    return t.unflatten(0, (b, -1)).transpose(1, 2)
+
+
+def batch_cu_seqlens(cu_seqlens: Tensor, b: int) -> Tensor:
+    """The document bounds ``[docs+1]`` of one sample of ``s = cu_seqlens[-1]`` tokens, for ``b`` samples
+    back to back (``[b*docs+1]``), on ``cu_seqlens``'s device: no host data, so no host synchronisation."""
+    if b == 1:
+        return cu_seqlens
+    s = cu_seqlens[-1:]
+    return torch.cat([*(cu_seqlens[:-1] + s * i for i in range(b)), s * b])
+
+
 class _SegmentAttention(torch.autograd.Function):
-    """Attention of a sequence against itself, one kernel call per document, with the kernel's own
-    backward (no ``[s, s]`` tensor is kept). Documents share no query and no key, so each call's
-    results are written into their rows, in the inputs' dtype: nothing to merge."""
+    """Attention of a sequence against itself, with the kernel's own backward (no ``[s, s]`` tensor is
+    kept): one variable-length call over every document where the kernel has one and the bounds are
+    given, else one call per document. Documents share no query and no key, so each call's results are
+    written into their rows, in the inputs' dtype: nothing to merge."""
 
     @staticmethod
-    def forward(ctx, q, k, v, segments, scale, kernel):
+    def forward(ctx, q, k, v, segments, scale, kernel, cu_seqlens):
+        causal = segments[0].causal
+        ctx.varlen = not _one_call(segments, q.shape[2], k.shape[2]) and cu_seqlens is not None and kernel.varlen(q)
         if _one_call(segments, q.shape[2], k.shape[2]):
-            out, lse = kernel.forward(q, k, v, segments[0].causal, scale)
+            out, lse = kernel.forward(q, k, v, causal, scale)
+        elif ctx.varlen:
+            ctx.max_len = max(seg.q_end - seg.q_start for seg in segments)
+            out, lse = kernel.forward_varlen(
+                *map(_tokens_first, (q, k, v)), batch_cu_seqlens(cu_seqlens, q.shape[0]), ctx.max_len, causal, scale
+            )
+            out = _heads_first(out, q.shape[0])
         else:
             out = torch.zeros_like(q)
             lse = q.new_full(q.shape[:-1], float("-inf"), dtype=accumulation_dtype(q.dtype))
@@ -116,25 +147,44 @@ class _SegmentAttention(torch.autograd.Function):
                 out[:, :, rows] = part_out
                 lse[:, :, rows] = part_lse
                 del part_out, part_lse  # freed before the next call allocates its own
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
         ctx.segments, ctx.scale, ctx.kernel = segments, scale, kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
         segments, scale, kernel = ctx.segments, ctx.scale, ctx.kernel
         if _one_call(segments, q.shape[2], k.shape[2]):
             dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, segments[0].causal, scale)
+        elif ctx.varlen:
+            b = q.shape[0]
+            grads = kernel.backward_varlen(
+                *map(_tokens_first, (dout, q, k, v, out)),
+                lse,
+                batch_cu_seqlens(cu_seqlens, b),
+                ctx.max_len,
+                segments[0].causal,
+                scale,
+            )
+            dq, dk, dv = (_heads_first(g, b) for g in grads)
         else:
             dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
             accumulate_block_grads(dout, q, k, v, out, lse, segments, scale, kernel, (dq, dk, dv))
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def segment_attention(
-    q: Tensor, k: Tensor, v: Tensor, segments: Sequence[Segment], scale: float, kernel: AttentionKernel
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    segments: Sequence[Segment],
+    scale: float,
+    kernel: AttentionKernel | VarlenAttentionKernel,
+    cu_seqlens: Tensor | None = None,
 ) -> Tensor:
     """Differentiable ``[b, nq, s, d]`` attention of a whole sequence over its visible ``segments``
-    (each query row in exactly one: :meth:`SequenceLayout.full_segments`)."""
-    return _SegmentAttention.apply(q, k, v, tuple(segments), scale, kernel)
+    (each query row in exactly one: :meth:`SequenceLayout.full_segments`). ``cu_seqlens``: the same
+    segments' bounds ``[0, end_1, ..., s]`` as int32 on the inputs' device
+    (:attr:`LayoutIndices.cu_seqlens`), for kernels with a variable-length call."""
+    return _SegmentAttention.apply(q, k, v, tuple(segments), scale, kernel, cu_seqlens)

@@ -10,6 +10,11 @@ A kernel computes softmax attention of one dense block, square-causal or fully v
 for fp64 inputs). The backward takes ``out`` and ``lse`` as arguments so a caller that splits the keys
 into blocks can pass the *merged* output and log-sum-exp and get each block's exact gradient (ring
 attention). A kernel that cannot return the log-sum-exp is not a kernel here.
+
+Kernels with a variable-length call (``varlen(q)`` true) also take documents packed back to back in one
+call, token-major: ``q [total, nq, d]``, ``k``/``v`` ``[total, nkv, d]``, document ``i`` at rows
+``[cu_seqlens[i], cu_seqlens[i+1])``; their ``lse`` is in the kernel's own layout, only handed back to
+its ``backward_varlen``.
 """
 
 from __future__ import annotations
@@ -19,11 +24,20 @@ import logging
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_paradyse.precision import accumulation_dtype
 
-__all__ = ["AttentionKernel", "accumulation_dtype", "get_kernel", "kernel_names"]
+__all__ = [
+    "EFFICIENT_LSE_ROWS",
+    "AttentionKernel",
+    "TorchCudaKernel",
+    "VarlenAttentionKernel",
+    "accumulation_dtype",
+    "get_kernel",
+    "kernel_names",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +52,31 @@ class AttentionKernel(Protocol):
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]: ...
+
+    def varlen(self, q: Tensor) -> bool:
+        """Whether packed documents of queries like ``q`` go to one variable-length call."""
+
+
+class VarlenAttentionKernel(AttentionKernel, Protocol):
+    """A kernel whose ``varlen`` can be true: the variable-length calls over packed documents."""
+
+    def forward_varlen(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_len: int, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]: ...
+
+    def backward_varlen(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        cu_seqlens: Tensor,
+        max_len: int,
+        causal: bool,
+        scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
@@ -60,9 +99,13 @@ class TorchCpuKernel:
     name = "torch"
 
     def unsupported(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        if device.type != "cpu":
-            return f"the '{self.name}' kernel runs on CPU only (got {device.type}); use 'flash_attn' or 'math'"
         return None
+
+    def varlen(self, q: Tensor) -> bool:
+        # The CPU op has no variable-length form, and one masked call would build an [s, s] mask and
+        # compute every cross-document block: one call per document costs sum(d_i^2), not s^2, in work
+        # and O(s) in memory, and a CPU call costs no launch.
+        return False
 
     def forward(self, q, k, v, causal, scale):
         groups = q.shape[1] // k.shape[1]
@@ -95,6 +138,9 @@ class MathKernel:
     def unsupported(self, device: torch.device, dtype: torch.dtype) -> str | None:
         return None
 
+    def varlen(self, q: Tensor) -> bool:
+        return False  # the oracle stays the plain definition: one dense call per document
+
     def _probs(self, q, k, lse, causal, scale) -> Tensor:
         acc = accumulation_dtype(q.dtype)
         scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # [b, nq, sq, sk]
@@ -126,12 +172,133 @@ class MathKernel:
         return dq.to(q.dtype), _reduce_kv(dk, groups).to(k.dtype), _reduce_kv(dv, groups).to(v.dtype)
 
 
+def _bsnd(t: Tensor) -> Tensor:
+    """``[b, n, s, d] <-> [b, s, n, d]`` (a view): the FlashAttention kernels' layout."""
+    return t.transpose(1, 2)
+
+
+def _no_rng(q: Tensor) -> Tensor:
+    """The random state a backward without dropout is handed and never reads (empty)."""
+    return q.new_empty(0, dtype=torch.int64)
+
+
+EFFICIENT_LSE_ROWS = 32
+"""Memory-efficient attention pads its log-sum-exp rows to a multiple of this (and reads them so)."""
+
+
+@functools.cache
+def _sm80_or_newer(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+class TorchCudaKernel:
+    """PyTorch's own CUDA attention: no package beyond torch. Not exercised by CI: CI has no GPU.
+
+    fp16/bf16 on Ampere or newer with head sizes up to 256 and a multiple of 8: torch's copy of
+    FlashAttention-2 (``aten._flash_attention_forward``/``_backward``): GQA natively, packed documents
+    in one variable-length call. Otherwise (fp32, other head sizes, older GPUs): memory-efficient
+    attention (``aten._scaled_dot_product_efficient_attention`` and its backward), key heads repeated
+    for GQA. Both backwards take ``out`` and ``lse`` as given.
+    """
+
+    name = "torch"
+
+    def unsupported(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"the '{self.name}' kernel on CUDA takes fp16, bf16 or fp32 (got {dtype}); use 'math'"
+        return None
+
+    def varlen(self, q: Tensor) -> bool:
+        return self._flash(q)
+
+    @staticmethod
+    def _flash(q: Tensor) -> bool:
+        d = q.shape[-1]
+        return q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256 and _sm80_or_newer(q.device)
+
+    def forward(self, q, k, v, causal, scale):
+        sq, sk = q.shape[2], k.shape[2]
+        if self._flash(q):
+            out, lse, *_ = torch.ops.aten._flash_attention_forward(
+                _bsnd(q), _bsnd(k), _bsnd(v), None, None, sq, sk, 0.0, causal, False, scale=scale
+            )
+            return _bsnd(out), lse
+        groups = q.shape[1] // k.shape[1]
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, _expand_kv(k, groups), _expand_kv(v, groups), None, True, 0.0, causal, scale=scale
+        )
+        return out, lse[:, :, :sq]
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        sq, sk = q.shape[2], k.shape[2]
+        if self._flash(q):
+            grads = torch.ops.aten._flash_attention_backward(
+                *map(_bsnd, (dout, q, k, v, out)),
+                lse,
+                None,
+                None,
+                sq,
+                sk,
+                0.0,
+                causal,
+                _no_rng(q),
+                _no_rng(q),
+                scale=scale,
+            )
+            return tuple(map(_bsnd, grads))
+        groups = q.shape[1] // k.shape[1]
+        lse_rows = F.pad(lse, (0, -sq % EFFICIENT_LSE_ROWS))
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout,
+            q,
+            _expand_kv(k, groups),
+            _expand_kv(v, groups),
+            None,
+            out,
+            lse_rows,
+            _no_rng(q),
+            _no_rng(q),
+            0.0,
+            [True, True, True, False],
+            causal,
+            scale=scale,
+        )
+        return dq, _reduce_kv(dk, groups), _reduce_kv(dv, groups)
+
+    def forward_varlen(self, q, k, v, cu_seqlens, max_len, causal, scale):
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, causal, False, scale=scale
+        )
+        return out, lse
+
+    def backward_varlen(self, dout, q, k, v, out, lse, cu_seqlens, max_len, causal, scale):
+        return torch.ops.aten._flash_attention_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_seqlens,
+            cu_seqlens,
+            max_len,
+            max_len,
+            0.0,
+            causal,
+            _no_rng(q),
+            _no_rng(q),
+            scale=scale,
+        )
+
+
 class FlashAttnKernel:
     """flash-attn 2.x on CUDA (fp16/bf16). Not exercised by CI: CI machines have no GPU.
 
     flash-attn's public functions return the log-sum-exp but offer no backward that takes an external
     one, which ring attention needs; like ring-flash-attention, this calls the block-level
-    ``_flash_attn_forward``/``_flash_attn_backward`` of the 2.6+ API, checked at first use.
+    ``_flash_attn_forward``/``_flash_attn_backward`` (and their ``_varlen_`` forms) of the 2.6+ API,
+    checked at first use. GQA natively; inputs go as views (flash-attn copies only rows that are not
+    contiguous in the head dimension), so its tensors are those of :class:`TorchCudaKernel`'s flash path.
     """
 
     name = "flash_attn"
@@ -143,22 +310,50 @@ class FlashAttnKernel:
         return api
 
     def unsupported(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        if device.type != "cuda":
-            return f"the '{self.name}' kernel needs CUDA (got {device.type})"
         if dtype not in (torch.float16, torch.bfloat16):
-            return f"the '{self.name}' kernel needs fp16 or bf16 (got {dtype}); use 'math' for fp32"
+            return f"the '{self.name}' kernel needs fp16 or bf16 (got {dtype}); use 'torch' or 'math' for fp32"
         try:
             _ = self._api
         except ImportError as e:
             return f"flash-attn is not installed ({e}); pip install 'megatron-paradyse[gpu]'"
         return None
 
+    def varlen(self, q: Tensor) -> bool:
+        return True
+
     def forward(self, q, k, v, causal, scale):
-        # flash-attn wants [b, s, n, d]; it supports GQA natively.
         out, lse, *_ = self._api._flash_attn_forward(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
+            _bsnd(q), _bsnd(k), _bsnd(v), 0.0, scale, causal, -1, -1, 0.0, None, False
+        )
+        return _bsnd(out), lse
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        grads = tuple(torch.empty_like(_bsnd(t)) for t in (q, k, v))
+        self._api._flash_attn_backward(
+            *map(_bsnd, (dout, q, k, v, out)), lse, *grads, 0.0, scale, causal, -1, -1, 0.0, None, False, None
+        )
+        return tuple(map(_bsnd, grads))
+
+    def forward_varlen(self, q, k, v, cu_seqlens, max_len, causal, scale):
+        out, lse, *_ = self._api._flash_attn_varlen_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, scale, causal
+        )
+        return out, lse
+
+    def backward_varlen(self, dout, q, k, v, out, lse, cu_seqlens, max_len, causal, scale):
+        grads = tuple(torch.empty_like(t) for t in (q, k, v))
+        self._api._flash_attn_varlen_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            *grads,
+            cu_seqlens,
+            cu_seqlens,
+            max_len,
+            max_len,
             0.0,
             scale,
             causal,
@@ -168,40 +363,48 @@ class FlashAttnKernel:
             None,
             False,
         )
-        return out.transpose(1, 2), lse
-
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
-        to_bsnd = lambda t: t.transpose(1, 2).contiguous()  # noqa: E731
-        q_, k_, v_, out_, dout_ = map(to_bsnd, (q, k, v, out, dout))
-        dq, dk, dv = torch.empty_like(q_), torch.empty_like(k_), torch.empty_like(v_)
-        self._api._flash_attn_backward(
-            dout_, q_, k_, v_, out_, lse, dq, dk, dv, 0.0, scale, causal, -1, -1, 0.0, None, False, None
-        )
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        return grads
 
 
-_KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (TorchCpuKernel(), MathKernel(), FlashAttnKernel())}
+_KERNELS: dict[str, dict[str | None, AttentionKernel]] = {
+    "torch": {"cpu": TorchCpuKernel(), "cuda": TorchCudaKernel()},
+    "flash_attn": {"cuda": FlashAttnKernel()},
+    "math": {None: MathKernel()},
+}
+"""Each kernel by name and by the device type it runs on (None: any)."""
 
 
 def kernel_names() -> list[str]:
     return sorted(_KERNELS)
 
 
+def _auto(device: torch.device, dtype: torch.dtype) -> str:
+    """``auto``: flash-attn on CUDA where it can run, else PyTorch's own kernels; ``math`` where
+    neither takes the dtype (fp64)."""
+    if device.type == "cuda" and not _KERNELS["flash_attn"]["cuda"].unsupported(device, dtype):
+        return "flash_attn"
+    by_device = _KERNELS["torch"]
+    if device.type in by_device and not by_device[device.type].unsupported(device, dtype):
+        return "torch"
+    logger.warning(
+        "attention kernel 'auto': no fused kernel takes %s on %s; using 'math' (O(s^2) memory)", dtype, device
+    )
+    return "math"
+
+
 @functools.cache
 def get_kernel(name: str, device: torch.device, dtype: torch.dtype) -> AttentionKernel:
-    """The kernel ``name`` (or ``"auto"``: torch on CPU, flash_attn on CUDA), checked for device and dtype."""
+    """The kernel ``name`` (or ``"auto"``, see :func:`_auto`), checked for device and dtype."""
     device = torch.device(device)
     if name == "auto":
-        name = "torch" if device.type == "cpu" else "flash_attn"
-        if name == "flash_attn" and _KERNELS[name].unsupported(device, dtype):
-            logger.warning(
-                "attention kernel 'auto': flash_attn cannot run (%s); using 'math' (O(s^2) memory)",
-                _KERNELS[name].unsupported(device, dtype),
-            )
-            name = "math"
+        name = _auto(device, dtype)
+        logger.info("attention kernel 'auto' on %s, %s: %s", device, dtype, name)
     if name not in _KERNELS:
         raise ValueError(f"unknown attention kernel {name!r}; known: {', '.join(kernel_names())}, auto")
-    kernel = _KERNELS[name]
+    by_device = _KERNELS[name]
+    kernel = by_device.get(device.type, by_device.get(None))
+    if kernel is None:
+        raise ValueError(f"the '{name}' kernel needs {' or '.join(sorted(by_device))} (got {device.type})")
     reason = kernel.unsupported(device, dtype)
     if reason:
         raise ValueError(reason)

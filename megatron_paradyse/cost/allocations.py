@@ -24,6 +24,7 @@ import functools
 from collections.abc import Callable
 from typing import Literal
 
+from megatron_paradyse.attention.kernels import EFFICIENT_LSE_ROWS
 from megatron_paradyse.layout import Segment, SequenceLayout
 from megatron_paradyse.strategies import ModelShape
 
@@ -412,31 +413,73 @@ def _row_parallel_backward(
     _linear_backward(m, dx, dx_bytes, w, 0.0, release=(*(("dy_full",) if d.p > 1 else ()), *release))
 
 
+def _flash(d: Dims) -> bool:
+    """Attention runs FlashAttention (``kernels.TorchCudaKernel``'s fp16/bf16 path, or flash-attn's, which
+    allocate alike; head sizes a multiple of 8 up to 256 on Ampere or newer): native GQA, one
+    variable-length call over packed documents. Elsewhere: repeated key heads; on CUDA in fp32,
+    memory-efficient attention."""
+    return d.device == "cuda" and d.half
+
+
+def _lse_rows(d: Dims, rows: int) -> int:
+    """Rows of a kernel's log-sum-exp: memory-efficient attention (CUDA, fp32) pads them to a multiple of
+    :data:`~megatron_paradyse.attention.kernels.EFFICIENT_LSE_ROWS`; the caller's slice keeps the padded
+    storage."""
+    return -(-rows // EFFICIENT_LSE_ROWS) * EFFICIENT_LSE_ROWS if d.device == "cuda" and not d.half else rows
+
+
 def _kernel_forward(m: _Memory, d: Dims, out: str, lse: str, heads: int, kv_heads: int, sq: int, sk: int) -> None:
-    """One kernel call: ``out [b, heads, sq, hn]`` and its log-sum-exp; with GQA the key/value heads
-    are first repeated for their query heads (``_expand_kv``, for the call only)."""
+    """One kernel call: ``out [b, heads, sq, hn]`` and its log-sum-exp; with GQA (but FlashAttention) the
+    key/value heads are first repeated for their query heads (``_expand_kv``, for the call only)."""
+    expand = heads != kv_heads and not _flash(d)
     expanded = {f"{out}_k": d.b * heads * sk * d.hn * d.e, f"{out}_v": d.b * heads * sk * d.hn * d.e}
-    if heads != kv_heads:
+    if expand:
         m.alloc(**expanded)
-    m.alloc(**{out: d.b * heads * sq * d.hn * d.e, lse: d.b * heads * sq * d.acc})
-    if heads != kv_heads:
+    m.alloc(**{out: d.b * heads * sq * d.hn * d.e, lse: d.b * heads * _lse_rows(d, sq) * d.acc})
+    if expand:
         m.free(*expanded)
 
 
 def _kernel_backward(
     m: _Memory, d: Dims, grads: tuple[str, str, str], heads: int, kv_heads: int, sq: int, sk: int
 ) -> None:
-    """One kernel call's backward: the output gradient made contiguous (a copy: it arrives as a
-    permuted ``[s, b, heads, hn]``, contiguous only for one head of one sample, or one row), ``dq``,
-    ``dk``, ``dv``; with GQA, ``dk``/``dv`` of the repeated heads, summed back to the key/value heads."""
+    """One kernel call's backward. FlashAttention: ``dq``, ``dk``, ``dv`` (the output gradient's copy
+    and the repeated heads' gradients are the kernel's own). CPU: the output gradient made contiguous
+    (a copy: it arrives as a permuted ``[s, b, heads, hn]``, contiguous only for one head of one sample,
+    or one row), ``dq``, ``dk``, ``dv``; with GQA, ``dk``/``dv`` of the repeated heads, summed back to
+    the key/value heads. CUDA in fp32: the log-sum-exp padded again (a copy), kept to the end, then
+    as on the CPU without the output gradient's copy."""
     dq, dk, dv = grads
     q_bytes, k_bytes = d.b * heads * sq * d.hn * d.e, d.b * kv_heads * sk * d.hn * d.e
     expanded_bytes = d.b * heads * sk * d.hn * d.e
+    if _flash(d):
+        m.alloc(**{dq: q_bytes, dk: k_bytes, dv: k_bytes})
+        return
+    if d.device == "cuda":
+        m.alloc(**{f"{dq}_lse": d.b * heads * _lse_rows(d, sq) * d.acc})
+        _kernel_backward_expanded(m, grads, heads != kv_heads, q_bytes, k_bytes, expanded_bytes, ())
+        m.free(f"{dq}_lse")
+        return
     dout_copied = d.b * heads > 1 and sq > 1
     copies = (f"{dq}_dout",) if dout_copied else ()
     if dout_copied:
         m.alloc(**{f"{dq}_dout": q_bytes})
-    if heads == kv_heads:
+    _kernel_backward_expanded(m, grads, heads != kv_heads, q_bytes, k_bytes, expanded_bytes, copies)
+
+
+def _kernel_backward_expanded(
+    m: _Memory,
+    grads: tuple[str, str, str],
+    gqa: bool,
+    q_bytes: float,
+    k_bytes: float,
+    expanded_bytes: float,
+    copies: tuple[str, ...],
+) -> None:
+    """A backward on repeated key/value heads (with ``gqa``): the repeats, ``dq`` and their gradients,
+    then the repeats and ``copies`` die and the gradients are summed back to the key/value heads."""
+    dq, dk, dv = grads
+    if not gqa:
         m.alloc(**{dq: q_bytes, dk: k_bytes, dv: k_bytes})
         m.free(*copies)
         return
@@ -558,10 +601,12 @@ def _full_attention_forward(
 ) -> tuple[tuple[str, ...], str]:
     """``attend_full_sequence`` of ``qkv`` ``[s, b, (heads + 2 kv_heads) hn]`` (alive): q (a copy when
     several groups' query heads are gathered), the query/key transform (RoPE: new q and k), q/k/v
-    put in natural order (causal: copies), the attention (one kernel call per document, written
-    into a zeroed output where there are several), the output as ``[s, b, heads hn]`` in canonical
-    order (causal: a copy; otherwise a view, the kernel lays its output out sequence-major). Returns
-    what the attention keeps for backward and the name of that output."""
+    put in natural order (causal: copies), the attention (several documents: FlashAttention's one
+    variable-length call, :func:`_varlen_forward`; elsewhere one kernel call per document, written
+    into a zeroed output), the output as ``[s, b, heads hn]`` in canonical order (causal: a copy;
+    otherwise a view, the kernel lays its output out sequence-major, but for the variable-length
+    call's sample-major output of several samples: a copy). Returns what the attention keeps for
+    backward and the name of that output."""
     core = d.s * d.b * heads * d.hn * d.e
     kv = d.s * d.b * kv_heads * d.hn * d.e
     q, k, rope = (qkv, qkv, ())
@@ -580,18 +625,33 @@ def _full_attention_forward(
         m.free(*(name for name in dict.fromkeys((q, k)) if name != qkv))
         kept = ("q_natural", "k_natural", "v_natural")
     segments = layout.full_segments()
+    varlen = len(segments) > 1 and _flash(d)
     if len(segments) == 1:
         _kernel_forward(m, d, "attn_out", "lse", heads, kv_heads, d.s, d.s)
+    elif varlen:
+        _varlen_call(m, d, len(segments), {"q": core, "k": kv, "v": kv}, attn_out=core, lse=d.b * heads * d.s * d.acc)
     else:
         m.alloc(attn_out=core, lse=d.b * heads * d.s * d.acc)
         for seg in segments:
             rows = seg.q_end - seg.q_start
             _kernel_forward(m, d, "seg_out", "seg_lse", heads, kv_heads, rows, rows)
             m.free("seg_out", "seg_lse")
-    if layout.is_identity:
+    if layout.is_identity and not (varlen and d.b > 1):
         return (*kept, *rope, "attn_out", "lse"), "attn_out"
     m.alloc(core=core)
     return (*kept, *rope, "attn_out", "lse"), "core"
+
+
+def _varlen_call(m: _Memory, d: Dims, docs: int, inputs: dict[str, float], **results: float) -> None:
+    """A variable-length call (``blocks._SegmentAttention``) over ``docs`` documents of each of ``b``
+    samples: with several samples, its ``inputs`` made token-major (copies; one sample's are views) and
+    the bounds repeated per sample (int32); then its ``results``; the copies die with the call."""
+    copies = {f"{name}_tokens": nbytes for name, nbytes in inputs.items()} if d.b > 1 else {}
+    if d.b > 1:
+        copies["cu_seqlens"] = (d.b * docs + 1) * 4
+    m.alloc(**copies)
+    m.alloc(**results)
+    m.free(*copies)
 
 
 def _full_attention_backward(
@@ -607,6 +667,8 @@ def _full_attention_backward(
     segments = layout.full_segments()
     if len(segments) == 1:
         _kernel_backward(m, d, ("dq", "dk", "dv"), heads, kv_heads, d.s, d.s)
+    elif _flash(d):
+        _varlen_call(m, d, len(segments), {"dout": core, "q": core, "k": kv, "v": kv}, dq=core, dk=kv, dv=kv)
     else:
         m.alloc(dq=core, dk=kv, dv=kv)
         for seg in segments:

@@ -41,7 +41,13 @@ def attend_full_sequence(qkv_full: Tensor, ctx: AttentionContext) -> Tensor:
     if not layout.is_identity:
         q, k, v = (t.index_select(0, indices.canonical_index) for t in (q, k, v))
     out = segment_attention(
-        heads_first(q), heads_first(k), heads_first(v), layout.full_segments(), ctx.softmax_scale, ctx.kernel
+        heads_first(q),
+        heads_first(k),
+        heads_first(v),
+        layout.full_segments(),
+        ctx.softmax_scale,
+        ctx.kernel,
+        indices.cu_seqlens,
     )
     out = out.permute(2, 0, 1, 3)  # [s, b, nq, hn], natural order
     if not layout.is_identity:
