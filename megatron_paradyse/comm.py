@@ -22,7 +22,6 @@ __all__ = [
     "all_to_all_heads_to_seq",
     "all_to_all_seq_to_heads",
     "reduce_scatter_seq",
-    "sequence_parallel_linear",
     "zero3_linear",
 ]
 
@@ -225,41 +224,6 @@ def zero3_linear(x: Tensor, w_shard: Tensor, b_shard: Tensor | None, group: Proc
     if group.size() == 1:
         return torch.nn.functional.linear(x, w_shard, b_shard)
     return _Zero3Linear.apply(x, w_shard, b_shard, group, dim)
-
-
-class _SequenceParallelLinear(torch.autograd.Function):
-    """``y_full = AG(x_local) W^T + b``, saving only ``x_local`` (Megatron's sequence-parallel column
-    linear): the gathered ``[s, b, h]`` input exists during the GEMMs only.
-
-        forward:  x = AG(x_local);  y = x W^T + b
-        backward: x = AG(x_local);  dW = dy^T x;  db = sum dy;  dx_local = RS(dy W)
-    """
-
-    @staticmethod
-    def forward(ctx, x_local: Tensor, weight: Tensor, bias: Tensor | None, group: ProcessGroup) -> Tensor:
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(x_local, weight)
-        return torch.nn.functional.linear(_all_gather_dim0(x_local, group), weight, bias)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        x_local, weight = ctx.saved_tensors
-        dx_local = _reduce_scatter_dim0(torch.matmul(dy, weight), ctx.group)
-        x_full = _all_gather_dim0(x_local, ctx.group)
-        dy_2d = dy.reshape(-1, dy.shape[-1])
-        dweight = dy_2d.t() @ x_full.reshape(-1, x_full.shape[-1])
-        dbias = dy_2d.sum(dim=0) if ctx.has_bias else None
-        return dx_local, dweight, dbias, None
-
-
-def sequence_parallel_linear(x_local: Tensor, weight: Tensor, bias: Tensor | None, group: ProcessGroup) -> Tensor:
-    """``[s/p, b, h] -> [s, b, out]``: all-gather the sequence and apply a column-parallel shard.
-
-    forward: AG dim 0 + GEMM; backward: AG dim 0 again + GEMMs, RS dim 0 of the input gradient.
-    """
-    if group.size() == 1:
-        return torch.nn.functional.linear(x_local, weight, bias)
-    return _SequenceParallelLinear.apply(x_local, weight, bias, group)
 
 
 class RingComm:

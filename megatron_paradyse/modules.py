@@ -1,10 +1,12 @@
 """Megatron-Core modules whose attention and MLP run the strategy the micro-batch's plan names.
 
 The modules subclass Megatron's own (``TransformerLayer``, ``SelfAttention``, ``MLP``) and keep
-Megatron's ``ColumnParallelLinear``/``RowParallelLinear`` as weight holders, so initialisation,
-parameter attributes, state-dict keys and ``sharded_state_dict`` are exactly those of a stock model
-with ``tensor_model_parallel_size = p``. Only the computation differs: each sublayer hands its input
-``[s/p, b, h]`` (sequence parallel, canonical order) and its TP shards to the strategy library.
+Megatron's linear modules of the configured transformer implementation (the local
+``ColumnParallelLinear``/``RowParallelLinear``, or Transformer Engine's), so initialisation, parameter
+attributes, state-dict keys and ``sharded_state_dict`` are exactly those of a stock model with
+``tensor_model_parallel_size = p``. Each sublayer hands its input ``[s/p, b, h]`` (sequence parallel,
+canonical order) and its linear modules to the strategy library: ``tp_sp`` calls them, as a stock layer
+does; the others read their TP shards.
 
 A layer finds its option in ``current_micro_batch().plan`` at the index of its position within the
 pipeline stage, checks that both strategies can run the model before any communication, and, when
@@ -39,7 +41,7 @@ from torch.distributed import ProcessGroup
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.drop_in import implicit_micro_batch
 from megatron_paradyse.micro_batch import MicroBatch, active_micro_batch, current_micro_batch, micro_batch_scope
-from megatron_paradyse.norm import sequence_parallel_norm
+from megatron_paradyse.norm import fused_input_norm, sequence_parallel_norm
 from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.recompute import recompute
 from megatron_paradyse.strategies import (
@@ -49,6 +51,7 @@ from megatron_paradyse.strategies import (
     MLPWeights,
     ModelShape,
     available_strategies,
+    get_strategy,
     run_attention,
     run_mlp,
     unsupported_reason,
@@ -118,16 +121,22 @@ def _mlp_activation(config: TransformerConfig) -> Callable[[Tensor], Tensor]:
     raise ValueError("bias_activation_fusion=True supports gelu and gated silu (SwiGLU) only, as in Megatron")
 
 
-def _run_forward_pre_hooks(*modules: torch.nn.Module) -> None:
-    """Run the forward pre-hooks of weight holders whose weights a strategy reads without calling them, as
-    their call would: with ``--overlap-param-gather``, Megatron's DDP waits there for the all-gather of
-    their parameters (and starts the next bucket's), which the distributed optimizer's step left running."""
-    for module in modules:
+def _sublayer_input(sublayer: str, name: str, x: Tensor, *linears: torch.nn.Module) -> Tensor:
+    """What strategy ``name`` takes for ``sublayer``'s input ``x``. A strategy that calls the linear modules
+    (``tp_sp``) takes ``x`` itself: the modules run their forward pre-hooks and a norm fused into the first
+    one. The others read the modules' weights: the hooks run here, as the modules' call would (with
+    ``--overlap-param-gather`` Megatron's DDP waits there for the all-gather of their parameters, which the
+    distributed optimizer's step left running, and starts the next bucket's), then the fused norm, if any."""
+    if get_strategy(sublayer, name).calls_linears:
+        return x
+    for module in linears:
         for key, hook in tuple(module._forward_pre_hooks.items()):
             if key in module._forward_pre_hooks_with_kwargs:
                 hook(module, (), {})
             else:
                 hook(module, ())
+    norm = fused_input_norm(linears[0])
+    return x if norm is None else norm(x)
 
 
 def _stage_position(config: TransformerConfig, layer_number: int, pp_rank: int) -> tuple[int, int]:
@@ -247,7 +256,7 @@ class _QKTransform:
 
 
 class ParadyseSelfAttention(SelfAttention):
-    """Megatron's ``SelfAttention`` weights (``linear_qkv``, ``linear_proj``, q/k norms) run by a strategy.
+    """Megatron's ``SelfAttention`` (``linear_qkv``, ``linear_proj``, q/k norms) run by a strategy.
 
     ``core_attention`` is not used: strategies attend themselves, with the visibility the micro-batch's
     layout gives (causal for ``AttnMaskType.causal``, bidirectional for ``no_mask``). With
@@ -314,14 +323,10 @@ class ParadyseSelfAttention(SelfAttention):
             softmax_scale=self.softmax_scale,
             qk_transform=self._qk_transform(rotary_pos_emb),
         )
-        _run_forward_pre_hooks(self.linear_qkv, self.linear_proj)
-        weights = AttentionWeights(
-            qkv=self.linear_qkv.weight,
-            proj=self.linear_proj.weight,
-            qkv_bias=self.linear_qkv.bias,
-            proj_bias=self.linear_proj.bias,
-        )
-        return run_attention(step.plan[self.plan_index].attention, hidden_states, weights, ctx), None
+        name = step.plan[self.plan_index].attention
+        x_local = _sublayer_input("attention", name, hidden_states, self.linear_qkv, self.linear_proj)
+        weights = AttentionWeights.of(self.linear_qkv, self.linear_proj)
+        return run_attention(name, x_local, weights, ctx), None
 
     def _qk_transform(self, rotary_pos_emb: Tensor | tuple[Tensor, Tensor] | None) -> _QKTransform | None:
         if self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]:
@@ -341,7 +346,7 @@ class ParadyseSelfAttention(SelfAttention):
 
 
 class ParadyseMLP(MLP):
-    """Megatron's dense ``MLP`` weights (``linear_fc1``, ``linear_fc2``) run by a strategy.
+    """Megatron's dense ``MLP`` (``linear_fc1``, ``linear_fc2``) run by a strategy.
 
     Build it as Megatron does, ``functools.partial(ParadyseMLP.as_mlp_submodule, submodules=...)``.
     Returns the output with the ``linear_fc2`` bias already added (bias ``None``).
@@ -367,11 +372,6 @@ class ParadyseMLP(MLP):
             raise RuntimeError("ParadyseMLP must be built by ParadyseTransformerLayer (megatron_paradyse.spec)")
         step = current_micro_batch()
         ctx = MLPContext(group=self.tp_group, shape=self.shape, activation=self.activation)
-        _run_forward_pre_hooks(self.linear_fc1, self.linear_fc2)
-        weights = MLPWeights(
-            fc1=self.linear_fc1.weight,
-            fc2=self.linear_fc2.weight,
-            fc1_bias=self.linear_fc1.bias,
-            fc2_bias=self.linear_fc2.bias,
-        )
-        return run_mlp(step.plan[self.plan_index].mlp, hidden_states, weights, ctx), None
+        name = step.plan[self.plan_index].mlp
+        x_local = _sublayer_input("mlp", name, hidden_states, self.linear_fc1, self.linear_fc2)
+        return run_mlp(name, x_local, MLPWeights.of(self.linear_fc1, self.linear_fc2), ctx), None

@@ -16,13 +16,16 @@ activations' worth per norm), and torch's fused backward where there is one (CUD
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 from torch import Tensor
 
 from megatron_paradyse.precision import accumulation_dtype
 
-__all__ = ["RMSNorm", "sequence_parallel_norm"]
+__all__ = ["RMSNorm", "fused_input_norm", "sequence_parallel_norm"]
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -83,4 +86,31 @@ def sequence_parallel_norm(config: TransformerConfig, hidden_size: int, eps: flo
         raise ValueError(f"config.normalization must be 'LayerNorm' or 'RMSNorm', got {config.normalization!r}")
     for param in norm.parameters():
         param.sequence_parallel = config.sequence_parallel
+    return norm
+
+
+def fused_input_norm(linear: torch.nn.Module) -> Callable[[Tensor], Tensor] | None:
+    """The norm fused into ``linear``, as a function of the module's input; None when there is none.
+
+    Transformer Engine's layers fuse the input norm into ``linear_qkv`` and ``linear_fc1`` (TE's
+    ``LayerNormLinear``, Megatron's ``TELayerNormColumnParallelLinear``; the layer's ``input_layernorm``
+    and ``pre_mlp_layernorm`` are then identities). Strategies that read the weights rather than call the
+    module need that norm first: it is computed here from the module's ``layer_norm_weight`` (and
+    ``layer_norm_bias``) with its ``normalization``, ``eps`` and ``zero_centered_gamma``, as TE computes it.
+    TE marks those parameters ``sequence_parallel``, so Megatron sums their gradients over the group.
+    Unverified: written from TE's documented attributes; Transformer Engine does not run on the CPU
+    machine the tests run on.
+    """
+    weight = getattr(linear, "layer_norm_weight", None)
+    if weight is None:
+        return None
+    bias, eps, normalization = getattr(linear, "layer_norm_bias", None), linear.eps, linear.normalization
+    zero_centered = linear.zero_centered_gamma
+
+    def norm(x: Tensor) -> Tensor:
+        gamma = weight + 1 if zero_centered else weight
+        if normalization == "LayerNorm":
+            return F.layer_norm(x, (x.shape[-1],), gamma, bias, eps)
+        return _RMSNorm.apply(x, gamma, eps)
+
     return norm

@@ -11,8 +11,12 @@ Two forms, for the two ways Megatron takes a spec:
   (``--spec megatron_paradyse.spec paradyse_layer_spec``). Megatron then picks the final norm itself
   (TransformerEngine's or apex's; its torch fallback refuses sequence parallelism).
 
-The weights, their state-dict keys and the sharded (distributed-checkpoint) keys are those of
-Megatron's stock GPT layer specs, so checkpoints move between the two.
+The linear modules are those of the configured transformer implementation: Megatron's local
+``ColumnParallelLinear``/``RowParallelLinear``, or, with ``transformer_impl="transformer_engine"`` where
+Transformer Engine is installed, TE's (``linear_qkv``/``linear_fc1`` with the input norm fused, the
+layer's own norms identities), as in Megatron's stock GPT specs. The weights, their state-dict keys and
+the sharded (distributed-checkpoint) keys are those of the stock spec of the same implementation, so
+checkpoints move between the two. :data:`paradyse_layer_spec` is the local one.
 """
 
 from __future__ import annotations
@@ -64,8 +68,46 @@ paradyse_layer_spec = ModuleSpec(
         },
     ),
 )
-"""One causal Paradyse GPT layer. q/k norms follow ``config.qk_layernorm``; norms follow
-``config.normalization``."""
+"""One causal Paradyse GPT layer with Megatron's local linear modules. q/k norms follow
+``config.qk_layernorm``; norms follow ``config.normalization``."""
+
+
+def _transformer_engine_layer() -> ModuleSpec:
+    """The layer with Transformer Engine's linear modules, as Megatron's TE GPT spec has them: the input
+    and pre-MLP norms fused into ``linear_qkv`` and ``linear_fc1`` (checkpoint keys
+    ``linear_qkv.layer_norm_weight``...), no key map. Unverified: TE does not run on the CPU test machine."""
+    from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear, TERowParallelLinear
+
+    layer = paradyse_layer_spec.submodules
+    attention = layer.self_attention
+    attention = dataclasses.replace(
+        attention,
+        submodules=dataclasses.replace(
+            attention.submodules, linear_qkv=TELayerNormColumnParallelLinear, linear_proj=TERowParallelLinear
+        ),
+    )
+    mlp = functools.partial(
+        ParadyseMLP.as_mlp_submodule,
+        submodules=MLPSubmodules(linear_fc1=TELayerNormColumnParallelLinear, linear_fc2=TERowParallelLinear),
+    )
+    submodules = dataclasses.replace(
+        layer,
+        input_layernorm=IdentityOp,
+        self_attention=attention,
+        pre_mlp_layernorm=IdentityOp,
+        mlp=mlp,
+        sharded_state_dict_keys_map={},
+    )
+    return dataclasses.replace(paradyse_layer_spec, submodules=submodules)
+
+
+def _layer_spec(config: TransformerConfig) -> ModuleSpec:
+    """The layer of ``config.transformer_impl``: Transformer Engine's modules where TE is installed."""
+    if config.transformer_impl != "transformer_engine":
+        return paradyse_layer_spec
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return _transformer_engine_layer() if HAVE_TE else paradyse_layer_spec
 
 
 def get_paradyse_layer_spec(
@@ -79,7 +121,7 @@ def get_paradyse_layer_spec(
     """
     config = getattr(config, "transformer", config)
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    layer = paradyse_layer_spec
+    layer = _layer_spec(config)
     if attn_mask_type != AttnMaskType.causal:
         attention = layer.submodules.self_attention
         attention = dataclasses.replace(attention, params={**attention.params, "attn_mask_type": attn_mask_type})

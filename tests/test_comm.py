@@ -16,7 +16,6 @@ from megatron_paradyse.comm import (
     all_to_all_heads_to_seq,
     all_to_all_seq_to_heads,
     reduce_scatter_seq,
-    sequence_parallel_linear,
     zero3_linear,
 )
 from megatron_paradyse.multiprocess import run_on_ranks
@@ -104,25 +103,6 @@ def _collective_cases(rank: int, p: int) -> dict[str, bool]:
             and (b is None or torch.allclose(b.grad, sum(g.sum(dim=(0, 1)) for g in gs).chunk(p)[rank], **close))
         )
 
-    # sequence_parallel_linear: AG(x_local) W^T + b with the weight local; dx_local sums every rank's
-    # gradient of my tokens, dW and db are this rank's over the whole sequence.
-    xs = [_draw("spl", r, S_LOCAL, B, 4) for r in ranks]
-    w_local, b_local = _draw("spl-w", rank, 6, 4), _draw("spl-b", rank, 6)
-    ws = [_draw("spl-w", r, 6, 4) for r in ranks]
-    gs = [_draw("spl-grad", r, p * S_LOCAL, B, 6) for r in ranks]
-    x = xs[rank].clone().requires_grad_()
-    w, b = w_local.clone().requires_grad_(), b_local.clone().requires_grad_()
-    y = sequence_parallel_linear(x, w, b, group)
-    y.backward(gs[rank])
-    x_full, g = torch.cat(xs), gs[rank]
-    close = dict(rtol=0, atol=1e-12)
-    results["sequence_parallel_linear"] = (
-        torch.allclose(y.detach(), torch.nn.functional.linear(x_full, w_local, b_local), **close)
-        and torch.allclose(x.grad, sum(gr @ wr for gr, wr in zip(gs, ws))[mine], **close)
-        and torch.allclose(w.grad, g.reshape(-1, 6).t() @ x_full.reshape(-1, 4), **close)
-        and torch.allclose(b.grad, g.sum(dim=(0, 1)), **close)
-    )
-
     # RingComm: a block arrives from the previous rank; misuse is refused.
     ring = RingComm(group)
     received = ring.send_recv(torch.full((2,), float(rank)))
@@ -154,7 +134,6 @@ def collective_results(request):
         "reduce_scatter_seq",
         "all_to_all_seq_to_heads",
         "all_to_all_heads_to_seq",
-        "sequence_parallel_linear",
         "zero3_linear_dim0",
         "zero3_linear_dim1",
         "ring_receives_from_previous",

@@ -308,14 +308,15 @@ def test_peak_bytes_adds_static_saved_and_the_larger_working_set():
     model = AnalyticCostModel(profile, MHA, 4, static_bytes=1e9, vocab_size=32000, rotary_dim=32)
     layout = SequenceLayout.build(1024, 4, causal=True)
     # fp32: the logits [s, b, V/p] are the cross-entropy's softmax and gradient; in backward the
-    # output layer's input is gathered again ([s, b, h]) beside its gradient, and beside them the
-    # final norm's output and the input gradient reduce-scattered to it ([s/p, b, h] each)
+    # output layer's input is gathered again (into Megatron's buffer, the stage's) beside its gradient
+    # ([s, b, h]), and beside them the final norm's output and the input gradient reduce-scattered to
+    # it ([s/p, b, h] each)
     full = 1024 * 2 * 256 * 4
-    loss = 1024 * 2 * 32000 // 4 * 4 + 2 * full + 2 * full // 4
+    loss = 1024 * 2 * 32000 // 4 * 4 + full + 2 * full // 4
     assert model.loss_bytes(layout, 2) == loss
-    # the stage's input [s/p, b, h], the rotary table [s, 1, 1, 32] fp32 and the layout's three int64
-    # index tensors on the device, whatever the plan
-    stage = full // 4 + 1024 * 32 * 4 + 3 * 1024 * 8
+    # the stage's input [s/p, b, h], the rotary table [s, 1, 1, 32] fp32, the layout's three int64
+    # index tensors on the device and Megatron's all-gather buffer [s, b, h], whatever the plan
+    stage = full // 4 + 1024 * 32 * 4 + 3 * 1024 * 8 + full
     assert model.stage_bytes(layout, 2) == stage
     assert model.peak_bytes(layout, 2, 100.0, 50.0) == pytest.approx(1e9 + stage + 100 + 1.1 * loss)
     assert model.peak_bytes(layout, 2, 100.0, 2 * loss) == pytest.approx(1e9 + stage + 100 + 2.2 * loss)

@@ -33,6 +33,7 @@ from megatron_paradyse.strategies import (
     run_attention,
     run_mlp,
 )
+from megatron_paradyse.strategies.megatron_linears import layer_linears
 
 TOLERANCE = 1e-5
 REPLICATED = ("ln1_w", "ln1_b", "ln2_w", "ln2_b", "q_scale", "k_scale")
@@ -103,8 +104,20 @@ def build_cases(p: int) -> list[Case]:
 
 
 def fields(weights) -> tuple:
-    """The tensors of a weights dataclass, not copies (``dataclasses.astuple`` deep-copies)."""
-    return tuple(getattr(weights, f.name) for f in dataclasses.fields(weights))
+    """The weight and bias tensors of a weights dataclass, not copies (``dataclasses.astuple`` deep-copies)."""
+    return tuple(getattr(weights, f.name) for f in dataclasses.fields(weights) if not f.name.startswith("linear_"))
+
+
+def held_by_megatron_linears(shards, shape: ModelShape, group):
+    """The shards copied into Megatron's local linear modules, which ``tp_sp`` calls."""
+    attention, mlp = shards
+    held = layer_linears(shape, group, bias=attention.qkv_bias is not None, dtype=torch.float32)
+    for source, target in zip(shards, held):
+        for src, dst in zip(fields(source), fields(target)):
+            if src is not None:
+                with torch.no_grad():
+                    dst.copy_(src)
+    return held
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -166,7 +179,7 @@ def run_case(case: Case, rank: int, p: int) -> dict:
     local = layout.local_slice(rank)
     x_local = layout.to_canonical(x)[local].clone().requires_grad_()
     g_local = layout.to_canonical(g)[local]
-    shards = [shard_layer(layer, cfg.shape, p, rank) for layer in layers]
+    shards = [held_by_megatron_linears(shard_layer(layer, cfg.shape, p, rank), cfg.shape, group) for layer in layers]
     norms = [{k: layer[k].clone().requires_grad_() for k in REPLICATED if k in layer} for layer in layers]
     params = [t for aw, mw in shards for t in (*fields(aw), *fields(mw)) if t is not None]
     for t in params:

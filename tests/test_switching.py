@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from reference_model import StackConfig, make_params, reference_forward, shard_layer
-from test_strategies import fields, model_shape, rel_err, run_stack
+from test_strategies import fields, held_by_megatron_linears, model_shape, rel_err, run_stack
 
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.layout import SequenceLayout
@@ -53,7 +53,7 @@ def _switching_run(rank: int, p: int) -> dict:
     g = torch.rand(x.shape, generator=gen)
     local = layout.local_slice(rank)
 
-    shards = [shard_layer(layer, cfg.shape, p, rank) for layer in layers]
+    shards = [held_by_megatron_linears(shard_layer(layer, cfg.shape, p, rank), cfg.shape, group) for layer in layers]
     norms = [{k: layer[k].clone() for k in ("ln1_w", "ln1_b", "ln2_w", "ln2_b")} for layer in layers]
     sharded = [t for aw, mw in shards for t in (*fields(aw), *fields(mw)) if t is not None]
     replicated = [t for n in norms for t in n.values()] + [

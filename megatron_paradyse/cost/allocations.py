@@ -357,40 +357,46 @@ def _zero3_backward(
     m.free(*release, *grads)
 
 
-def _sequence_parallel_forward(m: _Memory, d: Dims, out: str, out_bytes: float) -> None:
-    """``out = sequence_parallel_linear(x_local, W, b)``: the gathered ``[s, b, h]`` input exists for
-    the GEMM only; autograd keeps ``x_local``."""
-    if d.p > 1:
-        m.alloc(x_full=d.s * d.b * d.h * d.e)
+def _column_forward(m: _Memory, d: Dims, out: str, out_bytes: float, bias: bool) -> None:
+    """``out`` from Megatron's column-parallel ``linear_qkv``/``linear_fc1`` (``tp_sp``) and its bias:
+    the input all-gathered into Megatron's global buffer (held outside the layer), the GEMM's output,
+    and with a bias their sum (a new tensor: Megatron's ``output + bias``, or the caller's for a bias
+    the module returns). Autograd keeps ``x_local``."""
     m.alloc(**{out: out_bytes})
-    if d.p > 1:
-        m.free("x_full")
+    if bias:
+        m.alloc(column_biased=out_bytes)
+        m.free(out)
+        m.rename(column_biased=out)
 
 
-def _sequence_parallel_backward(m: _Memory, d: Dims, dy: str, w: float, bias: float) -> None:
-    """``sequence_parallel_linear``'s backward from ``dy``: the ``[s, b, h]`` input gradient,
-    reduce-scattered to ``dx_local``; the input gathered again for the weight and bias gradients; then
-    ``dy``, the saved ``x_local`` and the weight gradients (accumulated) die. At p=1 it is
-    ``F.linear``'s own."""
+def _column_backward(m: _Memory, d: Dims, dy: str, w: float, bias: float) -> None:
+    """The column-parallel linear's backward from ``dy`` (Megatron's
+    ``LinearWithGradAccumulationAndAsyncCommunication``): the input gathered again into the global
+    buffer, the ``[s, b, h]`` input gradient, reduce-scattered to ``dx_local``, the weight's (and
+    bias's) gradient; then the ``[s, b, h]`` gradient, ``dy``, the saved ``x_local`` and the weight
+    gradients (accumulated into ``.grad``) die. At p=1 the input gradient is ``dx_local`` itself."""
+    grads = {"column_dw": w, **({"column_db": bias} if bias else {})}
     if d.p == 1:
-        _linear_backward(m, "dx_local", d.x, w, bias, release=(dy, "x_local"))
+        m.alloc(dx_local=d.x, **grads)
+        m.free(dy, "x_local", *grads)
         return
-    full = d.s * d.b * d.h * d.e
-    m.alloc(dx_full=full, dx_local=d.x)
-    m.free("dx_full")
-    m.alloc(x_full=full, column_dw=w, **({"column_db": bias} if bias else {}))
-    m.free("x_full", dy, "x_local", "column_dw", *(("column_db",) if bias else ()))
+    m.alloc(dx_full=d.s * d.b * d.h * d.e, dx_local=d.x, **grads)
+    m.free("dx_full", dy, "x_local", *grads)
 
 
-def _reduce_scatter_output(m: _Memory, d: Dims, partial: str, bias: bool) -> None:
-    """``add_bias(reduce_scatter_seq(partial), b)`` (``tp_sp``'s row-parallel output): the reduced
-    ``[t, b, h]`` (at p=1 the partial sum itself), plus a new tensor for the bias; leaves ``y_local``."""
-    out = partial
+def _row_forward(m: _Memory, d: Dims, bias: bool) -> None:
+    """Megatron's row-parallel ``linear_proj``/``linear_fc2`` (``tp_sp``): the GEMM's partial sums
+    ``[s, b, h]`` and (p > 1) their reduce-scatter to ``[t, b, h]``, after which the partial sums die;
+    then the bias the module returns, added (a new tensor). Leaves ``y_local``."""
+    m.alloc(y_partial=d.s * d.b * d.h * d.e)
+    out = "y_partial"
     if d.p > 1:
         m.alloc(y_reduced=d.x)
+        m.free("y_partial")
         out = "y_reduced"
     if bias:
         m.alloc(y_local=d.x)
+        m.free(out)
     else:
         m.rename(**{out: "y_local"})
 
@@ -401,16 +407,16 @@ def _gathered_gradient(d: Dims) -> float:
     return d.s * d.b * d.h * d.e if d.p > 1 else 0.0
 
 
-def _row_parallel_backward(
-    m: _Memory, d: Dims, dx: str, dx_bytes: float, w: float, *, release: tuple[str, ...]
-) -> None:
-    """The backward of ``tp_sp``'s row-parallel linear (``F.linear``, no bias) after the sequence
-    reduce-scatter: the output gradient all-gathered to ``[s, b, h]``, the weight's gradient, then
-    ``dx``; then the gathered gradient, ``release`` (the saved input) and the weight gradient
-    (accumulated) die."""
-    if d.p > 1:
+def _row_backward(m: _Memory, d: Dims, dx: str, dx_bytes: float, w: float, *, release: tuple[str, ...]) -> None:
+    """The backward of Megatron's row-parallel linear (``tp_sp``): its reduce-scatter's backward
+    all-gathers the output gradient to ``[s, b, h]`` (p > 1), then the input gradient ``dx`` and the
+    weight's; then the gathered gradient, ``release`` (the saved input) and the weight gradient
+    (accumulated into ``.grad``) die."""
+    gathered = ("dy_full",) if d.p > 1 else ()
+    if gathered:
         m.alloc(dy_full=_gathered_gradient(d))
-    _linear_backward(m, dx, dx_bytes, w, 0.0, release=(*(("dy_full",) if d.p > 1 else ()), *release))
+    m.alloc(**{dx: dx_bytes}, row_dw=w)
+    m.free(*gathered, *release, "row_dw")
 
 
 def _flash(d: Dims) -> bool:
@@ -742,18 +748,17 @@ def _tp_sp_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemo
     core = s * b * heads * d.hn * e
 
     fwd = _Memory(x_local=d.x)
-    _sequence_parallel_forward(fwd, d, "qkv_out", s * b * d.qkv // p * e)
+    _column_forward(fwd, d, "qkv_out", s * b * d.qkv // p * e, d.bias)
     kept, core_name = _full_attention_forward(fwd, d, layout, "qkv_out", heads, kv_heads)
-    fwd.alloc(y_partial=s * b * d.h * e)  # linear_proj, before the sum over ranks
-    _reduce_scatter_output(fwd, d, "y_partial", d.bias)
+    _row_forward(fwd, d, d.bias)
     proj_input = () if core_name in kept else (core_name,)  # kept by linear_proj
     saved = fwd.returns("y_local", "x_local", *kept, *proj_input)
 
     bwd = _Memory(dy_local=0.0, **saved)
     _bias_grad(bwd, d, d.bias)
-    _row_parallel_backward(bwd, d, "d_core", core, d.h * d.a // p * e, release=proj_input)
+    _row_backward(bwd, d, "d_core", core, d.h * d.a // p * e, release=proj_input)
     d_qkv = _full_attention_backward(bwd, d, layout, "d_core", kept, heads, kv_heads)
-    _sequence_parallel_backward(bwd, d, d_qkv, d.qkv // p * d.h * e, d.qkv // p * e if d.bias else 0.0)
+    _column_backward(bwd, d, d_qkv, d.qkv // p * d.h * e, d.qkv // p * e if d.bias else 0.0)
     return _sublayer(fwd.peak, bwd, saved, prelude=_gathered_gradient(d))
 
 
@@ -1055,18 +1060,19 @@ def _tp_sp_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
     units = d.f // p
 
     fwd = _Memory(x_local=d.x)
-    _sequence_parallel_forward(fwd, d, "fc1_out", s * b * d.f1 // p * e)
+    _column_forward(fwd, d, "fc1_out", s * b * d.f1 // p * e, d.bias)
     act = _activation_forward(fwd, d, s, units)
-    fwd.alloc(y_partial=s * b * d.h * e)
-    _reduce_scatter_output(fwd, d, "y_partial", d.bias)
+    _row_forward(fwd, d, d.bias)
     saved = fwd.returns("y_local", "x_local", "fc1_out", *act)
 
     bwd = _Memory(dy_local=0.0, **saved)
     _bias_grad(bwd, d, d.bias)
-    _row_parallel_backward(bwd, d, "d_act", s * b * units * e, d.h * units * e, release=(act[-1],))
+    _row_backward(bwd, d, "d_act", s * b * units * e, d.h * units * e, release=(act[-1],))
     gate = act[0] if len(act) > 1 else None
     d_fc1 = _activation_backward(bwd, d, s, units, d_act="d_act", fc1_out="fc1_out", act_gate=gate)
-    _sequence_parallel_backward(bwd, d, d_fc1, d.f1 // p * d.h * e, d.f1 // p * e if d.bias else 0.0)
+    if d.bias:  # linear_fc1 returns its bias (skip_bias_add): its gradient is the addition's, summed first
+        bwd.temporary(fc1_bias_grad=d.f1 // p * e)
+    _column_backward(bwd, d, d_fc1, d.f1 // p * d.h * e, 0.0)
     return _sublayer(fwd.peak, bwd, saved, prelude=_gathered_gradient(d))
 
 

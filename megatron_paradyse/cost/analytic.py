@@ -186,26 +186,29 @@ class AnalyticCostModel:
     def stage_bytes(self, layout: SequenceLayout, micro_batch_size: int) -> float:
         """What the stage keeps outside its layers for the whole step: its input ``[t, b, h]`` (the
         embedding's output or the previous stage's activation; the first layer's norm keeps it),
-        GPTModel's rotary table ``[s, 1, 1, rotary_dim]`` (fp32) and the layout's index tensors on the
-        device (:meth:`SequenceLayout.indices`: three int64 ``[s]``)."""
+        GPTModel's rotary table ``[s, 1, 1, rotary_dim]`` (fp32), the layout's index tensors on the
+        device (:meth:`SequenceLayout.indices`: three int64 ``[s]``) and, with sequence parallelism,
+        Megatron's global all-gather buffer ``[s, b, h]``: Megatron's sequence-parallel column linears
+        (``tp_sp``'s, the output layer's) gather their input into it and keep it, so the layers'
+        memory (:mod:`cost.allocations`) has no gathered input. Megatron keeps it at the largest gather
+        of the run; this is the micro-batch's own."""
         tokens = layout.padded_len * micro_batch_size
         indices = 3 * layout.padded_len * 8
-        return (
-            tokens // self.p * self.shape.hidden_size * self.element_size
-            + layout.padded_len * self.rotary_dim * 4
-            + indices
-        )
+        activation = tokens * self.shape.hidden_size * self.element_size
+        gather_buffer = activation if self.p > 1 else 0
+        return activation // self.p + layout.padded_len * self.rotary_dim * 4 + indices + gather_buffer
 
     def loss_bytes(self, layout: SequenceLayout, micro_batch_size: int) -> float:
         """The output layer's working set on a stage that holds it, as Megatron computes it with
         sequence parallelism and its (unfused) vocab-parallel cross-entropy: the sequence all-gathered
-        ``[s, b, h]`` before the projection (and again in its backward, beside the input gradient),
-        the logits ``[s, b, V/p]``, and for half-precision logits the fp32 copy the cross-entropy
-        turns into its softmax in place and keeps as the logits' gradient (fp32 logits are used in
-        place). Peak: the logits beside the fp32 copy, or beside two ``[s, b, h]`` in backward; with
-        them the final norm's output ``[t, b, h]`` (kept by the projection) and in backward the input
-        gradient reduce-scattered to ``[t, b, h]``. The weight gradient is taken as fused into
-        Megatron's gradient buffer (its default on GPU)."""
+        ``[s, b, h]`` before the projection (and again in its backward, beside the input gradient;
+        into Megatron's global buffer, which :meth:`stage_bytes` counts, with p > 1), the logits
+        ``[s, b, V/p]``, and for half-precision logits the fp32 copy the cross-entropy turns into its
+        softmax in place and keeps as the logits' gradient (fp32 logits are used in place). Peak: the
+        logits beside the fp32 copy, or beside two ``[s, b, h]`` in backward; with them the final
+        norm's output ``[t, b, h]`` (kept by the projection) and in backward the input gradient
+        reduce-scattered to ``[t, b, h]``. The weight gradient is taken as fused into Megatron's
+        gradient buffer (its default on GPU)."""
         if not self.vocab_size:
             return 0.0
         tokens = layout.padded_len * micro_batch_size
@@ -213,7 +216,8 @@ class AnalyticCostModel:
         logits = tokens * (self.vocab_size // self.p)
         fp32_copy = 4 * logits if e < 4 else 0
         full = tokens * self.shape.hidden_size * e
-        return logits * e + max(fp32_copy, 2 * full) + 2 * full // self.p
+        gathered = full if self.p == 1 else 0  # else in the global buffer
+        return logits * e + max(fp32_copy, full + gathered) + 2 * full // self.p
 
     # -- details ---------------------------------------------------------------------------------
     def time_breakdown(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> TimeBreakdown:

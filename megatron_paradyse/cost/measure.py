@@ -42,6 +42,7 @@ from megatron_paradyse.strategies import (
     run_attention,
     run_mlp,
 )
+from megatron_paradyse.strategies.megatron_linears import layer_linears, reserve_gather_buffer
 
 __all__ = ["LayerMeasurement", "LayerParams", "make_layer_params", "measure_layer", "run_layer"]
 
@@ -57,8 +58,7 @@ class LayerParams:
 
     def tensors(self) -> list[Tensor]:
         """Every parameter (biases the layer has)."""
-        shards = [getattr(w, f.name) for w in (self.attention, self.mlp) for f in dataclasses.fields(w)]
-        return [t for t in (*shards, *self.norms) if t is not None]
+        return [*_tensors(self.attention), *_tensors(self.mlp), *self.norms]
 
 
 def make_layer_params(
@@ -66,36 +66,41 @@ def make_layer_params(
     p: int,
     rank: int,
     *,
+    group: ProcessGroup | None = None,
     bias: bool = True,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = 0,
 ) -> LayerParams:
-    """Random TP shards of one layer for ``rank`` of ``p`` (distinct per rank), with zeroed gradients.
+    """Random TP shards of one layer for ``rank`` of ``p`` (distinct per rank), with zeroed gradients,
+    held by Megatron's local linear modules for ``group`` (default: the world; ``p`` its size), which
+    ``tp_sp`` calls.
 
     The gradient buffers exist before any measurement: like the weights they are static memory.
     """
+    group = dist.group.WORLD if group is None else group
+    if group.size() != p:
+        raise ValueError(f"make_layer_params: p={p}, but the group has {group.size()} ranks")
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    h, hn = shape.hidden_size, shape.kv_channels
+    attention, mlp = layer_linears(shape, group, bias=bias, dtype=dtype, device=device)
+    for t in (*_tensors(attention), *_tensors(mlp)):
+        with torch.no_grad():
+            t.copy_(torch.randn(t.shape, generator=gen) / t.shape[-1] ** 0.5)
+        t.grad = torch.zeros_like(t)
 
-    def rand(*size: int) -> Tensor:
-        t = (torch.randn(*size, generator=gen) / size[-1] ** 0.5).to(device, dtype).requires_grad_()
+    def rand(size: int) -> Tensor:
+        t = (torch.randn(size, generator=gen) / size**0.5).to(device, dtype).requires_grad_()
         t.grad = torch.zeros_like(t)
         return t
 
-    attention = AttentionWeights(
-        qkv=rand(shape.qkv_rows(p), h),
-        proj=rand(h, shape.num_attention_heads // p * hn),
-        qkv_bias=rand(shape.qkv_rows(p)) if bias else None,
-        proj_bias=rand(h) if bias else None,
-    )
-    mlp = MLPWeights(
-        fc1=rand(shape.fc1_rows(p), h),
-        fc2=rand(h, shape.ffn_hidden_size // p),
-        fc1_bias=rand(shape.fc1_rows(p)) if bias else None,
-        fc2_bias=rand(h) if bias else None,
-    )
+    h = shape.hidden_size
     return LayerParams(attention, mlp, (rand(h), rand(h), rand(h), rand(h)))
+
+
+def _tensors(weights: AttentionWeights | MLPWeights) -> list[Tensor]:
+    """A weights dataclass's parameters (its biases where it has them)."""
+    fields = [getattr(weights, f.name) for f in dataclasses.fields(weights)]
+    return [t for t in fields if isinstance(t, Tensor)]
 
 
 def run_layer(
@@ -156,7 +161,7 @@ def measure_layer(
     """
     device = torch.device(device)
     rank, p = group.rank(), group.size()
-    params = make_layer_params(shape, p, rank, bias=bias, dtype=dtype, device=device, seed=seed)
+    params = make_layer_params(shape, p, rank, group=group, bias=bias, dtype=dtype, device=device, seed=seed)
     actx = AttentionContext(
         group=group,
         layout=layout,
@@ -176,6 +181,8 @@ def measure_layer(
 
     for _ in range(warmup):
         step()
+    if p > 1:  # held outside the layer, as a step's other layers leave it
+        reserve_gather_buffer(layout.padded_len * micro_batch_size, shape.hidden_size, dtype, device)
     saved, peak = [], []
     switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)

@@ -190,7 +190,8 @@ def _tp_sp_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerm
         gemms=(Gemm(s * b, d.qkv // p, d.h), Gemm(s * b, d.h, d.a // p)),
         attention=attention_calls(layout, b, d.nq // p, d.hn),
         fwd_comm=(Collective("all_gather", x_full), Collective("reduce_scatter", x_full)),
-        # sequence_parallel_linear gathers its input again for the weight gradient
+        # Megatron's column-parallel linear gathers its input again for the weight gradient (issued beside
+        # the input gradient's GEMM, its reduce-scatter beside the weight gradient's: counted as waited)
         bwd_comm=(
             Collective("all_gather", x_full),
             Collective("reduce_scatter", x_full),
@@ -262,7 +263,8 @@ def _tp_sp_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
     return SublayerTerms(
         gemms=(Gemm(s * b, d.f1 // p, d.h), Gemm(s * b, d.h, d.f // p)),
         fwd_comm=(Collective("all_gather", x_full), Collective("reduce_scatter", x_full)),
-        # sequence_parallel_linear gathers its input again for the weight gradient
+        # Megatron's column-parallel linear gathers its input again for the weight gradient (issued beside
+        # the input gradient's GEMM, its reduce-scatter beside the weight gradient's: counted as waited)
         bwd_comm=(
             Collective("all_gather", x_full),
             Collective("reduce_scatter", x_full),

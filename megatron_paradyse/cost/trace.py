@@ -56,6 +56,7 @@ from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.memory import MemoryEvent, _StorageTracker
 from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape
+from megatron_paradyse.strategies.megatron_linears import reserve_gather_buffer
 
 __all__ = [
     "AllocatorPeaks",
@@ -265,6 +266,10 @@ class RankTracer:
         cuda = self.device.type == "cuda" and self._mode is None
         with self._tensors():
             layout.indices(self.device)  # on the device before the layer runs, as the entry point does
+            if self.p > 1:  # Megatron's sequence-parallel gather buffer, held outside the layer
+                reserve_gather_buffer(
+                    layout.padded_len * self.micro_batch_size, self.model.shape.hidden_size, self.dtype, self.device
+                )
             size = (layout.local_len, self.micro_batch_size, self.model.shape.hidden_size)
             x_local = self._random(size).requires_grad_()
             dy_local = self._random(size)
@@ -359,6 +364,7 @@ class RankTracer:
 
         if parallel_state.model_parallel_is_initialized():
             raise RuntimeError("RankTracer: Megatron's parallel state is already initialised in this process")
+        parallel_state.destroy_global_memory_buffer()  # one a run_layer trace reserved; Megatron makes its own
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.p, create_gloo_process_groups=False)
         self._megatron_state = True
         config = self.model.transformer_config(self.p, self.dtype)

@@ -1,9 +1,11 @@
 """What every strategy takes and returns.
 
 A strategy is a function ``(x_local [s/p, b, h], weights, ctx) -> y_local [s/p, b, h]`` for one
-sublayer. ``weights`` are Megatron's TP shards for ``tensor_model_parallel_size = p``, read and never
-written; ``ctx`` carries the process group, the micro-batch's :class:`SequenceLayout` and the model's
-shape. Strategies keep nothing between calls, so a layer may run a different one on every call.
+sublayer. ``weights`` are the sublayer's Megatron linear modules and their TP shards for
+``tensor_model_parallel_size = p``: ``tp_sp`` calls the modules (Megatron's own TP+SP), the other
+strategies read the shards and never write them. ``ctx`` carries the process group, the micro-batch's
+:class:`SequenceLayout` and the model's shape. Strategies keep nothing between calls, so a layer may
+run a different one on every call.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "MLPContext",
     "MLPWeights",
     "ModelShape",
+    "ParallelLinear",
     "QKTransform",
     "Strategy",
     "Sublayer",
@@ -83,9 +86,31 @@ class ModelShape:
         return problems
 
 
+class ParallelLinear(Protocol):
+    """One of Megatron's tensor-parallel linear modules with sequence parallelism, as its layer calls it.
+
+    Megatron's local ``ColumnParallelLinear``/``RowParallelLinear`` or Transformer Engine's modules (in a
+    TE layer ``linear_qkv``/``linear_fc1`` also hold the input norm, fused). Column-parallel: ``[s/p, b,
+    in] -> [s, b, out/p]``, the sequence all-gathered inside; row-parallel: ``[s, b, in/p] -> [s/p, b,
+    out]``, the partial sums reduce-scattered inside. Either returns ``(output, bias)``: the bias still
+    to add (``skip_bias_add``), or None.
+    """
+
+    weight: Tensor
+    bias: Tensor | None
+
+    def __call__(self, x: Tensor) -> tuple[Tensor, Tensor | None]: ...
+
+
+def _bias(linear: ParallelLinear) -> Tensor | None:
+    """A linear module's bias; Transformer Engine keeps an empty tensor where there is none."""
+    bias = getattr(linear, "bias", None)
+    return bias if bias is not None and bias.numel() else None
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionWeights:
-    """Megatron's TP shards of one self-attention sublayer."""
+    """Megatron's TP shards of one self-attention sublayer and the modules that hold them."""
 
     qkv: Tensor
     """``linear_qkv`` column shard ``[ng/p * (np/ng + 2) * hn, h]``: per key/value group, its query
@@ -96,6 +121,22 @@ class AttentionWeights:
     """``[ng/p * (np/ng + 2) * hn]``, sharded like ``qkv``."""
     proj_bias: Tensor | None = None
     """``[h]``, replicated over the group."""
+    linear_qkv: ParallelLinear | None = None
+    """The module holding ``qkv`` (column-parallel): what ``tp_sp`` calls."""
+    linear_proj: ParallelLinear | None = None
+    """The module holding ``proj`` (row-parallel)."""
+
+    @classmethod
+    def of(cls, linear_qkv: ParallelLinear, linear_proj: ParallelLinear) -> AttentionWeights:
+        """The weights of a layer's ``linear_qkv`` and ``linear_proj``."""
+        return cls(
+            qkv=linear_qkv.weight,
+            proj=linear_proj.weight,
+            qkv_bias=_bias(linear_qkv),
+            proj_bias=_bias(linear_proj),
+            linear_qkv=linear_qkv,
+            linear_proj=linear_proj,
+        )
 
     def check(self, shape: ModelShape, p: int) -> None:
         _check_shapes(
@@ -114,7 +155,7 @@ class AttentionWeights:
 
 @dataclasses.dataclass(frozen=True)
 class MLPWeights:
-    """Megatron's TP shards of one MLP sublayer."""
+    """Megatron's TP shards of one MLP sublayer and the modules that hold them."""
 
     fc1: Tensor
     """``linear_fc1`` column shard ``[ffn/p, h]``, or ``[2*ffn/p, h]`` gated: this rank's gate rows,
@@ -124,6 +165,22 @@ class MLPWeights:
     fc1_bias: Tensor | None = None
     fc2_bias: Tensor | None = None
     """``[h]``, replicated over the group."""
+    linear_fc1: ParallelLinear | None = None
+    """The module holding ``fc1`` (column-parallel): what ``tp_sp`` calls."""
+    linear_fc2: ParallelLinear | None = None
+    """The module holding ``fc2`` (row-parallel)."""
+
+    @classmethod
+    def of(cls, linear_fc1: ParallelLinear, linear_fc2: ParallelLinear) -> MLPWeights:
+        """The weights of a layer's ``linear_fc1`` and ``linear_fc2``."""
+        return cls(
+            fc1=linear_fc1.weight,
+            fc2=linear_fc2.weight,
+            fc1_bias=_bias(linear_fc1),
+            fc2_bias=_bias(linear_fc2),
+            linear_fc1=linear_fc1,
+            linear_fc2=linear_fc2,
+        )
 
     def check(self, shape: ModelShape, p: int) -> None:
         _check_shapes(
@@ -187,3 +244,7 @@ class Strategy:
     """One line: what it communicates and what it keeps in memory."""
     unsupported: Callable[[ModelShape, int], str | None] = lambda shape, p: None
     """Why this strategy cannot run a model on ``p`` ranks beyond the shard layout itself, or None."""
+    calls_linears: bool = False
+    """It calls the weights' Megatron linear modules (``tp_sp``) rather than reading their shards: the
+    modules run their own forward pre-hooks and any norm fused into them (Transformer Engine's
+    ``linear_qkv``/``linear_fc1``); for the other strategies the layer does both."""
