@@ -18,6 +18,9 @@ device; :func:`cuda_to_cpu` runs such calls on the CPU, inside its ``with`` bloc
 
 Call :func:`install` before the first ``import megatron.core``; it is idempotent. Every patch is
 skipped when ``torch.cuda.is_available()``, so the same code runs unpatched on GPUs.
+
+On any machine, GPUs included, :func:`drop_unavailable_gradient_accumulation_fusion` turns off the one
+fusion Megatron's defaults ask for that needs apex, where apex's kernel is missing.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import logging
 import sys
 import types
 import typing
@@ -33,7 +37,9 @@ from collections.abc import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["cuda_to_cpu", "install", "megatron_training_on_cpu"]
+__all__ = ["cuda_to_cpu", "drop_unavailable_gradient_accumulation_fusion", "install", "megatron_training_on_cpu"]
+
+logger = logging.getLogger(__name__)
 
 
 def install() -> None:
@@ -128,6 +134,25 @@ def _patch_causal_masks() -> None:
     for module in (utils, fused_softmax):
         module.get_default_causal_mask = get_default_causal_mask
         module.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+
+
+def drop_unavailable_gradient_accumulation_fusion(config) -> None:
+    """Turn ``config.gradient_accumulation_fusion`` off, with one warning, where apex's
+    ``fused_weight_gradient_mlp_cuda`` is not installed: Megatron's arguments default the fusion on, and
+    its ``ColumnParallelLinear`` (the local layers', and GPTModel's output layer whatever the transformer
+    implementation) refuses to be built without that kernel. The weight gradients are then accumulated
+    as ``--no-gradient-accumulation-fusion`` does: the same sums, unfused."""
+    if not config.gradient_accumulation_fusion:
+        return
+    from megatron.core.tensor_parallel import layers
+
+    if layers._grad_accum_fusion_available:
+        return
+    logger.warning(
+        "paradyse: gradient_accumulation_fusion turned off: its kernel, apex's fused_weight_gradient_mlp_cuda, "
+        "is not installed (pass --no-gradient-accumulation-fusion to say so yourself)"
+    )
+    config.gradient_accumulation_fusion = False
 
 
 @contextlib.contextmanager

@@ -123,6 +123,11 @@ class LogSection:
     jsonl: str | None = None
     """Append one JSON record per iteration here (relative to the config file): the table's content,
     for tools (``paradyse demo`` reads it)."""
+    measure: bool = False
+    """Measure each micro-batch's forward + backward time and peak memory beside the predictions (CUDA
+    events and the allocator's peak, whose reset synchronises the device once per micro-batch; on the
+    CPU a dispatch mode that watches every operator). Off: the run makes no host synchronisation of its
+    own inside a step, and the measured columns stay empty."""
 
 
 _Word = typing.NewType("_Word", str)

@@ -39,6 +39,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megatron_paradyse.attention import get_kernel
+from megatron_paradyse.compat import drop_unavailable_gradient_accumulation_fusion
 from megatron_paradyse.drop_in import implicit_micro_batch
 from megatron_paradyse.micro_batch import MicroBatch, active_micro_batch, current_micro_batch, micro_batch_scope
 from megatron_paradyse.norm import fused_input_norm, sequence_parallel_norm
@@ -180,6 +181,7 @@ class ParadyseTransformerLayer(TransformerLayer):
             raise ValueError("the Paradyse layers cannot run this TransformerConfig:\n  - " + "\n  - ".join(problems))
         if is_mtp_layer:
             raise ValueError("multi-token-prediction layers are not Paradyse layers; build them with a stock spec")
+        drop_unavailable_gradient_accumulation_fusion(config)  # before any linear module (or the output layer)
         super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage, **kwargs)
         self.plan_index, self.stage_layers = _stage_position(
             config, self.layer_number, get_pg_rank(self.pg_collection.pp)

@@ -1,6 +1,7 @@
 """What a training run logs per iteration: lengths, plans, predicted against measured cost, loss.
 
-:class:`MicroBatchMeter` measures each micro-batch's forward + backward on this rank: the time from
+:class:`MicroBatchMeter` (made only where the config's ``log.measure`` asks: its allocator reset
+synchronises the device) measures each micro-batch's forward + backward on this rank: the time from
 the start of its ``forward_step`` until the gradient has left the first transformer layer (CUDA
 events on a GPU), and the peak memory in that window (:class:`~megatron_paradyse.memory.PeakMemory`:
 the CUDA allocator's peak, or on the CPU the bytes held by tensors created in the window) plus the

@@ -11,8 +11,8 @@ sets it up).
 - the forward step: the micro-batch's tensors to the device, the model under
   :func:`~megatron_paradyse.micro_batch.micro_batch_scope` with its plan, Megatron 0.19's per-token
   loss (with Megatron's NaN, Inf and spiky-loss checks);
-- the end of each iteration: measured time and peak per micro-batch
-  (:class:`~megatron_paradyse.run_log.MicroBatchMeter`); on the last rank the table (every
+- the end of each iteration: measured time and peak per micro-batch where ``log.measure`` asks for
+  them (:class:`~megatron_paradyse.run_log.MicroBatchMeter`); on the last rank the table (every
   ``--log-interval`` iterations), the figures and plans to Megatron's TensorBoard and W&B writers
   (every ``--tensorboard-log-interval``), JSONL, plot;
 - an out-of-memory error in a step: every rank stops, the budget shrunk and saved
@@ -187,7 +187,7 @@ class TrainingRun:
         if job.args.iteration > 0:
             self._resume(iterator)
         self.iterators.append(iterator)
-        if mpu.get_pipeline_model_parallel_world_size() == 1:
+        if config.log.measure and mpu.get_pipeline_model_parallel_world_size() == 1:
             self.meter = MicroBatchMeter(job.device, self.footprints[stage].static_bytes)
         return iterator
 
@@ -296,8 +296,11 @@ class TrainingRun:
         if chunk == 0:
             self._record(planned, model)
         batch = planned.batch
+        # from pinned memory on a GPU: a copy from pageable memory first waits for the device to catch up
+        pinned = self.job.device.type == "cuda"
         tokens, labels, loss_mask, position_ids = (
-            batch[k].to(self.job.device, non_blocking=True) for k in ("tokens", "labels", "loss_mask", "position_ids")
+            (batch[k].pin_memory() if pinned else batch[k]).to(self.job.device, non_blocking=True)
+            for k in ("tokens", "labels", "loss_mask", "position_ids")
         )
         planned.layout.indices(self.job.device)  # the layers' index tensors, on the device before they run
         step = MicroBatch(

@@ -114,14 +114,9 @@ def test_megatron_arguments_that_cannot_work_are_refused_before_any_process_grou
 
 # -- training on gloo ranks ---------------------------------------------------------------------
 def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_sequence_no_plan_fits(tmp_path, cache):
-    config = _write_config(
-        tmp_path / "cfg.yaml",
-        cache,
-        memory={"budget_gib": 1 / 64},
-        data=SMALL_DOCS,
-        planner={"on_infeasible": "stop"},
-        log={"jsonl": "log.jsonl"},
-    )
+    sections = dict(memory={"budget_gib": 1 / 64}, data=SMALL_DOCS, planner={"on_infeasible": "stop"})
+    config = _write_config(tmp_path / "cfg.yaml", cache, **sections, log={"jsonl": "log.jsonl", "measure": True})
+    unmeasured = _write_config(tmp_path / "unmeasured.yaml", cache, **sections, log={"jsonl": "log.jsonl"})
     lengths = DocumentDataset(build_code_corpus(cache)).lengths
     files = sorted(lengths[spread_by_length(lengths, *SMALL_DOCS.values())])
     checkpoints = ["--save", str(tmp_path / "ckpt"), "--save-interval", "2", "--train-iters", "6"]
@@ -137,12 +132,16 @@ def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_s
     assert all(mb.measured_time_s > 0 and mb.measured_peak_bytes > 0 for r in records for mb in r.micro_batches)
     assert "the planner's static memory counts" not in first.stdout + first.stderr
 
-    second = _torchrun(2, "--paradyse-config", str(config), *SMALL_GPT, *checkpoints, "--load", checkpoints[1])
+    second = _torchrun(2, "--paradyse-config", str(unmeasured), *SMALL_GPT, *checkpoints, "--load", checkpoints[1])
     assert second.returncode != 0
     assert "using the quick profile calibrated before" in second.stdout
     records = read_jsonl(tmp_path / "log.jsonl")
     assert [r.iteration for r in records] == [1, 2, 3, 4]
     assert [mb.tokens for r in records[2:] for mb in r.micro_batches] == list(files[2:4])
+    # without log.measure nothing is measured (no device synchronisation of the meter's in a step)
+    assert all(
+        mb.measured_time_s is None and mb.measured_peak_bytes is None for r in records[2:] for mb in r.micro_batches
+    )
     message = re.search(
         rf"paradyse: error: a sequence of {files[4]} tokens \(padded to \d+, planned at \d+\) with micro-batch "
         r"size 1 fits no plan: the leanest \(2x \S+\) is predicted to peak at [\d.]+ GiB, over the budget of "
@@ -161,7 +160,12 @@ def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_s
 def test_validation_runs_forward_only_plans_on_held_out_documents(tmp_path, cache):
     """--eval-iters with --eval-interval and --split: Megatron validates during and after training on the
     held-out documents, under plans priced for forward-only passes, the same micro-batches every time."""
-    config = _write_config(tmp_path / "cfg.yaml", cache, data={"num_documents": 10, "min_len": 128, "max_len": 2048})
+    config = _write_config(
+        tmp_path / "cfg.yaml",
+        cache,
+        data={"num_documents": 10, "min_len": 128, "max_len": 2048},
+        log={"measure": True},
+    )
     evaluation = ["--eval-iters", "2", "--eval-interval", "2", "--split", "70,30,0"]
     result = _torchrun(2, "--paradyse-config", str(config), *SMALL_GPT, "--train-iters", "4", *evaluation)
     assert result.returncode == 0, result.stderr[-3000:]

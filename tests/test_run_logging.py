@@ -78,7 +78,7 @@ def run(tmp_path_factory, cache) -> Run:
                     "max_len": 16384,
                 },  # fmt: skip
                 "planner": {"on_infeasible": "skip"},
-                "log": {"jsonl": "log.jsonl"},
+                "log": {"jsonl": "log.jsonl", "measure": True},
             }
         )
     )

@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_paradyse import compat
 from megatron_paradyse.attention import get_kernel
@@ -203,7 +204,9 @@ def fake_world(rank: int, p: int) -> Iterator[None]:
     """Make this process rank ``rank`` of a fake ``p``-rank default process group, inside the block.
 
     Collectives on it return at once and move no data (received buffers keep what they held), so a
-    rank's allocations are those of a real run. The process must not be in a process group already.
+    rank's allocations are those of a real run; they take CPU, CUDA and ``meta`` tensors (the device
+    that stands in for a GPU in :mod:`megatron_paradyse.host_sync`'s checks). The process must not be in
+    a process group already.
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
@@ -211,7 +214,7 @@ def fake_world(rank: int, p: int) -> Iterator[None]:
         raise ValueError(f"rank must be in [0, {p}), got {rank}")
     if dist.is_initialized():
         raise RuntimeError("fake_world: this process already belongs to a process group; trace in a process of its own")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=p)
+    dist.init_process_group("cpu:fake,cuda:fake,meta:fake", store=FakeStore(), rank=rank, world_size=p)
     try:
         yield
     finally:
@@ -259,8 +262,16 @@ class RankTracer:
             raise
 
     # -- the window ----------------------------------------------------------------------------------
-    def trace(self, option: LayerOption, layout: SequenceLayout, *, record: bool = False) -> LayerTrace:
-        """Forward and backward of the layer under ``option`` on ``layout``, counted (module docstring)."""
+    def trace(
+        self,
+        option: LayerOption,
+        layout: SequenceLayout,
+        *,
+        record: bool = False,
+        watch: TorchDispatchMode | None = None,
+    ) -> LayerTrace:
+        """Forward and backward of the layer under ``option`` on ``layout``, counted (module docstring);
+        ``watch``: a dispatch mode that sees the layer's operators, and only those."""
         if layout.p != self.p:
             raise ValueError(f"the layout is for p={layout.p}, this rank's group has {self.p} ranks")
         cuda = self.device.type == "cuda" and self._mode is None
@@ -283,7 +294,7 @@ class RankTracer:
             try:
                 with _AllocatorWindow(self.device, enabled=cuda) as allocator:
                     start = time.perf_counter()
-                    with _StorageTracker(record=record) as tracker:
+                    with _StorageTracker(record=record) as tracker, watch or contextlib.nullcontext():
                         y_local = self._run(x_local, option, layout, rotary)
                         if self._mode is None and self.device.type == "cpu":
                             time.sleep(0.001)  # gloo's thread: its last sent buffer (see above)

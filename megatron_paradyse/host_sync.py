@@ -1,0 +1,90 @@
+"""Operators that make the host wait for the device, or copy host data to it, found as code runs.
+
+A step on a GPU runs at the device's pace only while the host never waits for it: every layer reads
+what it needs of the micro-batch from tensors already on the device
+(:meth:`~megatron_paradyse.layout.SequenceLayout.indices`, asked for once per micro-batch before the
+model runs). :class:`HostSyncs` is a dispatch mode that records, for one device, every operator that
+breaks this:
+
+- one that copies between the device and elsewhere (``host.to(device)``, ``torch.tensor(list,
+  device=...)``, ``.cpu()``): a pageable copy waits for the device;
+- one that reads a host tensor beside device tensors (a 0-dim host tensor excepted: torch hands its
+  value to the kernel as a number);
+- one whose result the host must read before it can go on (``.item()``, ``.tolist()``, ``nonzero``,
+  ``masked_select``: torch tags them ``data_dependent_output`` or ``dynamic_output_shape``).
+
+On a GPU, ``torch.cuda.set_sync_debug_mode("error")`` is the authority; this mode needs no GPU: on a CPU
+machine the ``meta`` device stands in for it (tensors without data, on a device that is not the host).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import traceback
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["HostSync", "HostSyncs"]
+
+_COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
+_HOST_READS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+_TORCH = os.path.dirname(torch.__file__)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSync:
+    """One operator :class:`HostSyncs` found."""
+
+    op: str
+    reason: str
+    where: str
+    """The innermost caller outside torch (``file:line in function``)."""
+
+    def __str__(self) -> str:
+        return f"{self.op}: {self.reason} (at {self.where})"
+
+
+class HostSyncs(TorchDispatchMode):
+    """``with HostSyncs(device) as syncs: step()``, then ``syncs.found``: the operators that copied
+    between ``device`` and the host, read host tensors beside device ones, or returned data the host
+    reads (module docstring), in the order they ran, backward included."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self.found: list[HostSync] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        on_device = [self._on_device(t.device) for t in inputs]
+        if func in _COPIES:
+            source, target = _copy_ends(func, args, kwargs)
+            if source.type != target.type and self.device.type in (source.type, target.type):
+                self._record(func, f"copies from {source.type} to {target.type}")
+        elif any(on_device) and any(tag in func.tags for tag in _HOST_READS):
+            self._record(func, "the host reads its result from the device")
+        elif any(on_device) and any(not d and t.dim() > 0 for t, d in zip(inputs, on_device)):
+            where = sorted({t.device.type for t, d in zip(inputs, on_device) if not d})
+            self._record(func, f"reads a tensor on {', '.join(where)} beside {self.device.type} tensors")
+        return func(*args, **kwargs)
+
+    def _on_device(self, device: torch.device) -> bool:
+        return device.type == self.device.type
+
+    def _record(self, func, reason: str) -> None:
+        frames = [f for f in traceback.extract_stack()[:-2] if not f.filename.startswith(_TORCH)]
+        where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
+        self.found.append(HostSync(str(func), reason, where))
+
+
+def _copy_ends(func, args, kwargs) -> tuple[torch.device, torch.device]:
+    """(source, target) device of ``aten._to_copy(src, device=...)`` or ``aten.copy_(dst, src)``."""
+    if func is torch.ops.aten._to_copy.default:
+        source = args[0].device
+        target = kwargs.get("device")
+        return source, source if target is None else torch.device(target)
+    return args[1].device, args[0].device

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU check, one command on a machine with one CUDA GPU:
+#
+#   bash scripts/gpu_check.sh [--wheels DIR]
+#
+# --wheels DIR: first install from the wheels in DIR, without a network (scripts/install.sh --wheels;
+# docs/gpu.md says which wheels). Then the GPU tests (pytest -m gpu: every strategy against fp32, one
+# rank of TP=8 under the sync-debug mode and against the memory model, a GPT step without host
+# synchronisation, the attention kernels against 'math'), then bench layer: 4K, 16K and 64K tokens of a
+# Llama-3-8B layer in bf16, Paradyse tp_sp against Megatron's stock layer, whose last line is
+#   tp_sp_vs_stock_max=<ratio> attention_vs_sdpa_best=<ratio> host_syncs=<n>
+# (targets: <= 1.03, <= 1.10, 0). Exits non-zero if the tests or the benchmark failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+case "${1:-}" in
+  "") ;;
+  --wheels) [ $# -eq 2 ] || { echo "gpu_check.sh: error: --wheels takes one folder" >&2; exit 2; }
+    bash scripts/install.sh --machine cuda --wheels "$2" || exit ;;
+  *) echo "gpu_check.sh: error: unknown argument '$1' (usage: bash scripts/gpu_check.sh [--wheels DIR])" >&2; exit 2 ;;
+esac
+"$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_check.sh: error: no CUDA device')" || exit
+
+echo "[gpu_check] pytest -m gpu"
+"$PYTHON" -m pytest -m gpu -q
+tests=$?
+echo "[gpu_check] bench layer"
+PYTHONUNBUFFERED=1 "$PYTHON" -m megatron_paradyse.bench layer
+bench=$?
+echo "[gpu_check] tests: exit $tests, benchmark: exit $bench"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]

@@ -1,0 +1,43 @@
+"""``bench layer`` (scripts/gpu_check.sh's benchmark) at CPU sizes: the same code path as on a GPU, the
+Llama-3-8B layer's shape shrunk; its figures mean nothing here, its table and last line do."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "megatron_paradyse.bench", "layer", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_bench_layer_times_both_layers_and_both_attentions_and_counts_no_host_sync():
+    result = _bench("--model", "tiny", "--lengths", "64,128", "--dtype", "bf16", "--warmup", "1", "--repeats", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0] == "layer: tiny, bf16, cpu, transformer implementation: local"
+    rows = [line.split() for line in lines[2:-1]]
+    assert [int(row[0]) for row in rows] == [64, 128]
+    for row in rows:  # tokens, paradyse ms, stock ms, ratio, attention ms, sdpa ms, ratio, (backend)
+        assert abs(float(row[3]) - float(row[1]) / float(row[2])) < 2e-3  # of the rounded times
+        assert re.fullmatch(r"\((flash_attention|cudnn_attention|efficient_attention|math)\)", row[7])
+    ratios = [float(row[3]) for row in rows]
+    last = re.fullmatch(r"tp_sp_vs_stock_max=(\S+) attention_vs_sdpa_best=(\S+) host_syncs=(\d+)", lines[-1])
+    assert last, lines[-1]
+    assert float(last[1]) == max(ratios)
+    assert float(last[2]) == max(float(row[6]) for row in rows)
+    assert last[3] == "0"
+
+
+def test_bench_layer_refuses_bad_lengths_and_a_missing_device():
+    result = _bench("--lengths", "4096,odd")
+    assert result.returncode == 2 and "expected comma-separated token counts, got '4096,odd'" in result.stderr
+    result = _bench("--lengths", "4095")
+    assert result.returncode == 2 and "token counts must be even and >= 2" in result.stderr
+    result = _bench("--device", "cuda")
+    assert result.returncode == 2 and "--device cuda: no CUDA device here" in result.stderr

@@ -1,0 +1,153 @@
+"""The GPU checks of the layers (``pytest -m gpu``, skipped without CUDA; ``scripts/gpu_check.sh`` runs
+them). Written on a CPU-only machine and not yet run on a GPU (docs/gpu.md).
+
+- every strategy pair on one GPU (TP=1), bf16 with the ``auto`` attention kernel, against the same
+  layer in fp32 with the ``math`` kernel: output, input gradient and every weight gradient;
+- one rank of TP=8 on the fake process group (collectives move nothing, so the numbers are not
+  compared): every strategy pair runs its CUDA kernels at that rank's shard shapes under
+  ``torch.cuda.set_sync_debug_mode("error")`` (a host synchronisation raises), and allocates what the
+  memory model (:mod:`megatron_paradyse.cost.allocations`) predicts;
+- a step of a small GPT model with the Paradyse spec (embedding, layers, loss) under the same mode.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megatron_paradyse import compat
+from megatron_paradyse.cost.terms import layer_terms
+from megatron_paradyse.cost.trace import LayerModel, RankTracer, fake_world
+from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.micro_batch import MicroBatch, micro_batch_scope
+from megatron_paradyse.plan import LayerOption, Plan
+from megatron_paradyse.strategies import ModelShape
+from megatron_paradyse.strategies.registry import strategy_names
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# Llama-shaped (RMSNorm, GQA, SwiGLU, RoPE), heads of 128 channels as Llama 3's, 8 key/value groups
+MODEL = LayerModel(
+    shape=ModelShape(
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_query_groups=8,
+        kv_channels=128,
+        ffn_hidden_size=2048,
+        gated_mlp=True,
+    ),
+    normalization="RMSNorm",
+    rotary_base=500000,
+)
+OPTIONS = [LayerOption(a, m) for a in strategy_names("attention") for m in strategy_names("mlp")]
+DOCUMENTS = (1000, 3000, 96)  # packed: the variable-length kernel call, and padding
+
+
+def _layer(dtype: torch.dtype):
+    """Megatron's layer from the Paradyse spec on this GPU, TP=1 of the current (fake) group, with its
+    rotary table; random weights."""
+    compat.install()
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_paradyse.spec import get_paradyse_layer_spec
+
+    parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+    config = MODEL.transformer_config(1, dtype)
+    config.transformer_impl = "local"
+    layer = build_module(get_paradyse_layer_spec(config).layer_specs[0], config=config, layer_number=1).cuda()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5)
+    rope = RotaryEmbedding(MODEL.shape.kv_channels, 1.0, rotary_base=MODEL.rotary_base)
+    return layer, rope
+
+
+def _forward_backward(layer, rope, option: LayerOption, layout: SequenceLayout, x, dy, kernel: str):
+    layout.indices(x.device)
+    x = x.detach().requires_grad_()
+    for param in layer.parameters():
+        param.grad = None
+    with micro_batch_scope(MicroBatch(layout=layout, plan=Plan((option,)), attention_kernel=kernel)):
+        y, _ = layer(x, attention_mask=None, rotary_pos_emb=rope(layout.padded_len).cuda())
+    y.backward(dy)
+    return [y, x.grad, *(p.grad for p in layer.parameters())]
+
+
+def test_every_strategy_on_one_gpu_in_bf16_matches_fp32():
+    layout = SequenceLayout.build(DOCUMENTS, 1, causal=True)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(layout.padded_len, 1, MODEL.shape.hidden_size, generator=generator).cuda()
+    dy = torch.randn(x.shape, generator=generator).cuda()
+    with fake_world(0, 1):
+        layer, rope = _layer(torch.float32)
+        try:
+            reference = _forward_backward(layer, rope, OPTIONS[0], layout, x, dy, "math")
+            half = copy.deepcopy(layer).to(torch.bfloat16)
+            errors = {}
+            for option in OPTIONS:
+                got = _forward_backward(half, rope, option, layout, x.bfloat16(), dy.bfloat16(), "auto")
+                # bf16 keeps 8 bits of mantissa; sums of a few thousand terms in fp32 accumulators
+                errors[str(option)] = max(
+                    ((g.float() - r).abs().max() / r.abs().max()).item() for g, r in zip(got, reference, strict=True)
+                )
+        finally:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+    assert all(e < 2e-2 for e in errors.values()), errors
+
+
+def test_one_rank_of_eight_runs_every_strategy_without_host_syncs_in_the_memory_predicted():
+    layout = SequenceLayout.build(DOCUMENTS, 8, causal=True)
+    rank = 3
+    found = {}
+    with fake_world(rank, 8), RankTracer(MODEL, layer="megatron", device="cuda", fake=False, kernel="auto") as tracer:
+        for option in OPTIONS + [LayerOption("ring", "zero3", True), LayerOption("lean", "lean", True)]:
+            tracer.trace(option, layout)  # warm-up: kernels chosen, allocator and buffers filled
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                traced = tracer.trace(option, layout)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            dims = MODEL.dims("megatron", 8, layout, 1, torch.bfloat16, device="cuda")
+            predicted = layer_terms(option, dims, layout, rank)
+            found[str(option)] = (traced.saved_bytes, traced.peak_bytes, predicted.saved_bytes, predicted.peak_bytes)
+    wrong = {o: v for o, v in found.items() if v[:2] != v[2:]}
+    assert not wrong, f"(saved, peak) traced vs predicted: {wrong}"
+
+
+def test_a_gpt_step_makes_no_host_synchronisation():
+    """Embedding, two Paradyse layers, output layer and loss, forward and backward: after a warm-up
+    step, one under the sync-debug mode; the layout's indices go to the device first, as the entry
+    point puts them there."""
+    compat.install()
+    import megatron_harness as harness
+    from megatron.core import parallel_state
+
+    layout = SequenceLayout.build((300, 212), 1, causal=True)
+    tokens = torch.randint(0, harness.VOCAB, (1, layout.padded_len)).cuda()
+    with fake_world(0, 1):
+        parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+        harness.model_parallel_cuda_manual_seed(0)
+        try:
+            config = harness.make_config("llama", tp=1, num_layers=2, params_dtype=torch.bfloat16, bf16=True)
+            from megatron_paradyse.spec import get_paradyse_layer_spec
+
+            model = harness.build_gpt(config, get_paradyse_layer_spec(config)).cuda()
+            position_ids = layout.indices("cuda").position_ids[None]
+            plan = Plan((LayerOption("tp_sp", "tp_sp"), LayerOption("ring", "zero3", True)))
+            for debug in ("default", "error"):
+                torch.cuda.set_sync_debug_mode(debug)
+                try:
+                    with micro_batch_scope(MicroBatch(layout=layout, plan=plan, attention_kernel="auto")):
+                        loss = model(tokens, position_ids, None, labels=tokens)
+                    loss.sum().backward()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+        finally:
+            parallel_state.destroy_model_parallel()
