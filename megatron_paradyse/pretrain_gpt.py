@@ -54,6 +54,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import importlib.util
 import re
 import sys
 import traceback
@@ -175,6 +176,8 @@ def _add_paradyse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 def entry_defaults(config: ParadyseConfig, *, cuda: bool) -> list[str]:
     """The Megatron flags this entry point needs, before the config's and the command line's."""
     longest = config.data.token_budget or config.data.max_len
+    # the layers' linear modules: Transformer Engine's where it is installed, as in a stock job
+    impl = "transformer_engine" if cuda and importlib.util.find_spec("transformer_engine") else "local"
     flags = [
         "--dataloader-type", "external",
         "--no-create-attention-mask-in-dataloader",
@@ -183,7 +186,7 @@ def entry_defaults(config: ParadyseConfig, *, cuda: bool) -> list[str]:
         "--seq-length", str(longest),
         "--max-position-embeddings", str(longest),
         "--sequence-parallel",
-        "--transformer-impl", "local",
+        "--transformer-impl", impl,
         "--eval-iters", "0",
         "--eval-interval", "1000",
     ]  # fmt: skip
