@@ -339,44 +339,16 @@ class Job:
 
     # -- planning ---------------------------------------------------------------------------------
     def footprints(self):
-        from megatron_paradyse.static_memory import pipeline_footprints
+        from megatron_paradyse.drop_in import stage_footprints
 
-        args = self.args
-        states = {"adam": 2, "sgd": 1 if args.sgd_momentum else 0}.get(args.optimizer, 2)
-        return pipeline_footprints(
-            self.model_config.transformer,
-            vocab_size=args.padded_vocab_size,
-            tied_embeddings=not args.untie_embeddings_and_output_weights,
-            learned_positions=args.max_position_embeddings if args.position_embedding_type == "learned_absolute" else 0,
-            optimizer_states=states,
-            grads_in_fp32=args.accumulate_allreduce_grads_in_fp32 or not (args.bf16 or args.fp16),
-            optimizer_shards=args.data_parallel_size if args.use_distributed_optimizer else 1,
-        )
+        return stage_footprints(self.args, self.model_config.transformer)
 
     def cost_models(self, profile: dict | None = None):
         """One cost model per pipeline stage (``profile``: instead of the configured one)."""
-        from megatron_paradyse.cost import AnalyticCostModel
-        from megatron_paradyse.modules import model_shape
+        from megatron_paradyse.drop_in import stage_cost_models
 
         profile = profile or self.profile
-        if profile is None:
-            return None
-        shape = model_shape(self.model_config.transformer)
-        rope = self.args.position_embedding_type == "rope"
-        rotary_dim = int(shape.kv_channels * self.args.rotary_percent) if rope else 0
-        return [
-            AnalyticCostModel(
-                profile,
-                shape,
-                self.tp,
-                dtype=self.model_config.transformer.params_dtype,
-                static_bytes=f.static_bytes,
-                vocab_size=self.args.padded_vocab_size if f.has_output_layer else 0,
-                rotary_dim=rotary_dim,
-                bias=self.model_config.transformer.add_bias_linear,
-            )
-            for f in self.footprints()
-        ]
+        return None if profile is None else stage_cost_models(self.args, self.model_config.transformer, profile)
 
 
 def _argument_problems(args: argparse.Namespace, config: ParadyseConfig, flags: list[str]) -> list[str]:

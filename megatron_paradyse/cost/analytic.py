@@ -190,8 +190,8 @@ class AnalyticCostModel:
         device (:meth:`SequenceLayout.indices`: three int64 ``[s]``) and, with sequence parallelism,
         Megatron's global all-gather buffer ``[s, b, h]``: Megatron's sequence-parallel column linears
         (``tp_sp``'s, the output layer's) gather their input into it and keep it, so the layers'
-        memory (:mod:`cost.allocations`) has no gathered input. Megatron keeps it at the largest gather
-        of the run; this is the micro-batch's own."""
+        memory (:mod:`cost.allocations`) has no gathered input. The training entry point drops it before
+        each micro-batch (Megatron would keep it at the longest so far): it is the micro-batch's own."""
         tokens = layout.padded_len * micro_batch_size
         indices = 3 * layout.padded_len * 8
         activation = tokens * self.shape.hidden_size * self.element_size
