@@ -28,7 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from reference_model import StackConfig, make_params, shard_layer
-from test_strategies import model_shape, run_stack  # the strategy-stack driver of the strategy tests
+from test_strategies import (
+    held_by_megatron_linears,
+    model_shape,
+    run_stack,
+)  # the strategy-stack driver of the strategy tests
 
 from megatron_paradyse.comm import all_gather_seq
 from megatron_paradyse.data.indexed import DocumentDataset, write_documents
@@ -120,7 +124,14 @@ def stack_case(rank: int, dataset: DocumentDataset, causal: bool, attention: str
     gen = torch.Generator().manual_seed(8)
     model = {
         "cfg": cfg,
-        "shards": list(zip(*(shard_layer(layer, cfg.shape, P, rank) for layer in layers))),
+        "shards": list(
+            zip(
+                *(
+                    held_by_megatron_linears(shard_layer(layer, cfg.shape, P, rank), cfg.shape, group)
+                    for layer in layers
+                )
+            )
+        ),
         "norms": [{k: layer[k] for k in ("ln1_w", "ln1_b", "ln2_w", "ln2_b")} for layer in layers],
         "plan": [(attention, "tp_sp")] * cfg.num_layers,
         "embedding": torch.randn(VOCAB, cfg.shape.hidden_size, generator=gen),

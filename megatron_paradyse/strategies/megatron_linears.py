@@ -57,8 +57,9 @@ def layer_linears(
     # as Megatron's SelfAttention and MLP build them: qkv adds its bias, the others return theirs
     linear_qkv, linear_proj = column(h, qkv, skip_bias_add=False), row(a, h)
     linear_fc1, linear_fc2 = column(h, shape.fc1_rows(1), skip_bias_add=True), row(shape.ffn_hidden_size, h)
-    for module in (linear_qkv, linear_proj, linear_fc1, linear_fc2):
-        module.to(device)
+    if torch.device(device) != torch.device("cpu"):  # built on the CPU (and left there: fake tensors cannot move)
+        for module in (linear_qkv, linear_proj, linear_fc1, linear_fc2):
+            module.to(device)
     if p > 1:
         _global_buffer()  # what they gather into
     return AttentionWeights.of(linear_qkv, linear_proj), MLPWeights.of(linear_fc1, linear_fc2)
