@@ -44,7 +44,7 @@ from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape, run_attention, run_mlp
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-RUNS = 3
+RUNS = 2
 RETRIES = 3
 OPTIONS = [
     f"{a}/{m}{rc}"
