@@ -63,7 +63,7 @@ def _train(*flags: str, config: Path | None = None) -> tuple[list[float], str]:
 def test_the_drop_in_spec_trains_in_megatrons_own_loop_like_the_stock_spec(tmp_path, profile):
     config = tmp_path / "paradyse.yaml"
     config.write_text(
-        yaml.safe_dump({"memory": {"budget_gib": 0.0105}, "cost": {"profile": str(profile), "check_machine": False}})
+        yaml.safe_dump({"memory": {"budget_gib": 0.0052}, "cost": {"profile": str(profile), "check_machine": False}})
     )
     stock, _ = _train(*STOCK)
     paradyse, stdout = _train(*PARADYSE, config=config)
