@@ -28,28 +28,17 @@ SMALL_GPT = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    """The code corpus and a cost profile for p=2, shared by the runs of this module."""
-    from megatron_paradyse.cost.calibrate import calibrate
-    from megatron_paradyse.cost.profile import save_profile
-    from megatron_paradyse.data.corpora import build_code_corpus
-
-    path = tmp_path_factory.mktemp("cache")
-    build_code_corpus(path)
-    profile = os.environ.get("PARADYSE_TEST_PROFILE")
-    if profile:
-        (path / "profile.json").write_text(Path(profile).read_text())
-    else:
-        save_profile(calibrate([2], grid="quick", show_progress=False), path / "profile.json")
-    return path
-
-
-def _config(path: Path, cache: Path, **sections) -> Path:
+def _config(path: Path, cache_p2: Path, **sections) -> Path:
     data = {
         "memory": {"budget_gib": 1 / 64},
-        "cost": {"profile": str(cache / "profile.json"), "check_machine": False},
-        "data": {"dataset": "code", "cache_dir": str(cache), "num_documents": 8, "min_len": 128, "max_len": 4096},
+        "cost": {"profile": str(cache_p2 / "profile.json"), "check_machine": False},
+        "data": {
+            "dataset": "code",
+            "cache_dir": str(cache_p2),
+            "num_documents": 8,
+            "min_len": 128,
+            "max_len": 4096,
+        },
         "planner": {"on_infeasible": "skip"},
         "log": {"jsonl": "log.jsonl"},
         **sections,
@@ -83,10 +72,16 @@ def test_help_lists_megatrons_flags_and_ours(tmp_path):
         assert "(e.g. 1.10 = 10%)" in " ".join(result.stdout.split())
 
 
-def test_tp1_trains_choosing_recompute_only(tmp_path, cache):
+def test_tp1_trains_choosing_recompute_only(tmp_path, cache_p2):
     # files of 519 to 2549 tokens: at TP=1 the longest fit the budget only recomputed
-    data = {"dataset": "code", "cache_dir": str(cache), "num_documents": 4, "min_len": 512, "max_len": 2560}
-    config = _config(tmp_path / "cfg.yaml", cache, data=data)
+    data = {
+        "dataset": "code",
+        "cache_dir": str(cache_p2),
+        "num_documents": 4,
+        "min_len": 512,
+        "max_len": 2560,
+    }
+    config = _config(tmp_path / "cfg.yaml", cache_p2, data=data)
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     env |= {"MASTER_PORT": "29533", "OMP_NUM_THREADS": "1"}
     flags = [*SMALL_GPT, "--tensor-model-parallel-size", "1", "--global-batch-size", "1", "--train-iters", "4"]
@@ -119,7 +114,7 @@ def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     }
 
 
-def test_overlapped_gradient_reduction_and_parameter_gather_give_the_same_losses_and_weights(tmp_path, cache):
+def test_overlapped_gradient_reduction_and_parameter_gather_give_the_same_losses_and_weights(tmp_path, cache_p2):
     """TP=2 x DP=2 with the distributed optimizer. Every strategy reads the linear layers' weights without
     calling the modules, where Megatron's DDP waits for the overlapped all-gather of their parameters."""
     flags = [*SMALL_GPT, "--tensor-model-parallel-size", "2", "--global-batch-size", "2", "--train-iters", "4"]
@@ -127,7 +122,7 @@ def test_overlapped_gradient_reduction_and_parameter_gather_give_the_same_losses
     flags += ["--ddp-bucket-size", "4096"]  # many buckets: the layers' weights are gathered apart from the rest
     runs = {}
     for name, extra in (("plain", []), ("overlap", ["--overlap-grad-reduce", "--overlap-param-gather"])):
-        config = _config(tmp_path / name / "cfg.yaml", cache)
+        config = _config(tmp_path / name / "cfg.yaml", cache_p2)
         result = _torchrun(4, "--paradyse-config", str(config), *flags, *extra, "--save", str(tmp_path / name / "ckpt"))
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         runs[name] = read_jsonl(tmp_path / name / "log.jsonl"), _weights(tmp_path / name / "ckpt")
@@ -140,8 +135,8 @@ def test_overlapped_gradient_reduction_and_parameter_gather_give_the_same_losses
         torch.testing.assert_close(overlap_weights[key], value, rtol=1e-5, atol=1e-7, msg=key)
 
 
-def test_overlapped_reduction_is_refused_where_lean_would_break_it(tmp_path, cache):
-    config = _config(tmp_path / "cfg.yaml", cache)
+def test_overlapped_reduction_is_refused_where_lean_would_break_it(tmp_path, cache_p2):
+    config = _config(tmp_path / "cfg.yaml", cache_p2)
     flags = [*SMALL_GPT, "--tensor-model-parallel-size", "2", "--global-batch-size", "1", "--train-iters", "2"]
     flags += ["--qk-layernorm", "--use-distributed-optimizer", "--overlap-grad-reduce"]
     result = _torchrun(2, "--paradyse-config", str(config), *flags)
@@ -154,6 +149,6 @@ def test_overlapped_reduction_is_refused_where_lean_would_break_it(tmp_path, cac
     ), result.stderr[-3000:]
     assert result.stderr.count("paradyse: error:") == 1
 
-    config = _config(tmp_path / "no-lean" / "cfg.yaml", cache, planner={"attention": ["tp_sp", "ring"]})
+    config = _config(tmp_path / "no-lean" / "cfg.yaml", cache_p2, planner={"attention": ["tp_sp", "ring"]})
     result = _torchrun(2, "--paradyse-config", str(config), *flags)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -45,34 +45,17 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    """The code corpus and a cost profile for p=2."""
-    from megatron_paradyse.cost.calibrate import calibrate
-    from megatron_paradyse.cost.profile import save_profile
-    from megatron_paradyse.data.corpora import build_code_corpus
-
-    path = tmp_path_factory.mktemp("cache")
-    build_code_corpus(path)
-    profile = os.environ.get("PARADYSE_TEST_PROFILE")
-    if profile:
-        (path / "profile.json").write_text(Path(profile).read_text())
-    else:
-        save_profile(calibrate([2], grid="quick", show_progress=False), path / "profile.json")
-    return path
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, cache) -> Run:
+def run(tmp_path_factory, cache_p2) -> Run:
     folder = tmp_path_factory.mktemp("run")
     config = folder / "cfg.yaml"
     config.write_text(
         yaml.safe_dump(
             {
                 "memory": {"budget_gib": 21 / 1024},  # the ~4K file fits only recomputed, ~8K and ~16K not at all
-                "cost": {"profile": str(cache / "profile.json"), "check_machine": False},
+                "cost": {"profile": str(cache_p2 / "profile.json"), "check_machine": False},
                 "data": {
                     "dataset": "code",
-                    "cache_dir": str(cache),
+                    "cache_dir": str(cache_p2),
                     "num_documents": 8,
                     "min_len": 128,
                     "max_len": 16384,
