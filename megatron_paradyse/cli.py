@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from megatron_paradyse import config_cli, plan_cli
+from megatron_paradyse.run import config_cli, plan_cli
 
 __all__ = ["main"]
 
@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:
-        from megatron_paradyse.demo import main as demo_main
+        from megatron_paradyse.run.demo import main as demo_main
 
         return demo_main(argv[1:])
     parser = _parser()

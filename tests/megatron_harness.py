@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_paradyse import compat
+from megatron_paradyse.core import compat
 
 compat.install()
 
@@ -25,10 +25,10 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.spec_utils import import_module  # noqa: E402
 from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig  # noqa: E402
 
-from megatron_paradyse.layout import SequenceLayout  # noqa: E402
-from megatron_paradyse.micro_batch import MicroBatch, micro_batch_scope  # noqa: E402
-from megatron_paradyse.plan import Plan  # noqa: E402
-from megatron_paradyse.stock_spec import stock_block_spec as stock_block_spec  # noqa: E402 - re-exported for the tests
+from megatron_paradyse.core.layout import SequenceLayout  # noqa: E402
+from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope  # noqa: E402
+from megatron_paradyse.core.plan import Plan  # noqa: E402
+from megatron_paradyse.mcore.stock_spec import stock_block_spec as stock_block_spec  # noqa: E402 - re-exported for the tests
 
 VOCAB = 128
 BATCH = 2

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_paradyse import compat
+from megatron_paradyse.core import compat
 
 _DEADLINE_S = 280.0
 
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     from megatron.training import training  # noqa: F401 - imported once, before the fork
 
     from megatron_paradyse import pretrain_gpt
-    from megatron_paradyse import training as paradyse_training  # noqa: F401
+    from megatron_paradyse.run import training as paradyse_training  # noqa: F401
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -104,7 +104,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, entry) -> None:
 def _inject(args: argparse.Namespace) -> None:
     from megatron.training import get_args
 
-    from megatron_paradyse import modules
+    from megatron_paradyse.mcore import modules
 
     message = f"injected by the test: out of memory in the {args.inject} (rank {args.rank}, iteration {args.iteration})"
 

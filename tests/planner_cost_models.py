@@ -16,9 +16,9 @@ from collections.abc import Callable
 import numpy as np
 
 from megatron_paradyse.bench.planner import bench_shape, build_cost_model
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.base import LayerCost
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.planner import Planner, PlannerConfig, StageProblem
 
 PEAK_KINDS = ("affine", "stepped", "convex")

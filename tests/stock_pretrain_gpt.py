@@ -2,14 +2,14 @@
 for the tests: its ``get_batch`` (TP rank 0 reads, then broadcasts), ``loss_func`` and ``forward_step``
 as the stock script has them, Megatron's ``GPTDataset``/``MockGPTDataset`` through
 ``BlendedMegatronDatasetBuilder``, and ``megatron.training.pretrain``. No megatron-paradyse code runs
-but what ``--spec`` names (and, on a machine without CUDA, :mod:`megatron_paradyse.compat`, which the
+but what ``--spec`` names (and, on a machine without CUDA, :mod:`megatron_paradyse.core.compat`, which the
 patch in ``patches/`` also installs into the stock script).
 
     torchrun --nproc-per-node 2 tests/stock_pretrain_gpt.py --mock-data --spec megatron_paradyse.spec \\
         get_paradyse_layer_spec --tensor-model-parallel-size 2 --sequence-parallel ...
 """
 
-from megatron_paradyse import compat
+from megatron_paradyse.core import compat
 
 compat.install()
 

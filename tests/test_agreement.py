@@ -14,10 +14,10 @@ import re
 import pytest
 from planner_cost_models import physical_planner
 
-from megatron_paradyse.agreement import RankDisagreement, check_ranks_agree, config_digest
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.multiprocess import run_on_ranks
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.planner import PlannerConfig
+from megatron_paradyse.run.agreement import RankDisagreement, check_ranks_agree, config_digest
 
 WORLD = 3
 

@@ -17,8 +17,8 @@ from megatron_paradyse.attention import (
     segment_attention,
 )
 from megatron_paradyse.attention.blocks import batch_cu_seqlens
+from megatron_paradyse.core.layout import Segment, SequenceLayout
 from megatron_paradyse.cost.allocations import Dims, sublayer_memory
-from megatron_paradyse.layout import Segment, SequenceLayout
 from megatron_paradyse.strategies import ModelShape
 
 CPU = torch.device("cpu")

@@ -15,7 +15,7 @@ import torch
 
 from megatron_paradyse.attention import get_kernel, merge_into, segment_attention
 from megatron_paradyse.attention.kernels import TorchCudaKernel
-from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.core.layout import SequenceLayout
 
 pytestmark = [
     pytest.mark.gpu,

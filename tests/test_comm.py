@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_paradyse.comm import (
+from megatron_paradyse.core.comm import (
     RingComm,
     all_gather_seq,
     all_to_all_heads_to_seq,
@@ -18,7 +18,7 @@ from megatron_paradyse.comm import (
     reduce_scatter_seq,
     zero3_linear,
 )
-from megatron_paradyse.multiprocess import run_on_ranks
+from megatron_paradyse.core.multiprocess import run_on_ranks
 
 S_LOCAL, B, W = 3, 2, 4
 

@@ -11,7 +11,7 @@ import yaml
 
 from megatron_paradyse.cli import main as paradyse
 from megatron_paradyse.config import ConfigError, ParadyseConfig, load_config
-from megatron_paradyse.config_cli import calibration_argv, format_config
+from megatron_paradyse.run.config_cli import calibration_argv, format_config
 
 README = Path(__file__).resolve().parent.parent / "configs" / "README.md"
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 
 from megatron_paradyse.cli import main as cli_main
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost import calibrate as calibration
 from megatron_paradyse.cost.analytic import AnalyticCostModel
 from megatron_paradyse.cost.profile import load_profile
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.strategies import ModelShape
 
 MHA = ModelShape(hidden_size=128, num_attention_heads=4, num_query_groups=4, kv_channels=32, ffn_hidden_size=512)

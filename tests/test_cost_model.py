@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from megatron_paradyse.cli import main as cli_main
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost import allocations
 from megatron_paradyse.cost.allocations import Dims, sublayer_memory
 from megatron_paradyse.cost.analytic import AnalyticCostModel
@@ -20,8 +22,6 @@ from megatron_paradyse.cost.empirical import EmpiricalCostModel, HybridRegressor
 from megatron_paradyse.cost.fitting import fit_nonnegative, mape
 from megatron_paradyse.cost.profile import PROFILE_SCHEMA, ProfileError, fingerprint, load_profile, save_profile
 from megatron_paradyse.cost.terms import layer_terms, sublayer_terms
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.strategies import ModelShape
 
 MHA = ModelShape(hidden_size=256, num_attention_heads=8, num_query_groups=8, kv_channels=32, ffn_hidden_size=1024)

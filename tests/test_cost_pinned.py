@@ -19,11 +19,11 @@ import torch
 from test_cost_model import GQA, synthetic_profile  # the cost tests' synthetic CPU profile
 
 from megatron_paradyse.bench.planner import bench_shape
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.analytic import AnalyticCostModel
 from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
 from megatron_paradyse.cost.terms import Dims, layer_terms
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.plan import LayerOption
 
 MLPS = ("tp_sp", "zero3", "lean")
 

@@ -34,11 +34,11 @@ from test_strategies import (
     run_stack,
 )  # the strategy-stack driver of the strategy tests
 
-from megatron_paradyse.comm import all_gather_seq
+from megatron_paradyse.core.comm import all_gather_seq
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.data.indexed import DocumentDataset, write_documents
 from megatron_paradyse.data.loader import DynamicSequenceLoader, LoaderConfig
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.multiprocess import run_on_ranks
 
 P = 2
 VOCAB = 128  # megatron_harness.VOCAB
@@ -153,7 +153,7 @@ def stack_cases(rank: int, world_size: int, prefix: str) -> dict:
 # -- Megatron -----------------------------------------------------------------------------------------
 def megatron_loss(model, plan) -> PerTokenLoss:
     """The per-token loss as :meth:`TrainingRun.forward_step` runs the model (before its loss mask)."""
-    from megatron_paradyse.micro_batch import MicroBatch, micro_batch_scope
+    from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
 
     def per_token_loss(batch: dict, layout: SequenceLayout) -> torch.Tensor:
         with micro_batch_scope(MicroBatch(layout=layout, plan=plan)):
@@ -167,7 +167,7 @@ def megatron_cases(rank: int, world_size: int, prefix: str) -> dict:
     """Per (variant, plan): a Paradyse GPT model at TP=2 with SP against itself, packed and alone."""
     import megatron_harness as H
 
-    from megatron_paradyse.plan import Plan
+    from megatron_paradyse.core.plan import Plan
     from megatron_paradyse.spec import get_paradyse_layer_spec
 
     assert H.VOCAB == VOCAB

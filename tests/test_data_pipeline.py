@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.data.__main__ import main
 from megatron_paradyse.data.balance import WorkModel, assign_to_ranks, imbalance, rank_loads
 from megatron_paradyse.data.batching import make_micro_batch, pack
@@ -19,7 +20,6 @@ from megatron_paradyse.data.indexed import DocumentDataset, write_documents
 from megatron_paradyse.data.loader import DynamicSequenceLoader, LoaderConfig, MicroBatchSampler, StreamPosition
 from megatron_paradyse.data.samplers import Spans, epoch_order
 from megatron_paradyse.data.stats import length_histogram
-from megatron_paradyse.layout import SequenceLayout
 
 SAMPLERS = ("random", "bucketed", "curriculum")
 

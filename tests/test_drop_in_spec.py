@@ -29,7 +29,7 @@ GPT = [
     "--eval-iters", "0", "--eval-interval", "1000", "--transformer-impl", "local", "--distributed-backend", "gloo",
     "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--no-rope-fusion",
 ]  # fmt: skip
-STOCK = ["--spec", "megatron_paradyse.stock_spec", "stock_block_spec"]
+STOCK = ["--spec", "megatron_paradyse.mcore.stock_spec", "stock_block_spec"]
 PARADYSE = ["--spec", "megatron_paradyse.spec", "get_paradyse_layer_spec"]
 TOLERANCE = 1e-5
 

@@ -17,12 +17,12 @@ import copy
 import pytest
 import torch
 
-from megatron_paradyse import compat
+from megatron_paradyse.core import compat
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
+from megatron_paradyse.core.plan import LayerOption, Plan
 from megatron_paradyse.cost.terms import layer_terms
-from megatron_paradyse.cost.trace import LayerModel, RankTracer, fake_world
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.micro_batch import MicroBatch, micro_batch_scope
-from megatron_paradyse.plan import LayerOption, Plan
+from megatron_paradyse.mcore.trace import LayerModel, RankTracer, fake_world
 from megatron_paradyse.strategies import ModelShape
 from megatron_paradyse.strategies.registry import strategy_names
 

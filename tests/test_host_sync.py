@@ -3,7 +3,7 @@
 Every strategy pair, with and without recompute, runs Megatron's layer built from the Paradyse spec
 (norms, RoPE, bias-dropout-add, the strategies' collectives and attention) on one rank of a fake
 process group, with ``meta`` tensors standing in for a GPU's: the host is the CPU, the device is not.
-:class:`~megatron_paradyse.host_sync.HostSyncs` watches the layer's operators only; the layout's index
+:class:`~megatron_paradyse.core.host_sync.HostSyncs` watches the layer's operators only; the layout's index
 tensors reach the device before the layer runs, as the entry point puts them there. The same check on
 a GPU, under ``torch.cuda.set_sync_debug_mode("error")``, is in ``tests/test_gpu_layers.py``.
 """
@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_paradyse import compat
-from megatron_paradyse.cost.trace import LayerModel, RankTracer, fake_world
-from megatron_paradyse.host_sync import HostSyncs
-from megatron_paradyse.layout import LayoutIndices, SequenceLayout
-from megatron_paradyse.plan import LayerOption
+from megatron_paradyse.core import compat
+from megatron_paradyse.core.host_sync import HostSyncs
+from megatron_paradyse.core.layout import LayoutIndices, SequenceLayout
+from megatron_paradyse.core.plan import LayerOption
+from megatron_paradyse.mcore.trace import LayerModel, RankTracer, fake_world
 from megatron_paradyse.strategies import ModelShape
 from megatron_paradyse.strategies.registry import strategy_names
 

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from megatron_paradyse.layout import Segment, SequenceLayout, padded_length, zigzag_permutation
+from megatron_paradyse.core.layout import Segment, SequenceLayout, padded_length, zigzag_permutation
 
 
 @pytest.mark.parametrize(("seq_len", "p", "expected"), [(1, 1, 2), (13, 2, 16), (16, 2, 16), (25, 3, 30), (29, 4, 32)])

@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from megatron_paradyse.run_log import read_jsonl
+from megatron_paradyse.run.log import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL_GPT = [

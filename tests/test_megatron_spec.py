@@ -28,8 +28,8 @@ import random
 import pytest
 import torch
 
-from megatron_paradyse.multiprocess import run_on_ranks
-from megatron_paradyse.plan import LayerOption, Plan
+from megatron_paradyse.core.multiprocess import run_on_ranks
+from megatron_paradyse.core.plan import LayerOption, Plan
 from megatron_paradyse.strategies import available_strategies, strategy_names
 
 TOLERANCE = 1e-5
@@ -74,8 +74,8 @@ def _tp1_references(rank: int, batches, check_module_spec: bool) -> tuple[dict, 
     ready ModuleSpec at TP=1 against them (Megatron picks its final norm; fine without SP)."""
     import megatron_harness as H
 
-    from megatron_paradyse.layout import SequenceLayout
-    from megatron_paradyse.modules import model_shape
+    from megatron_paradyse.core.layout import SequenceLayout
+    from megatron_paradyse.mcore.model_shape import model_shape
 
     H.init_parallel(tp=1)
     refs, out = {}, {}
@@ -105,8 +105,8 @@ def _tp_cases(rank: int, p: int, batches, refs) -> tuple[dict, dict]:
     """
     import megatron_harness as H
 
-    from megatron_paradyse.micro_batch import MicroBatch, micro_batch_scope
-    from megatron_paradyse.modules import model_shape
+    from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
+    from megatron_paradyse.mcore.model_shape import model_shape
 
     H.init_parallel(tp=p)
     out, models = {}, {}
@@ -188,8 +188,8 @@ def _checkpoints(p: int, batch, models: dict, tmp: str) -> dict:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from megatron_paradyse.compat import cuda_to_cpu
-    from megatron_paradyse.modules import model_shape
+    from megatron_paradyse.core.compat import cuda_to_cpu
+    from megatron_paradyse.mcore.model_shape import model_shape
     from megatron_paradyse.spec import get_paradyse_layer_spec
 
     out = {}
@@ -228,8 +228,8 @@ def _optimizer_steps(tp: int, variant: str) -> dict:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_paradyse.compat import cuda_to_cpu
-    from megatron_paradyse.modules import model_shape
+    from megatron_paradyse.core.compat import cuda_to_cpu
+    from megatron_paradyse.mcore.model_shape import model_shape
     from megatron_paradyse.spec import get_paradyse_layer_spec
 
     H.init_parallel(tp=tp)
@@ -278,8 +278,8 @@ def _pipeline(rank: int, variant: str) -> dict:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_paradyse.compat import cuda_to_cpu
-    from megatron_paradyse.modules import model_shape
+    from megatron_paradyse.core.compat import cuda_to_cpu
+    from megatron_paradyse.mcore.model_shape import model_shape
     from megatron_paradyse.spec import get_paradyse_layer_spec
 
     def schedule(model, micro_batches) -> list[torch.Tensor]:
@@ -361,7 +361,7 @@ def _errors(p: int, models: dict, batch) -> dict[str, str]:
     """The message each misuse raises (on every rank, before any collective of the failing layer)."""
     import megatron_harness as H
 
-    from megatron_paradyse.micro_batch import MicroBatch, micro_batch_scope
+    from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
     from megatron_paradyse.spec import get_paradyse_layer_spec
     from megatron_paradyse.strategies import Strategy, get_strategy, register
 

@@ -3,7 +3,7 @@
 The cost model's memory (:mod:`megatron_paradyse.cost.allocations`) is written by hand from the
 strategies' code; this is the check that fails when the two diverge. One launch per group size
 ``p`` in 1..4; every rank runs every cell for real, counts its own allocations with the storage
-tracker (:mod:`megatron_paradyse.memory`: every storage an operator creates, until it is freed) and
+tracker (:mod:`megatron_paradyse.core.memory`: every storage an operator creates, until it is freed) and
 compares them with the scripts for its rank, to the byte:
 
 - attention: ``tp_sp``, ``ulysses``, ``ring``, ``lean`` x causal / bidirectional x one document, one
@@ -34,13 +34,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_paradyse.attention import get_kernel
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.memory import _StorageTracker
+from megatron_paradyse.core.multiprocess import run_on_ranks
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.allocations import Dims, sublayer_memory
 from megatron_paradyse.cost.measure import make_layer_params, measure_layer
 from megatron_paradyse.cost.terms import layer_terms
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.memory import _StorageTracker
-from megatron_paradyse.multiprocess import run_on_ranks
-from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape, run_attention, run_mlp
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -185,7 +185,7 @@ def _settle(tracker: _StorageTracker) -> None:
 
 
 def _measure_megatron(cell: Cell, rank: int, p: int) -> tuple[int, int]:
-    from megatron_paradyse.cost.trace import LayerModel, RankTracer
+    from megatron_paradyse.mcore.trace import LayerModel, RankTracer
 
     model = LayerModel(shape=model_shape(cell.shape, p), normalization=cell.norm, bias=cell.bias)
     layout = layout_of(cell.docs, p, cell.causal)
@@ -240,7 +240,7 @@ def _measure_all(rank: int, p: int) -> dict[Cell, tuple[int, ...]]:
     out = {}
     for cell in ordered:
         if cell.kind == "megatron":
-            from megatron_paradyse import compat
+            from megatron_paradyse.core import compat
 
             compat.install()
         out[cell] = _measure_cell(cell, rank, p)

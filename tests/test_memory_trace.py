@@ -1,4 +1,4 @@
-"""The one-rank memory trace (:mod:`megatron_paradyse.cost.trace`) against real ranks, and the commands
+"""The one-rank memory trace (:mod:`megatron_paradyse.mcore.trace`) against real ranks, and the commands
 built on it: ``bench memory --trace`` and ``bench allocator`` (its CUDA run skipped without a GPU).
 
 A fake trace must allocate what the real run allocates: on the same 2 gloo ranks, each rank first
@@ -23,12 +23,12 @@ import torch.distributed as dist
 
 from megatron_paradyse.bench import memory as memory_bench
 from megatron_paradyse.bench.memory import TRACE_MODELS, TraceConfig, trace_cases
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.multiprocess import run_on_ranks
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.measure import measure_layer
 from megatron_paradyse.cost.terms import layer_terms
-from megatron_paradyse.cost.trace import LayerModel, RankTracer, fake_world
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.multiprocess import run_on_ranks
-from megatron_paradyse.plan import LayerOption
+from megatron_paradyse.mcore.trace import LayerModel, RankTracer, fake_world
 from megatron_paradyse.strategies import ModelShape
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.micro_batch import MicroBatch, current_micro_batch, micro_batch_scope
-from megatron_paradyse.plan import Plan
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.micro_batch import MicroBatch, current_micro_batch, micro_batch_scope
+from megatron_paradyse.core.plan import Plan
 
 
 def micro_batch(doc_length: int, options: list[str]) -> MicroBatch:

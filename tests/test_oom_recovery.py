@@ -1,4 +1,4 @@
-"""An out-of-memory error that slips past the planner costs a step, never the run (megatron_paradyse.fault).
+"""An out-of-memory error that slips past the planner costs a step, never the run (megatron_paradyse.run.fault).
 
 Four gloo ranks (TP=2 x DP=2) run the entry point, ``pretrain_gpt.main``, started by
 ``tests/oom_ranks.py``: like torchrun it gives each rank its environment, unlike torchrun it never ends a
@@ -25,11 +25,18 @@ import pytest
 import torch
 import yaml
 
-from megatron_paradyse import compat
 from megatron_paradyse.config import ConfigError, MemorySection, load_config
+from megatron_paradyse.core import compat
 from megatron_paradyse.data.corpora import build_code_corpus
-from megatron_paradyse.fault import FAULT_EXIT_CODE, STATE_FILE, STOP_EXIT_CODE, BudgetState, read_state, write_state
-from megatron_paradyse.run_log import read_jsonl
+from megatron_paradyse.run.fault import (
+    FAULT_EXIT_CODE,
+    STATE_FILE,
+    STOP_EXIT_CODE,
+    BudgetState,
+    read_state,
+    write_state,
+)
+from megatron_paradyse.run.log import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 RANKS = Path(__file__).resolve().parent / "oom_ranks.py"

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from planner_cost_models import FunctionCostModel
 
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.base import LayerCost
 from megatron_paradyse.data import DocumentDataset, DynamicSequenceLoader, LoaderConfig
 from megatron_paradyse.data.indexed import write_documents
 from megatron_paradyse.data.subset import DocumentSubset, spread_by_length
-from megatron_paradyse.plan import LayerOption
-from megatron_paradyse.planned_loader import PlannedMicroBatches
 from megatron_paradyse.planner import InfeasibleSequenceError, Planner, PlannerConfig
+from megatron_paradyse.run.planned_loader import PlannedMicroBatches
 
 OPTIONS = (LayerOption("tp_sp", "tp_sp"), LayerOption("tp_sp", "tp_sp", recompute=True))
 BUDGET = 4000.0

@@ -12,10 +12,10 @@ import pytest
 from planner_cost_models import FunctionCostModel, physical_planner, random_scaling_model, synthetic_options
 
 from megatron_paradyse.bench import planner as planner_bench
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.base import LayerCost
 from megatron_paradyse.cost.hardware import HARDWARE
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.planner import (
     InfeasibleSequenceError,
     Planner,

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from megatron_paradyse.config import load_config
-from megatron_paradyse.config_cli import model_shape_from_args, parse_megatron_args
 from megatron_paradyse.planner import layer_options
+from megatron_paradyse.run.config_cli import model_shape_from_args, parse_megatron_args
 
 PRESETS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 

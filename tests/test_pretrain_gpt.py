@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 import yaml
 
-from megatron_paradyse import demo, pretrain_gpt
+from megatron_paradyse import pretrain_gpt
 from megatron_paradyse.data import DocumentDataset
 from megatron_paradyse.data.corpora import build_code_corpus
 from megatron_paradyse.data.subset import spread_by_length
-from megatron_paradyse.run_log import read_jsonl
+from megatron_paradyse.run import demo
+from megatron_paradyse.run.log import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -4,7 +4,7 @@ alive are those the same model leaves without recompute (the gradients), on p=2 
 PyTorch's checkpoint stops a rerun early by default, at the last tensor autograd saved; in a Megatron
 layer (custom autograd functions, RoPE) the tensors a stopped rerun had built then outlived the
 layer's backward and the step: one layer's activations more for every recomputed layer.
-``megatron_paradyse.recompute`` runs every rerun to its end.
+``megatron_paradyse.strategies.recompute`` runs every rerun to its end.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from megatron_paradyse.multiprocess import run_on_ranks
+from megatron_paradyse.core.multiprocess import run_on_ranks
 
 P = 2
 PAIRINGS = ("tp_sp/tp_sp", "ulysses/zero3", "ring/zero3", "lean/lean")
@@ -23,8 +23,8 @@ PAIRINGS = ("tp_sp/tp_sp", "ulysses/zero3", "ring/zero3", "lean/lean")
 def _bytes_left_after_backward(rank: int, p: int) -> dict[str, int]:
     import megatron_harness as H
 
-    from megatron_paradyse.memory import PeakMemory
-    from megatron_paradyse.plan import LayerOption, Plan
+    from megatron_paradyse.core.memory import PeakMemory
+    from megatron_paradyse.core.plan import LayerOption, Plan
     from megatron_paradyse.spec import get_paradyse_layer_spec
 
     H.init_parallel(p)

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from megatron_paradyse.config import ConfigError, load_config
-from megatron_paradyse.run_log import IterationLog, read_jsonl
+from megatron_paradyse.run.log import IterationLog, read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 STAND_INS = Path(__file__).resolve().parent / "stand_ins"

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from megatron_paradyse.bench import simulate
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost import AnalyticCostModel, ProfileError
 from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
 from megatron_paradyse.cost.profile import load_profile, save_profile
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.planner import Planner, PlannerConfig
 from megatron_paradyse.strategies import ModelShape
 

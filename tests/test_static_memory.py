@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_paradyse.multiprocess import run_on_ranks
+from megatron_paradyse.core.multiprocess import run_on_ranks
 
 LAYOUTS = ((2, 1), (1, 2))  # (TP, PP) on 2 ranks
 
@@ -15,9 +15,9 @@ def _held_and_counted(rank: int, world: int) -> list[tuple[str, int, int]]:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_paradyse.compat import cuda_to_cpu
+    from megatron_paradyse.core.compat import cuda_to_cpu
+    from megatron_paradyse.mcore.static_memory import pipeline_footprints
     from megatron_paradyse.spec import get_paradyse_layer_spec
-    from megatron_paradyse.static_memory import pipeline_footprints
 
     rows = []
     for tp, pp in LAYOUTS:
@@ -62,13 +62,13 @@ def test_counted_parameters_are_those_megatron_builds():
 def test_bytes_per_parameter_follow_megatron_mixed_precision_adam():
     """bf16 weight, fp32 main gradient, fp32 master weight and two moments (sharded by the distributed
     optimizer over the data-parallel ranks)."""
-    from megatron_paradyse import compat
+    from megatron_paradyse.core import compat
 
     compat.install()
     import torch
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_paradyse.static_memory import pipeline_footprints
+    from megatron_paradyse.mcore.static_memory import pipeline_footprints
 
     config = TransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, params_dtype=torch.bfloat16, bf16=True

@@ -24,7 +24,7 @@ import yaml
 from megatron_paradyse.data import ByteTokenizer, DocumentDataset
 from megatron_paradyse.data.corpora import build_code_corpus
 from megatron_paradyse.data.subset import spread_by_length
-from megatron_paradyse.run_log import read_jsonl
+from megatron_paradyse.run.log import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 STOCK_SCRIPT = Path(__file__).resolve().parent / "stock_pretrain_gpt.py"
@@ -37,11 +37,12 @@ SHARED = [
     "--attention-dropout", "0", "--hidden-dropout", "0", "--global-batch-size", "2", "--lr", "1e-3",
     "--log-interval", "1", "--train-iters", "3", "--save-interval", "2",
 ]  # fmt: skip
-# What the entry point sets itself (pretrain_gpt.entry_defaults), for the stock script on Megatron's
+# What the entry point sets itself (megatron_paradyse.run.job.entry_defaults), for the stock script on Megatron's
 # mock data; the vocabulary is the code corpus's, the one the entry point gives NullTokenizer.
 STOCK = [
-    "--spec", "megatron_paradyse.stock_spec", "stock_block_spec", "--mock-data", "--tokenizer-type", "NullTokenizer",
-    "--vocab-size", str(ByteTokenizer().vocab_size), "--sequence-parallel", "--seq-length", "256",
+    "--spec", "megatron_paradyse.mcore.stock_spec", "stock_block_spec", "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", str(ByteTokenizer().vocab_size), "--sequence-parallel",
+    "--seq-length", "256",
     "--max-position-embeddings", "256", "--micro-batch-size", "1", "--eval-iters", "0", "--eval-interval", "1000",
     "--transformer-impl", "local", "--distributed-backend", "gloo", "--use-cpu-initialization",
     "--no-gradient-accumulation-fusion", "--no-rope-fusion",
@@ -101,7 +102,7 @@ def _read_checkpoint(folder: Path, into: Path) -> dict:
     """A distributed checkpoint's tensors and common state, whole (no process group needed)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from megatron_paradyse import compat
+    from megatron_paradyse.core import compat
 
     compat.install()  # the common state holds Megatron's argument namespace
     dcp_to_torch_save(folder, into)

@@ -21,10 +21,9 @@ import torch.nn.functional as F
 from reference_model import StackConfig, make_params, reference_forward, rope_transform, shard_layer
 
 from megatron_paradyse.attention import get_kernel
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.multiprocess import run_on_ranks
-from megatron_paradyse.plan import LayerOption
-from megatron_paradyse.recompute import recompute
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.multiprocess import run_on_ranks
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.strategies import (
     AttentionContext,
     MLPContext,
@@ -34,6 +33,7 @@ from megatron_paradyse.strategies import (
     run_mlp,
 )
 from megatron_paradyse.strategies.megatron_linears import layer_linears
+from megatron_paradyse.strategies.recompute import recompute
 
 TOLERANCE = 1e-5
 REPLICATED = ("ln1_w", "ln1_b", "ln2_w", "ln2_b", "q_scale", "k_scale")

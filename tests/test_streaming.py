@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_paradyse.memory import PeakMemory
-from megatron_paradyse.multiprocess import run_on_ranks
+from megatron_paradyse.core.memory import PeakMemory
+from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.strategies.streaming import broadcast_shards, ring_shards
 
 SCHEDULES = {"broadcast": broadcast_shards, "ring": ring_shards}

@@ -15,8 +15,8 @@ from reference_model import StackConfig, make_params, reference_forward, shard_l
 from test_strategies import fields, held_by_megatron_linears, model_shape, rel_err, run_stack
 
 from megatron_paradyse.attention import get_kernel
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.multiprocess import run_on_ranks
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.strategies import (
     AttentionContext,
     AttentionWeights,

@@ -11,8 +11,8 @@ import logging
 
 import pytest
 
-from megatron_paradyse import compat
-from megatron_paradyse.cost.trace import fake_world
+from megatron_paradyse.core import compat
+from megatron_paradyse.mcore.trace import fake_world
 
 compat.install()
 
@@ -28,7 +28,7 @@ def test_the_model_builds_without_apex_with_the_fusion_turned_off(spec, caplog):
         harness.parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
         harness.model_parallel_cuda_manual_seed(1234)
         try:
-            with caplog.at_level(logging.WARNING, logger="megatron_paradyse.compat"):
+            with caplog.at_level(logging.WARNING, logger="megatron_paradyse.core.compat"):
                 model = harness.build_gpt_from_spec_flag(config, spec)
         finally:
             harness.parallel_state.destroy_model_parallel()

@@ -1,6 +1,6 @@
 """Attention over the visible segments of a (query block, key block) pair.
 
-A block pair is described by the :class:`~megatron_paradyse.layout.Segment` list the layout gives it
+A block pair is described by the :class:`~megatron_paradyse.core.layout.Segment` list the layout gives it
 (causal diagonals, fully visible rectangles, documents of a packed sequence); every segment is one
 kernel call. Two uses:
 
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from megatron_paradyse.attention.kernels import AttentionKernel, VarlenAttentionKernel, accumulation_dtype
-from megatron_paradyse.layout import Segment
+from megatron_paradyse.core.layout import Segment
 
 __all__ = ["accumulate_block", "accumulate_block_grads", "merge_into", "segment_attention"]
 

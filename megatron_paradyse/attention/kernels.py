@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_paradyse.precision import accumulation_dtype
+from megatron_paradyse.core.precision import accumulation_dtype
 
 __all__ = [
     "EFFICIENT_LSE_ROWS",

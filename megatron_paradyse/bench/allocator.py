@@ -3,7 +3,7 @@
     python -m megatron_paradyse.bench allocator                 # on a machine with one GPU
     python -m megatron_paradyse.bench allocator --lengths 8192,16384 --options tp_sp/tp_sp,lean/lean+rc
 
-The process plays one rank of ``p=8`` on a fake process group (:mod:`megatron_paradyse.cost.trace`:
+The process plays one rank of ``p=8`` on a fake process group (:mod:`megatron_paradyse.mcore.trace`:
 collectives move nothing, every tensor has the size that rank allocates, NCCL's own buffers are
 absent) and runs the Megatron layer of Llama 3 8B (``--model``: any of ``bench memory``'s
 ``TRACE_MODELS``), bf16, b=1, one causal document, with real CUDA tensors; the rank is the one
@@ -62,10 +62,10 @@ from megatron_paradyse.bench.memory import (
     parse_options,
     trace_cases,
 )
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.terms import layer_terms
-from megatron_paradyse.cost.trace import LayerModel, LayerTrace, RankTracer, fake_world
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.plan import LayerOption
+from megatron_paradyse.mcore.trace import LayerModel, LayerTrace, RankTracer, fake_world
 from megatron_paradyse.planner.config import PlannerConfig, layer_options
 from megatron_paradyse.strategies import ModelShape
 
@@ -289,7 +289,7 @@ def _report(cfg: AllocatorConfig, results: dict[str, dict]) -> dict[str, str]:
         f"b=1, one causal document, real tensors on {cfg.device}, '{default['kernel']}' attention kernel; forward + "
         "backward.\n"
         "# Peaks above the window's start (weights, gradient buffers, input, rotary table), cache emptied per case: "
-        "tracker = storages' bytes (megatron_paradyse.memory), alloc/resv = torch.cuda.max_memory_allocated/"
+        "tracker = storages' bytes (megatron_paradyse.core.memory), alloc/resv = torch.cuda.max_memory_allocated/"
         "reserved; default and PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (expd).\n"
         "# predicted: layer_terms; err = (predicted - measured) / measured."
     )

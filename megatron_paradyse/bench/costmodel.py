@@ -31,15 +31,15 @@ import sys
 
 import torch.distributed as dist
 
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.multiprocess import run_on_ranks
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.analytic import AnalyticCostModel
 from megatron_paradyse.cost.calibrate import REFERENCE_SHAPE, calibrate
 from megatron_paradyse.cost.empirical import EmpiricalCostModel, Sample
 from megatron_paradyse.cost.fitting import mape
 from megatron_paradyse.cost.measure import measure_layer
 from megatron_paradyse.cost.profile import load_profile
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.multiprocess import run_on_ranks
-from megatron_paradyse.plan import LayerOption
 
 __all__ = ["main"]
 

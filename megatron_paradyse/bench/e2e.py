@@ -11,7 +11,7 @@ Adam, under these *arms*, each from the same initial weights:
 
 - the static strategies ``tp_sp/tp_sp``, ``ulysses/zero3``, ``ring/zero3``, ``lean/lean``: the same
   pair on every layer for every sequence (the Paradyse layer spec);
-- ``megatron``: Megatron-Core's own local spec (:mod:`megatron_paradyse.stock_spec`), TP+SP, natural
+- ``megatron``: Megatron-Core's own local spec (:mod:`megatron_paradyse.mcore.stock_spec`), TP+SP, natural
   token order with Megatron's causal mask: what a user trains with today;
 - ``adaptive``: the :class:`~megatron_paradyse.planner.Planner` (every attention x MLP strategy per
   layer, per-layer recompute) on the calibrated :class:`~megatron_paradyse.cost.AnalyticCostModel`,
@@ -21,7 +21,7 @@ Adam, under these *arms*, each from the same initial weights:
 from its tensors (fp32 weights, fp32 gradients allocated up front as Megatron's gradient buffers, and
 Adam's two fp32 moments once they exist: 16 bytes per parameter), plus the high-water mark above
 them during forward + backward + gradient all-reduce, and during the optimizer step, from
-:class:`~megatron_paradyse.memory.PeakMemory` (on CPU a dispatch mode that counts the storages every
+:class:`~megatron_paradyse.core.memory.PeakMemory` (on CPU a dispatch mode that counts the storages every
 operator creates until they are freed: tensor bytes, no allocator caching or fragmentation). The
 step's inputs (a few KB) are not counted.
 
@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_paradyse.bench.memory import PAIRINGS
-from megatron_paradyse.multiprocess import run_on_ranks
+from megatron_paradyse.core.multiprocess import run_on_ranks
 
 __all__ = ["ArmResult", "CorpusResult", "SequenceResult", "main"]
 
@@ -174,7 +174,7 @@ class Settings:
 
 
 def _bench_on_rank(rank: int, p: int, corpora: list[Corpus], settings: Settings) -> list[CorpusResult]:
-    from megatron_paradyse import compat
+    from megatron_paradyse.core import compat
 
     compat.install()
     from megatron.core import parallel_state
@@ -198,10 +198,10 @@ class _CorpusBench:
 
         from megatron_paradyse.cost import AnalyticCostModel
         from megatron_paradyse.data import make_micro_batch
-        from megatron_paradyse.modules import model_shape
-        from megatron_paradyse.spec import get_paradyse_layer_spec
-        from megatron_paradyse.static_memory import pipeline_footprints
-        from megatron_paradyse.stock_spec import stock_block_spec
+        from megatron_paradyse.mcore.model_shape import model_shape
+        from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
+        from megatron_paradyse.mcore.static_memory import pipeline_footprints
+        from megatron_paradyse.mcore.stock_spec import stock_block_spec
 
         self.corpus, self.p, self.settings = corpus, p, settings
         self.group = parallel_state.get_tensor_model_parallel_group()
@@ -316,7 +316,7 @@ class _CorpusBench:
 
     def _arm_plan(self, name: str, planner, layout):
         """The plan of a sequence (None: Megatron's own layers); raises _Infeasible for the planner."""
-        from megatron_paradyse.plan import LayerOption, Plan
+        from megatron_paradyse.core.plan import LayerOption, Plan
 
         if name == MEGATRON:
             return None
@@ -338,7 +338,7 @@ class _CorpusBench:
     # -- passes -----------------------------------------------------------------------------------
     def _memory_pass(self, name: str, budget: float | None = None) -> ArmResult:
         """Every sequence once, untimed, under the storage tracker: the peak of each rank."""
-        from megatron_paradyse.memory import PeakMemory
+        from megatron_paradyse.core.memory import PeakMemory
 
         model, optimizer = self._reset(name)
         planner = self._planner(budget) if name == ADAPTIVE else None
@@ -410,7 +410,7 @@ class _CorpusBench:
     def _forward_backward(self, model, batch: dict, plan) -> float:
         """Mean loss per token of one micro-batch, backward, and Megatron's TP all-reduce of the
         gradients of parameters every rank holds whole (norms, row-parallel biases)."""
-        from megatron_paradyse.micro_batch import MicroBatch, micro_batch_scope
+        from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
 
         keys = ("tokens", "labels", "loss_mask", "position_ids")
         if plan is None:  # Megatron's own layers: natural token order (padding last), its causal mask
@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "peak = weights + gradients + Adam moments held by the rank (16 B/param, counted from its tensors) "
         "+ the high-water mark above them in forward+backward+all-reduce and in the optimizer step, measured "
-        "by megatron_paradyse.memory.PeakMemory (CPU: a dispatch mode tracking every storage operators "
+        "by megatron_paradyse.core.memory.PeakMemory (CPU: a dispatch mode tracking every storage operators "
         "create: tensor bytes, no allocator caching); OOM = measured peak over the budget on any rank",
         flush=True,
     )

@@ -7,7 +7,7 @@ GPU tests). For each length, one document of that many tokens, micro-batch 1, TP
 - **layer**: Megatron's ``TransformerLayer`` from :func:`megatron_paradyse.spec.get_paradyse_layer_spec`
   under ``tp_sp/tp_sp`` against the layer of Megatron's stock GPT spec of the same transformer
   implementation (Transformer Engine's where it is installed, else the local one of
-  :mod:`megatron_paradyse.stock_spec`); the same weights, RoPE table and input. The local stock layer
+  :mod:`megatron_paradyse.mcore.stock_spec`); the same weights, RoPE table and input. The local stock layer
   attends with Megatron's unfused ``DotProductAttention`` (``[s, s]`` scores): where it runs out of
   memory its row says so and the ratio leaves that length out.
 - **attention**: the Paradyse attention core (:func:`~megatron_paradyse.attention.segment_attention`
@@ -15,7 +15,7 @@ GPU tests). For each length, one document of that many tokens, micro-batch 1, TP
   each SDPA backend that takes the shape, the fastest of them.
 - **host syncs**: one more forward + backward of the Paradyse layer at the first length, counted under
   ``torch.cuda.set_sync_debug_mode("warn")`` on CUDA (elsewhere by
-  :class:`~megatron_paradyse.host_sync.HostSyncs`).
+  :class:`~megatron_paradyse.core.host_sync.HostSyncs`).
 
 Times are medians over ``--repeats`` runs after ``--warmup`` (CUDA events on a GPU). The last line:
 ``tp_sp_vs_stock_max`` (the largest Paradyse/stock time ratio over the lengths both ran),
@@ -37,11 +37,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from megatron_paradyse import compat
 from megatron_paradyse.bench.memory import TRACE_MODELS
-from megatron_paradyse.cost.trace import LayerModel, fake_world
-from megatron_paradyse.host_sync import HostSyncs
-from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.core import compat
+from megatron_paradyse.core.host_sync import HostSyncs
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.mcore.trace import LayerModel, fake_world
 from megatron_paradyse.strategies import ModelShape
 
 MODELS = {
@@ -121,8 +121,8 @@ class _LayerPair:
         from megatron.core.extensions.transformer_engine import HAVE_TE
         from megatron.core.transformer.spec_utils import build_module
 
-        from megatron_paradyse.spec import get_paradyse_layer_spec
-        from megatron_paradyse.stock_spec import stock_block_spec
+        from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
+        from megatron_paradyse.mcore.stock_spec import stock_block_spec
 
         self.model, self.dtype, self.device = model, dtype, device
         self.impl = "transformer_engine" if HAVE_TE and device.type == "cuda" else "local"
@@ -157,8 +157,8 @@ class _LayerPair:
         """One forward + backward of layer ``which`` on ``n`` tokens (inputs made once)."""
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-        from megatron_paradyse.micro_batch import MicroBatch, micro_batch_scope
-        from megatron_paradyse.plan import LayerOption, Plan
+        from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
+        from megatron_paradyse.core.plan import LayerOption, Plan
 
         hidden = self.model.shape.hidden_size
         x = torch.randn(n, 1, hidden, device=self.device, dtype=self.dtype).requires_grad_()

@@ -7,7 +7,7 @@
 
 A stack of ``--layers`` pre-LN GPT layers (MHA, GELU MLP, biases, causal; no RoPE) runs forward and
 backward on every rank under one layer option at a time; the peak bytes allocated in that window
-are measured per rank with :class:`~megatron_paradyse.memory.PeakMemory`. What was held before the
+are measured per rank with :class:`~megatron_paradyse.core.memory.PeakMemory`. What was held before the
 window is not counted: the weight shards, their gradients (allocated beforehand, as Megatron's
 gradient buffers are) and the input. A stack, not one layer: saved activations accumulate over
 layers, which is what recompute trades away.
@@ -24,7 +24,7 @@ happens to run.
 ``--trace`` checks the memory model at production shapes instead: one layer of Llama 3 8B and of the
 ParaDySe paper's GPT (:data:`TRACE_MODELS`), bf16, b=1, one causal document of each ``--lengths``,
 on ``p=8`` ranks, under every layer option the planner has, traced with
-:func:`megatron_paradyse.cost.trace.trace_rank` (a fake process group and fake tensors: no memory,
+:func:`megatron_paradyse.mcore.trace.trace_rank` (a fake process group and fake tensors: no memory,
 no peers) and laid beside :func:`~megatron_paradyse.cost.terms.layer_terms`. The traced layer is
 Megatron's ``TransformerLayer`` from the Paradyse spec (``--layer run_layer``: the cost models' own
 test layer). ``ring`` and ``lean`` attention allocate differently per rank: the rank traced is the one
@@ -47,13 +47,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_paradyse.attention import get_kernel, kernel_names
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.memory import PeakMemory
+from megatron_paradyse.core.multiprocess import run_on_ranks
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.measure import LayerParams, make_layer_params, run_layer
 from megatron_paradyse.cost.terms import RANK_DEPENDENT, layer_terms
-from megatron_paradyse.cost.trace import LAYER_KINDS, LayerKind, LayerModel, LayerTrace, fake_world, trace_rank
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.memory import PeakMemory
-from megatron_paradyse.multiprocess import run_on_ranks
-from megatron_paradyse.plan import LayerOption
+from megatron_paradyse.mcore.trace import LAYER_KINDS, LayerKind, LayerModel, LayerTrace, fake_world, trace_rank
 from megatron_paradyse.planner.config import PlannerConfig, layer_options
 from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape, unsupported_reason
 
@@ -349,7 +349,7 @@ class TraceConfig:
     all_ranks: bool
     batch: int
     events: bool = False
-    """Keep every case's events (:class:`~megatron_paradyse.memory.MemoryEvent`) in its row."""
+    """Keep every case's events (:class:`~megatron_paradyse.core.memory.MemoryEvent`) in its row."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -477,7 +477,7 @@ def _print_traces(cfg: TraceConfig, rows: list[dict], seconds: float) -> dict[st
     print(
         f"# One transformer layer ({cfg.layer}), forward + backward, p={cfg.p}, b={cfg.batch}, "
         f"{str(cfg.dtype)[6:]}, one causal document, traced on a fake process group under FakeTensorMode "
-        f"(megatron_paradyse.cost.trace), {ranks}.\n"
+        f"(megatron_paradyse.mcore.trace), {ranks}.\n"
         "# saved: alive when the forward returns (output included); peak: high-water mark over forward and "
         "backward; both above the layer's input, weights, gradient buffers and rotary table.\n"
         "# predicted: megatron_paradyse.cost.terms.layer_terms; err = (predicted - traced) / traced."
@@ -549,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
             "# CUDA: torch.cuda.max_memory_allocated (caching allocator), communication library buffers excluded."
             if cfg.device == "cuda"
             else "# CPU: bytes of every storage an operator creates until it is freed (a dispatch-mode tracker, "
-            "megatron_paradyse.memory.PeakMemory), including tensors autograd saves; gloo's internal buffers "
+            "megatron_paradyse.core.memory.PeakMemory), including tensors autograd saves; gloo's internal buffers "
             "are not seen."
         )
         + "\n# ratio: worst rank's peak over tp_sp/tp_sp's (no recompute) at the same length."

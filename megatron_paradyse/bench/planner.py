@@ -29,9 +29,9 @@ import time
 import torch
 
 from megatron_paradyse.bench.simulate import stage_static_bytes
+from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.cost import AnalyticCostModel, load_profile
 from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
-from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.planner import Planner, PlannerConfig, solve_exact, solve_heuristic
 from megatron_paradyse.strategies import ModelShape
 

@@ -39,6 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.analytic import AnalyticCostModel
 from megatron_paradyse.cost.base import CostModel, LayerCost
 from megatron_paradyse.cost.hardware import HARDWARE, NodeSpec, hardware_profile
@@ -49,8 +51,6 @@ from megatron_paradyse.data.corpora import (
     GRCH38_SHARES,
     binned_lengths,
 )
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.planner import InfeasibleSequenceError, Planner, PlannerConfig
 from megatron_paradyse.planner.buckets import LengthBuckets
 from megatron_paradyse.strategies import ModelShape
@@ -302,7 +302,7 @@ _LONGER = {("gpt", "grch38"): 2.8122, ("gpt", "githubcode"): 2.4416}
 def load_paper_model(name: str, configs: Path = CONFIGS) -> ModelSpec:
     """The model, layers, mask, planner and margin of ``configs/paper-<name>.yaml``."""
     from megatron_paradyse.config import load_config
-    from megatron_paradyse.config_cli import model_shape_from_args, parse_megatron_args
+    from megatron_paradyse.run.config_cli import model_shape_from_args, parse_megatron_args
 
     path = configs / f"paper-{name}.yaml"
     config = load_config(path)

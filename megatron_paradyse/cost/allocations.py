@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from megatron_paradyse.attention.kernels import EFFICIENT_LSE_ROWS
-from megatron_paradyse.layout import Segment, SequenceLayout
+from megatron_paradyse.core.layout import Segment, SequenceLayout
 from megatron_paradyse.strategies import ModelShape
 
 __all__ = [
@@ -1183,7 +1183,7 @@ def sublayer_memory(sublayer: str, name: str, d: Dims, layout: SequenceLayout, r
 
 
 def _norm_forward(m: _Memory, d: Dims, name: str) -> None:
-    """One norm (``megatron_paradyse.norm``) of a ``[t, b, h]`` activation: its output ``{name}_out``
+    """One norm (``megatron_paradyse.mcore.norm``) of a ``[t, b, h]`` activation: its output ``{name}_out``
     and the statistics it keeps, ``{name}_stats`` (it keeps its input too: the caller's). LayerNorm
     keeps mean and rstd (the input's dtype on the CPU, fp32 on CUDA), RMSNorm an fp32 rstd; torch's
     fused RMSNorm kernel is one kernel on CUDA, a chain of operators on the CPU (in the accumulation

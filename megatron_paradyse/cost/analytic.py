@@ -19,7 +19,7 @@ transfers with its compute. ``syncs`` counts collectives and ring hops. The corr
 the rest 0 without one) is fitted by ``paradyse calibrate --fit-correction`` on a few measured layers.
 
 Memory is :mod:`cost.allocations`' saved and transient bytes of the layer; the stage peak adds the static
-bytes (the same for every plan, given by the caller: see :mod:`megatron_paradyse.static_memory`), the
+bytes (the same for every plan, given by the caller: see :mod:`megatron_paradyse.mcore.static_memory`), the
 stage's own activations (:meth:`AnalyticCostModel.stage_bytes`), and the larger of
 the largest layer working set and the output layer's (:meth:`AnalyticCostModel.loss_bytes`), with
 the allocator's slack.
@@ -41,6 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.allocations import (
     RANK_DEPENDENT,
     Dims,
@@ -52,8 +54,6 @@ from megatron_paradyse.cost.allocations import (
 from megatron_paradyse.cost.base import LayerCost
 from megatron_paradyse.cost.profile import load_profile
 from megatron_paradyse.cost.terms import AttentionCall, Collective, Gemm, RingStage, SublayerTerms, sublayer_terms
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.strategies import ModelShape
 
 __all__ = ["AnalyticCostModel", "TimeBreakdown"]
@@ -129,10 +129,10 @@ class AnalyticCostModel:
         use_correction: bool = True,
     ):
         """``static_bytes``: what the rank holds whatever the plan, its weights, gradients and optimizer
-        state (see :mod:`megatron_paradyse.static_memory`) and anything else resident; ``vocab_size``: Megatron's padded
-        vocabulary if the stage holds the output layer, else 0 (see :meth:`loss_bytes`);
-        ``rotary_dim``: the channels of each head RoPE rotates (0: the model has no RoPE); ``bias``: the
-        linear layers have biases. Memory is counted for the profile's device."""
+        state (see :mod:`megatron_paradyse.mcore.static_memory`) and anything else resident;
+        ``vocab_size``: Megatron's padded vocabulary if the stage holds the output layer, else 0 (see
+        :meth:`loss_bytes`); ``rotary_dim``: the channels of each head RoPE rotates (0: the model has no
+        RoPE); ``bias``: the linear layers have biases. Memory is counted for the profile's device."""
         if p > 1 and str(p) not in profile["collectives"]:
             raise ValueError(f"the profile has no collectives for p={p}; run `paradyse calibrate --p {p}`")
         dtype_name = str(dtype).removeprefix("torch.")

@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.plan import LayerOption
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.plan import LayerOption
 
 __all__ = ["CostModel", "LayerCost"]
 

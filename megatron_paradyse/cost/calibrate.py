@@ -31,12 +31,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_paradyse.attention import get_kernel
-from megatron_paradyse.comm import RingComm, all_gather_seq, all_to_all_seq_to_heads, reduce_scatter_seq
+from megatron_paradyse.core.comm import RingComm, all_gather_seq, all_to_all_seq_to_heads, reduce_scatter_seq
+from megatron_paradyse.core.multiprocess import run_on_ranks
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.fitting import fit_nonnegative
 from megatron_paradyse.cost.profile import fingerprint
 from megatron_paradyse.cost.terms import COLLECTIVE_KINDS, AttentionCall
-from megatron_paradyse.multiprocess import run_on_ranks
-from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.strategies import ModelShape
 
 __all__ = ["CORRECTION_LAYERS", "GRIDS", "Grid", "REFERENCE_SHAPE", "calibrate", "fit_profile"]
@@ -439,8 +439,8 @@ def calibrate(
 
 
 def _measure_correction_layers(rank: int, world: int, lengths, device_type: str, dtype_name: str):
+    from megatron_paradyse.core.layout import SequenceLayout
     from megatron_paradyse.cost.measure import measure_layer
-    from megatron_paradyse.layout import SequenceLayout
 
     device = _rank_device(rank, device_type)
     out = []
@@ -464,8 +464,8 @@ def fit_correction_from_layers(profile, world: int, grid: Grid, device: str, dty
     """Fit ``time = k_compute * compute + k_comm * comm + per_sync_s * syncs + per_layer_s`` on measured
     reference layers (``syncs``: collectives and ring hops, each a point where ranks wait for each
     other: on an oversubscribed CPU a rank that arrives early waits for the scheduler to run the rest)."""
+    from megatron_paradyse.core.layout import SequenceLayout
     from megatron_paradyse.cost.analytic import AnalyticCostModel
-    from megatron_paradyse.layout import SequenceLayout
 
     measured = run_on_ranks(
         _measure_correction_layers,

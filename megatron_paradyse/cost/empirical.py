@@ -18,9 +18,9 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.base import LayerCost
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.plan import LayerOption
 
 __all__ = ["EmpiricalCostModel", "HybridRegressor", "Sample", "aic_polynomial"]
 

@@ -29,10 +29,9 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megatron_paradyse.attention import get_kernel
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.memory import PeakMemory
-from megatron_paradyse.plan import LayerOption
-from megatron_paradyse.recompute import recompute
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.memory import PeakMemory
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.strategies import (
     AttentionContext,
     AttentionWeights,
@@ -43,6 +42,7 @@ from megatron_paradyse.strategies import (
     run_mlp,
 )
 from megatron_paradyse.strategies.megatron_linears import layer_linears, reserve_gather_buffer
+from megatron_paradyse.strategies.recompute import recompute
 
 __all__ = ["LayerMeasurement", "LayerParams", "make_layer_params", "measure_layer", "run_layer"]
 

@@ -29,6 +29,8 @@ import math
 from collections.abc import Callable
 from typing import Literal
 
+from megatron_paradyse.core.layout import Segment, SequenceLayout
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.allocations import (
     RANK_DEPENDENT,
     Dims,
@@ -37,8 +39,6 @@ from megatron_paradyse.cost.allocations import (
     ring_steps,
     sublayer_memory,
 )
-from megatron_paradyse.layout import Segment, SequenceLayout
-from megatron_paradyse.plan import LayerOption
 
 __all__ = [
     "AttentionCall",

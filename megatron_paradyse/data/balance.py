@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.core.layout import SequenceLayout
 
 __all__ = ["DEFAULT_WORK_MODEL", "WorkFn", "WorkModel", "assign_to_ranks", "imbalance", "rank_loads"]
 

@@ -2,7 +2,7 @@
 
 A micro-batch is one row of ``s_padded`` tokens (``b = 1``, as in the paper and in Megatron's THD
 packing): its samples back to back, each a document of its own, padded to a multiple of ``2p`` and
-put in the canonical order of :class:`~megatron_paradyse.layout.SequenceLayout`. The dictionary
+put in the canonical order of :class:`~megatron_paradyse.core.layout.SequenceLayout`. The dictionary
 :func:`make_micro_batch` returns:
 
 ============== ============ ============================================================================
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.core.layout import SequenceLayout
 
 __all__ = ["make_micro_batch", "pack"]
 

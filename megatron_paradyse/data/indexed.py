@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_paradyse import compat
+from megatron_paradyse.core import compat
 
 __all__ = ["DocumentDataset", "IndexInfo", "validate", "write_documents"]
 

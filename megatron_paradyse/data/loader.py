@@ -23,11 +23,11 @@ from typing import NamedTuple, get_args
 
 import numpy as np
 
+from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.data.balance import DEFAULT_WORK_MODEL, WorkFn, assign_to_ranks, imbalance, rank_loads
 from megatron_paradyse.data.batching import make_micro_batch, pack
 from megatron_paradyse.data.indexed import DocumentDataset
 from megatron_paradyse.data.samplers import Overflow, SamplerName, Spans, epoch_order, shuffle_steps
-from megatron_paradyse.layout import SequenceLayout
 
 __all__ = ["DynamicSequenceLoader", "LoaderConfig", "MicroBatchSampler", "StepPlan", "StreamPosition"]
 

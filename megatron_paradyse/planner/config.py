@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
-from megatron_paradyse.plan import LayerOption
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.strategies import ModelShape, available_strategies, strategy_names
 
 __all__ = ["PlannerConfig", "layer_options"]

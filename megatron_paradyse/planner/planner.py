@@ -4,7 +4,7 @@
 ``(attention, MLP, recompute)`` option per layer, of least predicted time whose predicted peak fits
 the memory budget. It is a pure function of the micro-batch's lengths, the configuration, the cost
 model and the previous plan (hysteresis), so every rank of a group computes the same plan without
-talking (the start-up check of :mod:`megatron_paradyse.agreement` makes sure their inputs agree).
+talking (the start-up check of :mod:`megatron_paradyse.run.agreement` makes sure their inputs agree).
 
 Plans are cached by length bucket: a micro-batch is planned as if it filled its bucket (costs at the
 bucket's upper edge, which over-estimates memory, never under-estimates it). A micro-batch no plan
@@ -21,9 +21,9 @@ import logging
 import math
 from collections.abc import Sequence
 
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.plan import LayerOption, Plan
 from megatron_paradyse.cost.base import CostModel, LayerCost
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.plan import LayerOption, Plan
 from megatron_paradyse.planner.buckets import LengthBuckets
 from megatron_paradyse.planner.config import PlannerConfig, layer_options
 from megatron_paradyse.planner.exact import solve_exact

@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from megatron_paradyse.core.plan import LayerOption, Plan
 from megatron_paradyse.cost.base import LayerCost
-from megatron_paradyse.plan import LayerOption, Plan
 
 __all__ = ["Solution", "StageProblem"]
 

@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megatron_paradyse.attention.kernels import AttentionKernel
-from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.core.layout import SequenceLayout
 
 __all__ = [
     "AttentionContext",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
-from megatron_paradyse import compat
+from megatron_paradyse.core import compat
 from megatron_paradyse.strategies.base import AttentionWeights, MLPWeights, ModelShape
 
 __all__ = ["layer_linears", "reserve_gather_buffer"]

@@ -24,8 +24,8 @@ from megatron_paradyse.attention import (
     accumulate_block_grads,
     accumulation_dtype,
 )
-from megatron_paradyse.comm import RingComm, zero3_linear
-from megatron_paradyse.layout import SequenceLayout
+from megatron_paradyse.core.comm import RingComm, zero3_linear
+from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.strategies.base import AttentionContext, AttentionWeights, Strategy
 from megatron_paradyse.strategies.common import add_bias, heads_first, local_positions, split_qkv
 from megatron_paradyse.strategies.registry import register

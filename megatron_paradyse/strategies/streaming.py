@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megatron_paradyse.comm import RingComm
-from megatron_paradyse.precision import accumulation_dtype
+from megatron_paradyse.core.comm import RingComm
+from megatron_paradyse.core.precision import accumulation_dtype
 
 __all__ = ["Shard", "ShardStep", "broadcast_shards", "ring_shards"]
 

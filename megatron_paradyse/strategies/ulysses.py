@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from megatron_paradyse.comm import all_to_all_heads_to_seq, all_to_all_seq_to_heads, zero3_linear
+from megatron_paradyse.core.comm import all_to_all_heads_to_seq, all_to_all_seq_to_heads, zero3_linear
 from megatron_paradyse.strategies.base import AttentionContext, AttentionWeights, Strategy
 from megatron_paradyse.strategies.common import add_bias, attend_full_sequence
 from megatron_paradyse.strategies.registry import register

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from megatron_paradyse.comm import zero3_linear
+from megatron_paradyse.core.comm import zero3_linear
 from megatron_paradyse.strategies.base import MLPContext, MLPWeights, Strategy
 from megatron_paradyse.strategies.common import activate, add_bias
 from megatron_paradyse.strategies.registry import register

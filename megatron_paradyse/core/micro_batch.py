@@ -22,8 +22,8 @@ import contextvars
 import dataclasses
 from collections.abc import Iterator
 
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.plan import LayerOption, Plan
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.plan import LayerOption, Plan
 
 __all__ = ["MicroBatch", "active_micro_batch", "current_micro_batch", "micro_batch_scope"]
 
@@ -83,6 +83,6 @@ def current_micro_batch() -> MicroBatch:
     if step is None:
         raise RuntimeError(
             "a Paradyse layer ran outside micro_batch_scope: wrap the model call in "
-            "`with micro_batch_scope(MicroBatch(layout=..., plan=...)):` (megatron_paradyse.micro_batch)"
+            "`with micro_batch_scope(MicroBatch(layout=..., plan=...)):` (megatron_paradyse.core.micro_batch)"
         )
     return step

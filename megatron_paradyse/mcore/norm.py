@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 from torch import Tensor
 
-from megatron_paradyse.precision import accumulation_dtype
+from megatron_paradyse.core.precision import accumulation_dtype
 
 __all__ = ["RMSNorm", "fused_input_norm", "sequence_parallel_norm"]
 

@@ -39,38 +39,26 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megatron_paradyse.attention import get_kernel
-from megatron_paradyse.compat import drop_unavailable_gradient_accumulation_fusion
-from megatron_paradyse.drop_in import implicit_micro_batch
-from megatron_paradyse.micro_batch import MicroBatch, active_micro_batch, current_micro_batch, micro_batch_scope
-from megatron_paradyse.norm import fused_input_norm, sequence_parallel_norm
-from megatron_paradyse.plan import LayerOption
-from megatron_paradyse.recompute import recompute
+from megatron_paradyse.core.compat import drop_unavailable_gradient_accumulation_fusion
+from megatron_paradyse.core.micro_batch import MicroBatch, active_micro_batch, current_micro_batch, micro_batch_scope
+from megatron_paradyse.core.plan import LayerOption
+from megatron_paradyse.mcore.drop_in import implicit_micro_batch
+from megatron_paradyse.mcore.model_shape import model_shape
+from megatron_paradyse.mcore.norm import fused_input_norm, sequence_parallel_norm
 from megatron_paradyse.strategies import (
     AttentionContext,
     AttentionWeights,
     MLPContext,
     MLPWeights,
-    ModelShape,
     available_strategies,
     get_strategy,
     run_attention,
     run_mlp,
     unsupported_reason,
 )
+from megatron_paradyse.strategies.recompute import recompute
 
-__all__ = ["ParadyseMLP", "ParadyseSelfAttention", "ParadyseTransformerLayer", "config_problems", "model_shape"]
-
-
-def model_shape(config: TransformerConfig) -> ModelShape:
-    """The strategy library's view of one transformer layer of ``config``."""
-    return ModelShape(
-        hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_query_groups or config.num_attention_heads,
-        kv_channels=config.kv_channels,
-        ffn_hidden_size=config.ffn_hidden_size,
-        gated_mlp=config.gated_linear_unit,
-    )
+__all__ = ["ParadyseMLP", "ParadyseSelfAttention", "ParadyseTransformerLayer", "config_problems"]
 
 
 def config_problems(config: TransformerConfig) -> list[str]:
@@ -197,7 +185,7 @@ class ParadyseTransformerLayer(TransformerLayer):
 
     def forward(self, hidden_states: Tensor, **kwargs):
         step = active_micro_batch()
-        if step is None:  # a job that does not know the Paradyse layers (megatron_paradyse.drop_in)
+        if step is None:  # a job that does not know the Paradyse layers (megatron_paradyse.mcore.drop_in)
             step = implicit_micro_batch(self, hidden_states, kwargs.get("packed_seq_params"))
             # the layout holds the documents; Megatron's mask is causal, which the layer's mask type says
             kwargs = {**kwargs, "packed_seq_params": None}

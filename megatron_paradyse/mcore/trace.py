@@ -4,7 +4,7 @@ The calling process plays rank ``r`` of ``p``: it joins PyTorch's fake process g
 (:func:`fake_world`; collectives move nothing, so every tensor has the size rank ``r`` allocates and
 nothing waits for a peer) and runs one layer's forward and backward under ``FakeTensorMode``
 (tensors with shapes, dtypes and devices but no data), counting the storages every operator creates
-and frees (:class:`~megatron_paradyse.memory._StorageTracker`). A Llama-3-8B layer at a million
+and frees (:class:`~megatron_paradyse.core.memory._StorageTracker`). A Llama-3-8B layer at a million
 tokens traces in seconds on a CPU. With ``fake=False`` the same layer runs real tensors on a device:
 on CUDA, the caching allocator's own figures come too (:class:`AllocatorPeaks`).
 
@@ -49,13 +49,13 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_paradyse import compat
 from megatron_paradyse.attention import get_kernel
+from megatron_paradyse.core import compat
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.memory import MemoryEvent, _StorageTracker
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.allocations import Dims
 from megatron_paradyse.cost.measure import make_layer_params, run_layer
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.memory import MemoryEvent, _StorageTracker
-from megatron_paradyse.plan import LayerOption
 from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape
 from megatron_paradyse.strategies.megatron_linears import reserve_gather_buffer
 
@@ -205,7 +205,7 @@ def fake_world(rank: int, p: int) -> Iterator[None]:
 
     Collectives on it return at once and move no data (received buffers keep what they held), so a
     rank's allocations are those of a real run; they take CPU, CUDA and ``meta`` tensors (the device
-    that stands in for a GPU in :mod:`megatron_paradyse.host_sync`'s checks). The process must not be in
+    that stands in for a GPU in :mod:`megatron_paradyse.core.host_sync`'s checks). The process must not be in
     a process group already.
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
@@ -369,9 +369,9 @@ class RankTracer:
         from megatron.core import parallel_state
         from megatron.core.transformer.spec_utils import build_module
 
-        from megatron_paradyse.micro_batch import MicroBatch, micro_batch_scope
-        from megatron_paradyse.plan import Plan
-        from megatron_paradyse.spec import paradyse_layer_spec
+        from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
+        from megatron_paradyse.core.plan import Plan
+        from megatron_paradyse.mcore.spec import paradyse_layer_spec
 
         if parallel_state.model_parallel_is_initialized():
             raise RuntimeError("RankTracer: Megatron's parallel state is already initialised in this process")

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megatron_paradyse.precision import accumulation_dtype
+from megatron_paradyse.core.precision import accumulation_dtype
 
 __all__ = [
     "RingComm",

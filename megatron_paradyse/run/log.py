@@ -3,7 +3,7 @@
 :class:`MicroBatchMeter` (made only where the config's ``log.measure`` asks: its allocator reset
 synchronises the device) measures each micro-batch's forward + backward on this rank: the time from
 the start of its ``forward_step`` until the gradient has left the first transformer layer (CUDA
-events on a GPU), and the peak memory in that window (:class:`~megatron_paradyse.memory.PeakMemory`:
+events on a GPU), and the peak memory in that window (:class:`~megatron_paradyse.core.memory.PeakMemory`:
 the CUDA allocator's peak, or on the CPU the bytes held by tensors created in the window) plus the
 stage's static bytes, the same quantity the planner predicts.
 
@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from megatron_paradyse.memory import PeakMemory
+from megatron_paradyse.core.memory import PeakMemory
 
 __all__ = [
     "IterationLog",

@@ -81,7 +81,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _decide(planner, length: int, job: _Job) -> dict:
-    from megatron_paradyse.layout import SequenceLayout
+    from megatron_paradyse.core.layout import SequenceLayout
     from megatron_paradyse.planner import InfeasibleSequenceError
 
     try:
@@ -107,9 +107,9 @@ class _Job:
 
     @classmethod
     def from_config(cls, config, *, gpu: str | None, profile: str | None) -> _Job:
-        from megatron_paradyse.config_cli import parse_megatron_args
         from megatron_paradyse.cost import load_profile
         from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
+        from megatron_paradyse.run.config_cli import parse_megatron_args
 
         args = parse_megatron_args(config.megatron_args)
         tp = args.tensor_model_parallel_size
@@ -140,8 +140,8 @@ class _Job:
         """One planner per pipeline stage: the config's, or one that runs only ``pair`` on every layer."""
         import dataclasses
 
-        from megatron_paradyse.drop_in import stage_cost_models, stage_footprints
-        from megatron_paradyse.plan import LayerOption
+        from megatron_paradyse.core.plan import LayerOption
+        from megatron_paradyse.mcore.drop_in import stage_cost_models, stage_footprints
         from megatron_paradyse.planner import Planner
 
         planner_config = dataclasses.replace(self.config.planner, on_infeasible="stop")
@@ -166,9 +166,9 @@ class _Job:
 
 
 def _padded_vocab(args: argparse.Namespace, config) -> int:
-    from megatron_paradyse.pretrain_gpt import _dataset_tokenizer
+    from megatron_paradyse.run.job import dataset_tokenizer
 
-    vocab = args.vocab_size or _dataset_tokenizer(config)[0]
+    vocab = args.vocab_size or dataset_tokenizer(config)[0]
     if vocab is None:
         raise ValueError("the vocabulary size is unknown: add --vocab-size to megatron_args")
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
@@ -210,8 +210,8 @@ def _lengths(args: argparse.Namespace, config, job: _Job) -> list[int]:
         if not values or min(values) < 1:
             raise ValueError(f"--lengths takes positive token counts, got {args.lengths!r}")
         return values
+    from megatron_paradyse.core.layout import padded_length
     from megatron_paradyse.data import DocumentDataset
-    from megatron_paradyse.layout import padded_length
     from megatron_paradyse.planner.buckets import LengthBuckets
 
     planner = config.planner

@@ -23,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.data import DynamicSequenceLoader
-from megatron_paradyse.layout import SequenceLayout
 from megatron_paradyse.planner import Decision, InfeasibleReport, InfeasibleSequenceError, Planner
 
 __all__ = ["PlannedMicroBatch", "PlannedMicroBatches", "ResumeError", "SkippedMicroBatch"]

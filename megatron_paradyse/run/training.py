@@ -1,22 +1,22 @@
-"""What Megatron's ``pretrain()`` runs of megatron-paradyse on each rank (:mod:`megatron_paradyse.pretrain_gpt`
-sets it up).
+"""What Megatron's ``pretrain()`` runs of megatron-paradyse on each rank, for a checked
+:class:`~megatron_paradyse.run.job.Job` (:mod:`megatron_paradyse.pretrain_gpt` builds the job, then this).
 
 - start-up, before Megatron builds the model: the dataset (a built-in corpus is built into the cache by
   the first rank of each node), its token ids checked against the tokenizer's vocabulary; a rank that
-  fails stops every rank (:func:`~megatron_paradyse.startup.agree`);
+  fails stops every rank (:func:`~megatron_paradyse.run.startup.agree`);
 - the dataset provider's train iterator: one planner per pipeline stage, the loader's position
   restored on ``--load`` (from the beginning for a checkpoint of Megatron's own ``pretrain_gpt``); on
   the first call, the cost profile (calibrated by rank 0 and shared when the config names none) and the
   start-up check that every rank plans from the same inputs;
 - the forward step: the micro-batch's tensors to the device, the model under
-  :func:`~megatron_paradyse.micro_batch.micro_batch_scope` with its plan, Megatron 0.19's per-token
+  :func:`~megatron_paradyse.core.micro_batch.micro_batch_scope` with its plan, Megatron 0.19's per-token
   loss (with Megatron's NaN, Inf and spiky-loss checks);
 - the end of each iteration: measured time and peak per micro-batch where ``log.measure`` asks for
-  them (:class:`~megatron_paradyse.run_log.MicroBatchMeter`); on the last rank the table (every
+  them (:class:`~megatron_paradyse.run.log.MicroBatchMeter`); on the last rank the table (every
   ``--log-interval`` iterations), the figures and plans to Megatron's TensorBoard and W&B writers
   (every ``--tensorboard-log-interval``), JSONL, plot;
 - an out-of-memory error in a step: every rank stops, the budget shrunk and saved
-  (:class:`~megatron_paradyse.fault.FaultWatch`, watching from the first call of the provider on).
+  (:class:`~megatron_paradyse.run.fault.FaultWatch`, watching from the first call of the provider on).
 """
 
 from __future__ import annotations
@@ -28,15 +28,13 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 import torch
 
 from megatron_paradyse.config import ParadyseConfig
-from megatron_paradyse.fault import STATE_FILE, FaultWatch
-
-if TYPE_CHECKING:
-    from megatron_paradyse.pretrain_gpt import Job
+from megatron_paradyse.run.fault import STATE_FILE, FaultWatch
+from megatron_paradyse.run.job import Job
 
 __all__ = ["TrainingRun"]
 
@@ -80,10 +78,10 @@ class TrainingRun:
     # start-up -----------------------------------------------------------------------------------
     def start_up(self) -> None:
         """On every rank, once the default process group exists: the dataset, opened and checked. Every
-        rank raises :class:`~megatron_paradyse.startup.StartupError` if one fails."""
+        rank raises :class:`~megatron_paradyse.run.startup.StartupError` if one fails."""
         from megatron.training import get_tokenizer
 
-        from megatron_paradyse.startup import agree
+        from megatron_paradyse.run.startup import agree
 
         config, local_rank = self.job.config, self.job.args.local_rank
         problem = None
@@ -124,10 +122,10 @@ class TrainingRun:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
         from megatron_paradyse.data import DynamicSequenceLoader, LoaderConfig
-        from megatron_paradyse.planned_loader import PlannedMicroBatches
         from megatron_paradyse.planner import Planner
         from megatron_paradyse.planner.planner import ForwardOnlyCost
-        from megatron_paradyse.run_log import MicroBatchMeter
+        from megatron_paradyse.run.log import MicroBatchMeter
+        from megatron_paradyse.run.planned_loader import PlannedMicroBatches
 
         job, config, args = self.job, self.job.config, self.job.args
         if not self._prepared:  # once per rank, whatever the number of virtual-pipeline chunks
@@ -195,8 +193,8 @@ class TrainingRun:
         """Once per rank, on every rank: the dataset, the profile, the start-up agreement check."""
         from megatron.core import parallel_state as mpu
 
-        from megatron_paradyse.agreement import check_ranks_agree
-        from megatron_paradyse.modules import model_shape
+        from megatron_paradyse.mcore.model_shape import model_shape
+        from megatron_paradyse.run.agreement import check_ranks_agree
 
         job = self.job
         self._prepared = True
@@ -241,8 +239,8 @@ class TrainingRun:
         from megatron.core import parallel_state as mpu
         from megatron.training.checkpointing import get_checkpoint_name
 
-        from megatron_paradyse.planned_loader import ResumeError
-        from megatron_paradyse.startup import agree
+        from megatron_paradyse.run.planned_loader import ResumeError
+        from megatron_paradyse.run.startup import agree
 
         args = self.job.args
         path = get_checkpoint_name(
@@ -285,7 +283,7 @@ class TrainingRun:
     def forward_step(self, data_iterator, model):
         from megatron.core.utils import get_attr_wrapped_model
 
-        from megatron_paradyse.micro_batch import MicroBatch, micro_batch_scope
+        from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
 
         planned = next(data_iterator)
         chunk = get_attr_wrapped_model(model, "vp_stage") or 0
@@ -315,7 +313,7 @@ class TrainingRun:
         """Log the micro-batch (once, from the first model chunk) and start measuring it."""
         from megatron.core.utils import get_attr_wrapped_model
 
-        from megatron_paradyse.run_log import MicroBatchLog
+        from megatron_paradyse.run.log import MicroBatchLog
 
         if not self._checked_parameters:
             self._check_parameter_count(model)
@@ -393,7 +391,7 @@ class TrainingRun:
     def end_iteration(self, iteration: int, loss_dict: dict) -> None:
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
-        from megatron_paradyse.run_log import (
+        from megatron_paradyse.run.log import (
             IterationLog,
             append_jsonl,
             format_header,
@@ -472,7 +470,7 @@ class TrainingRun:
     def finish(self) -> None:
         from megatron.training.global_vars import get_tensorboard_writer
 
-        from megatron_paradyse.run_log import plan_switches, write_plot
+        from megatron_paradyse.run.log import plan_switches, write_plot
 
         writer = get_tensorboard_writer()
         if writer is not None:  # Megatron flushes at the end of training only, before its last evaluation
@@ -570,7 +568,7 @@ def _release_gather_buffer() -> None:
 
 def _attempt(fn):
     """``(fn(), None)``, or ``(None, what went wrong)`` for the errors of reading a file or a dataset: the
-    one-line description :func:`~megatron_paradyse.startup.agree` shares."""
+    one-line description :func:`~megatron_paradyse.run.startup.agree` shares."""
     try:
         return fn(), None
     except ValueError as e:

@@ -4,7 +4,7 @@
 (``--transformer-impl local``): ``ColumnParallelLinear``/``RowParallelLinear`` with Megatron's own
 sequence-parallel all-gathers and reduce-scatters, and its unfused ``DotProductAttention``. Its torch
 norm refuses ``sequence_parallel=True`` (apex's and TransformerEngine's accept it, GPU-only), so every
-norm slot takes :func:`~megatron_paradyse.norm.sequence_parallel_norm` instead: the same computation,
+norm slot takes :func:`~megatron_paradyse.mcore.norm.sequence_parallel_norm` instead: the same computation,
 parameters marked for Megatron's tensor-parallel gradient all-reduce. Nothing else changes.
 """
 
@@ -16,7 +16,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from megatron_paradyse.norm import sequence_parallel_norm
+from megatron_paradyse.mcore.norm import sequence_parallel_norm
 
 __all__ = ["stock_block_spec"]
 

@@ -2,7 +2,7 @@
 
 A step on a GPU runs at the device's pace only while the host never waits for it: every layer reads
 what it needs of the micro-batch from tensors already on the device
-(:meth:`~megatron_paradyse.layout.SequenceLayout.indices`, asked for once per micro-batch before the
+(:meth:`~megatron_paradyse.core.layout.SequenceLayout.indices`, asked for once per micro-batch before the
 model runs). :class:`HostSyncs` is a dispatch mode that records, for one device, every operator that
 breaks this:
 

@@ -4,7 +4,7 @@ The planner's budget covers the stage's whole peak (DESIGN.md section 4: static 
 so the cost model needs the static part. It is counted here from the model config and the training
 arguments rather than read from a built model, so that every rank knows it for *every* stage of its
 pipeline: a micro-batch too long for any stage must be skipped by all of them
-(:mod:`megatron_paradyse.planned_loader`). The entry point checks the count against the model it
+(:mod:`megatron_paradyse.run.planned_loader`). The entry point checks the count against the model it
 trains.
 
 Bytes per parameter, as Megatron keeps them (``e`` = parameter element size, ``d`` = data-parallel

@@ -3,7 +3,7 @@
 
 Such a job calls the model as for Megatron's stock spec: tokens in natural order, split contiguously
 over the tensor-parallel ranks by sequence parallelism, packed documents (if any) as
-``PackedSeqParams`` (THD, ``cu_seqlens``), no :func:`~megatron_paradyse.micro_batch.micro_batch_scope`.
+``PackedSeqParams`` (THD, ``cu_seqlens``), no :func:`~megatron_paradyse.core.micro_batch.micro_batch_scope`.
 A Paradyse layer that finds no scope builds the micro-batch from what Megatron passes
 (:func:`implicit_micro_batch`): the layout (the sequence length, the packed documents, the contiguous
 order) and the plan of a planner made on first use from the paradyse config ``PARADYSE_CONFIG`` names
@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from megatron_paradyse.config import DataSection, ParadyseConfig, load_config
-from megatron_paradyse.layout import SequenceLayout
-from megatron_paradyse.micro_batch import MicroBatch
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.micro_batch import MicroBatch
 
 __all__ = ["CONFIG_ENV", "implicit_micro_batch", "stage_cost_models", "stage_footprints"]
 
@@ -41,7 +41,7 @@ _GIB = 2**30
 # -- a Megatron job's planner inputs --------------------------------------------------------------------
 def stage_footprints(args: argparse.Namespace, transformer):
     """Static memory of every pipeline stage of a job with Megatron arguments ``args``."""
-    from megatron_paradyse.static_memory import pipeline_footprints
+    from megatron_paradyse.mcore.static_memory import pipeline_footprints
 
     states = {"adam": 2, "sgd": 1 if args.sgd_momentum else 0}.get(args.optimizer, 2)
     return pipeline_footprints(
@@ -58,7 +58,7 @@ def stage_footprints(args: argparse.Namespace, transformer):
 def stage_cost_models(args: argparse.Namespace, transformer, profile: dict):
     """One analytic cost model per pipeline stage of the job, priced by ``profile``."""
     from megatron_paradyse.cost import AnalyticCostModel
-    from megatron_paradyse.modules import model_shape
+    from megatron_paradyse.mcore.model_shape import model_shape
 
     shape = model_shape(transformer)
     rope = args.position_embedding_type == "rope"
@@ -201,7 +201,7 @@ def _megatron_args() -> argparse.Namespace:
         raise ValueError(
             "the Paradyse layers ran outside micro_batch_scope and outside Megatron's training entry "
             "(megatron.training's arguments are not set): plan the model's inputs yourself, under "
-            "`with micro_batch_scope(MicroBatch(layout=..., plan=...)):` (megatron_paradyse.micro_batch)"
+            "`with micro_batch_scope(MicroBatch(layout=..., plan=...)):` (megatron_paradyse.core.micro_batch)"
         ) from e
 
 

@@ -1,4 +1,4 @@
-"""``paradyse demo`` (or ``python -m megatron_paradyse.demo``): the CPU demo, start to finish.
+"""``paradyse demo`` (or ``python -m megatron_paradyse.run.demo``): the CPU demo, start to finish.
 
 Trains the small GPT of ``configs/tiny-cpu.yaml`` on 4 gloo ranks, on files of the code corpus whose
 lengths climb from a few hundred to a few thousand tokens, under a per-rank memory budget that the
@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from megatron_paradyse.config import load_config
-from megatron_paradyse.run_log import format_header, format_rows, plan_switches, read_jsonl
+from megatron_paradyse.run.log import format_header, format_rows, plan_switches, read_jsonl
 
 __all__ = ["main"]
 

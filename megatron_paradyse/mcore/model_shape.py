@@ -1,0 +1,21 @@
+"""The strategy library's view of a Megatron layer: the shape the strategies and the cost model price."""
+
+from __future__ import annotations
+
+from megatron.core.transformer import TransformerConfig
+
+from megatron_paradyse.strategies import ModelShape
+
+__all__ = ["model_shape"]
+
+
+def model_shape(config: TransformerConfig) -> ModelShape:
+    """The strategy library's view of one transformer layer of ``config``."""
+    return ModelShape(
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups or config.num_attention_heads,
+        kv_channels=config.kv_channels,
+        ffn_hidden_size=config.ffn_hidden_size,
+        gated_mlp=config.gated_linear_unit,
+    )

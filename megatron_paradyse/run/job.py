@@ -1,0 +1,310 @@
+"""One rank's job, checked before Megatron starts: the flags (the entry point's defaults, the config's
+``megatron_args``, the command line), the model config with the Paradyse layer spec, the memory budget
+(the configured one, or the one saved after an out-of-memory error), the cost profile and what the
+plans need of them. Everything here runs without a process group: a bad input is refused before any
+rank joins one."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import importlib.util
+import sys
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from megatron_paradyse.config import ParadyseConfig
+from megatron_paradyse.run.fault import STATE_FILE, BudgetState, read_state
+
+__all__ = ["Job", "add_paradyse_args", "dataset_tokenizer", "entry_defaults"]
+
+_GIB = 2**30
+
+
+def add_paradyse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("paradyse", "megatron-paradyse (see configs/README.md)")
+    group.add_argument("--paradyse-config", metavar="FILE", help="paradyse YAML config (planner, memory, cost, data)")
+    return parser
+
+
+def entry_defaults(config: ParadyseConfig, *, cuda: bool) -> list[str]:
+    """The Megatron flags this entry point needs, before the config's and the command line's."""
+    longest = config.data.token_budget or config.data.max_len
+    # the layers' linear modules: Transformer Engine's where it is installed, as in a stock job
+    impl = "transformer_engine" if cuda and importlib.util.find_spec("transformer_engine") else "local"
+    flags = [
+        "--dataloader-type", "external",
+        "--no-create-attention-mask-in-dataloader",
+        "--calculate-per-token-loss",
+        "--micro-batch-size", "1",
+        "--seq-length", str(longest),
+        "--max-position-embeddings", str(longest),
+        "--sequence-parallel",
+        "--transformer-impl", impl,
+        "--eval-iters", "0",
+        "--eval-interval", "1000",
+    ]  # fmt: skip
+    vocab_size = dataset_tokenizer(config)[0]
+    if vocab_size is not None:
+        # megatron-core 0.19's NullTokenizer(n) has ids 0..n-1: the dataset's whole vocabulary.
+        flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab_size)]
+    if not cuda:
+        flags += [
+            "--distributed-backend", "gloo",
+            "--use-cpu-initialization",
+            "--no-gradient-accumulation-fusion",
+            "--no-rope-fusion",
+        ]  # fmt: skip
+    return flags
+
+
+def dataset_tokenizer(config: ParadyseConfig) -> tuple[int | None, int | None]:
+    """(vocabulary size, padding id) of the dataset's tokenizer, when the dataset says which it is."""
+    from megatron_paradyse.data import ByteTokenizer, KmerTokenizer
+    from megatron_paradyse.data.prepare import read_manifest
+
+    if config.data.dataset == "code":
+        tokenizer = ByteTokenizer()
+        return tokenizer.vocab_size, tokenizer.pad_id
+    if config.data.dataset == "dna":
+        tokenizer = KmerTokenizer(3)
+        return tokenizer.vocab_size, tokenizer.pad_id
+    manifest = read_manifest(config.data.dataset)
+    if manifest is None:
+        return None, None
+    return manifest["vocab_size"], manifest["pad_id"]
+
+
+@dataclasses.dataclass
+class Job:
+    """One rank's run: validated arguments, the model config, and what the hooks share."""
+
+    config: ParadyseConfig
+    args: argparse.Namespace
+    model_config: object
+    """Megatron's ``GPTModelConfig`` (``.transformer`` is the ``TransformerConfig``)."""
+    profile: dict | None
+    """The cost profile read from ``cost.profile``; None: calibrated at start-up."""
+    budget_bytes: float
+    """The budget plans must fit: the configured one, or the smaller one saved after an out-of-memory error."""
+    device: torch.device
+    pad_id: int
+    """Token id of padding (never attended to, never in the loss)."""
+    budget_state: BudgetState | None = None
+    """What ``paradyse_state.json`` in the ``--load`` directory holds (None: there is none)."""
+
+    @classmethod
+    def from_argv(cls, config: ParadyseConfig, argv: list[str]) -> Job:
+        """Parse and check everything that can be checked without a process group."""
+        from megatron.core.transformer.enums import AttnMaskType
+        from megatron.training.argument_utils import gpt_config_from_args
+        from megatron.training.arguments import parse_and_validate_args
+
+        from megatron_paradyse.mcore.modules import config_problems
+        from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
+
+        cuda = torch.cuda.is_available()
+        defaults = [*entry_defaults(config, cuda=cuda), *config.megatron_args]
+        _use_prebuilt_dataset_helpers()
+        with _command_line([*defaults, *argv]):
+            try:
+                args = parse_and_validate_args(extra_args_provider=add_paradyse_args)
+            except AssertionError as e:  # Megatron checks its arguments with asserts
+                raise ValueError(f"Megatron's argument check failed: {_assertion(e)}") from e
+            except (ValueError, TypeError, KeyError) as e:  # a failure inside Megatron's own argument code
+                raise ValueError(f"Megatron's argument handling failed: {type(e).__name__}: {e}") from e
+        problems = _argument_problems(args, config, [*config.megatron_args, *argv])
+        if problems:
+            raise ValueError("the Megatron arguments do not fit this entry point:\n  - " + "\n  - ".join(problems))
+        # Lengths change between micro-batches: pipeline stages exchange shapes first. (Megatron's
+        # allgather token dispatcher refuses variable lengths even without experts.)
+        args.variable_seq_lengths = True
+        args.moe_token_dispatcher_type = "alltoall"
+        args.dataloader_save = args.save  # Megatron then saves the loader's position with each checkpoint
+        model_config = gpt_config_from_args(args)
+        problems = config_problems(model_config.transformer) + _overlap_problems(args, config, model_config.transformer)
+        if problems:
+            raise ValueError("the Paradyse layers cannot run this model:\n  - " + "\n  - ".join(problems))
+        mask = AttnMaskType.causal if config.attention_mask == "causal" else AttnMaskType.no_mask
+        model_config.transformer_layer_spec = functools.partial(get_paradyse_layer_spec, attn_mask_type=mask)
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        pad_id = dataset_tokenizer(config)[1]
+        budget_bytes = _budget_bytes(config, device)
+        budget_state = read_state(args.load)
+        if budget_state is not None:
+            budget_state.check_retries(config.memory.oom_retries, Path(args.load) / STATE_FILE)
+            budget_bytes = min(budget_bytes, budget_state.budget_bytes)
+        job = cls(
+            config=config,
+            args=args,
+            model_config=model_config,
+            profile=_read_profile(config, args),
+            budget_bytes=budget_bytes,
+            device=device,
+            pad_id=_megatron_pad_id() if pad_id is None else pad_id,
+            budget_state=budget_state,
+        )
+        job.cost_models()  # the profile fits the model (group size, dtype): fail here, not after start-up
+        return job
+
+    @property
+    def tp(self) -> int:
+        return self.args.tensor_model_parallel_size
+
+    @property
+    def planner_config(self):
+        """The config's planner section; at TP=1, plans choose recompute per layer only: one rank holds the
+        whole sequence, and every strategy runs the same computation there."""
+        if self.tp > 1:
+            return self.config.planner
+        return dataclasses.replace(self.config.planner, pairs=("tp_sp/tp_sp",), attention=None, mlp=None)
+
+    @property
+    def causal(self) -> bool:
+        return self.config.attention_mask == "causal"
+
+    # -- planning ---------------------------------------------------------------------------------
+    def footprints(self):
+        from megatron_paradyse.mcore.drop_in import stage_footprints
+
+        return stage_footprints(self.args, self.model_config.transformer)
+
+    def cost_models(self, profile: dict | None = None):
+        """One cost model per pipeline stage (``profile``: instead of the configured one)."""
+        from megatron_paradyse.mcore.drop_in import stage_cost_models
+
+        profile = profile or self.profile
+        return None if profile is None else stage_cost_models(self.args, self.model_config.transformer, profile)
+
+
+def _argument_problems(args: argparse.Namespace, config: ParadyseConfig, flags: list[str]) -> list[str]:
+    """What of Megatron's arguments this entry point cannot run (``flags``: the ones the user gave, the
+    config's ``megatron_args`` and the command line's)."""
+    problems = []
+    longest = config.data.token_budget or config.data.max_len
+    wanted = {
+        "dataloader_type": ("external", "--dataloader-type: the entry point feeds Megatron its own iterator"),
+        "micro_batch_size": (1, "--micro-batch-size: a micro-batch is one row (one document or a packing)"),
+        "context_parallel_size": (1, "--context-parallel-size: the strategies parallelise the sequence over TP"),
+        "full_validation": (False, "--full-validation: validation runs --eval-iters steps"),
+        "multiple_validation_sets": (False, "--multiple-validation-sets: validation holds out one split"),
+        "spec": (None, "--spec: the entry point uses megatron_paradyse.spec"),
+    }
+    for name, (value, why) in wanted.items():
+        if getattr(args, name) != value:
+            problems.append(f"{why}; got {getattr(args, name)!r}, leave it out or set {value!r}")
+    given = {flag.split("=", 1)[0] for flag in flags}
+    if "--eval-micro-batch-size" in given and args.eval_micro_batch_size != 1:  # else it follows the above
+        problems.append(
+            f"--eval-micro-batch-size: a micro-batch is one row; got {args.eval_micro_batch_size}, leave it out "
+            f"or set 1"
+        )
+    if "--eval-interval" in given and not args.eval_iters:
+        problems.append(
+            f"--eval-interval {args.eval_interval} without --eval-iters: no validation would run; add --eval-iters N "
+            f"(validation steps per evaluation, N > 0), or leave --eval-interval out"
+        )
+    if args.split is not None:
+        from megatron_paradyse.data.subset import split_fractions
+
+        try:
+            split_fractions(args.split)
+        except ValueError as e:
+            problems.append(str(e))
+    if args.seq_length < longest:
+        problems.append(
+            f"--seq-length {args.seq_length} is shorter than the longest micro-batch, {longest} tokens "
+            f"(data.token_budget or data.max_len); leave it out"
+        )
+    if args.tokenizer_type is None:
+        problems.append(
+            f"the dataset {config.data.dataset} has no manifest naming its tokenizer: pass --tokenizer-type "
+            f"and its flags"
+        )
+    if args.inprocess_restart:
+        problems.append(
+            "--inprocess-restart: Megatron's in-process restart is not wired into this entry point; an out-of-memory "
+            "error stops every rank with the shrunk budget saved, and torchrun --max-restarts with --load restarts "
+            "the run from the last checkpoint (configs/README.md); leave it out"
+        )
+    if not torch.cuda.is_available() and config.memory.budget_gib is None:
+        problems.append("memory.budget_gib is required on a machine without CUDA (the config's memory section)")
+    return problems
+
+
+def _overlap_problems(args: argparse.Namespace, config: ParadyseConfig, transformer) -> list[str]:
+    """What of Megatron's overlapped gradient reduction the plans would break."""
+    from megatron_paradyse.mcore.model_shape import model_shape
+    from megatron_paradyse.planner import layer_options
+
+    if not (args.overlap_grad_reduce and transformer.qk_layernorm) or args.tensor_model_parallel_size == 1:
+        return []
+    options, _ = layer_options(config.planner, model_shape(transformer), args.tensor_model_parallel_size)
+    if not any(option.attention == "lean" for option in options):
+        return []
+    return [
+        "--overlap-grad-reduce with --qk-layernorm and the lean attention strategy in the plans: lean's backward "
+        "adds the q/k norm weights' gradients once per head group, and Megatron's overlapped reduction counts each "
+        "as the weight's gradient being ready; leave out --overlap-grad-reduce (and --overlap-param-gather), or "
+        "keep lean out of the plans (planner.attention or planner.pairs)"
+    ]
+
+
+def _megatron_pad_id() -> int:
+    from megatron.training import get_tokenizer
+
+    tokenizer = get_tokenizer()
+    pad = getattr(tokenizer, "pad", None)
+    return tokenizer.eod if pad is None or pad < 0 else pad
+
+
+def _assertion(e: AssertionError) -> str:
+    """The assertion's message, or the failing line and where it is when it has none."""
+    if str(e):
+        return str(e)
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    return f"{frame.line} ({Path(frame.filename).name}:{frame.lineno})"
+
+
+def _read_profile(config: ParadyseConfig, args: argparse.Namespace) -> dict | None:
+    from megatron_paradyse.cost import load_profile
+
+    if config.cost.profile is None:
+        return None
+    return load_profile(config.cost.profile, p=args.tensor_model_parallel_size, check_machine=config.cost.check_machine)
+
+
+def _budget_bytes(config: ParadyseConfig, device: torch.device) -> float:
+    if config.memory.budget_gib is not None:
+        return config.memory.budget_gib * _GIB
+    return torch.cuda.get_device_properties(device).total_memory * (1.0 - config.memory.margin)
+
+
+@contextlib.contextmanager
+def _command_line(argv: list[str]) -> Iterator[None]:
+    """Megatron's parser reads ``sys.argv``."""
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "pretrain_gpt", *argv]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def _use_prebuilt_dataset_helpers() -> None:
+    """``initialize_megatron`` compiles Megatron's dataset helpers with ``make`` in the package folder;
+    the megatron-core wheel ships them compiled and without the Makefile, so rank 0 would exit. Keep
+    the compiled module when it imports (CUDA or not); a source checkout compiles as before."""
+    from megatron.core.datasets import utils
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+    if not (Path(utils.__file__).parent / "Makefile").exists():
+        utils.compile_helpers = lambda: None
