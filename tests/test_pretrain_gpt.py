@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from megatron_paradyse import pretrain_gpt
@@ -116,7 +117,8 @@ def test_megatron_arguments_that_cannot_work_are_refused_before_any_process_grou
 # -- training on gloo ranks ---------------------------------------------------------------------
 def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_sequence_no_plan_fits(tmp_path, cache):
     sections = dict(memory={"budget_gib": 1 / 64}, data=SMALL_DOCS, planner={"on_infeasible": "stop"})
-    config = _write_config(tmp_path / "cfg.yaml", cache, **sections, log={"jsonl": "log.jsonl", "measure": True})
+    learning = dict(sections, planner={**sections["planner"], "learn_time": True})
+    config = _write_config(tmp_path / "cfg.yaml", cache, **learning, log={"jsonl": "log.jsonl", "measure": True})
     unmeasured = _write_config(tmp_path / "unmeasured.yaml", cache, **sections, log={"jsonl": "log.jsonl"})
     lengths = DocumentDataset(build_code_corpus(cache)).lengths
     files = sorted(lengths[spread_by_length(lengths, *SMALL_DOCS.values())])
@@ -132,6 +134,13 @@ def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_s
     assert all(re.fullmatch(r"2x \S+/\S+", mb.plan) for r in records for mb in r.micro_batches)
     assert all(mb.measured_time_s > 0 and mb.measured_peak_bytes > 0 for r in records for mb in r.micro_batches)
     assert "the planner's static memory counts" not in first.stdout + first.stderr
+    # the checkpoint keeps how the next micro-batch will be planned: what the time model learned from the
+    # two measured micro-batches (on both ranks), and the planner's previous plan
+    (saved,) = (tmp_path / "ckpt" / "iter_0000002").rglob("train_dataloader_dprank000.pt")
+    state = torch.load(saved, weights_only=False)["dataloader_state_dict"]
+    learned = {option for option, _, _ in state["time_corrections"]["log_factors"]}
+    assert learned == {mb.plan.removeprefix("2x ") for r in records for mb in r.micro_batches}
+    assert sum(state["planners"][0]["previous"]) == 2
 
     second = _torchrun(2, "--paradyse-config", str(unmeasured), *SMALL_GPT, *checkpoints, "--load", checkpoints[1])
     assert second.returncode != 0

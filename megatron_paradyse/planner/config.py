@@ -47,6 +47,12 @@ class PlannerConfig:
     ``stop`` raises :class:`~megatron_paradyse.planner.InfeasibleSequenceError`."""
     cache_size: int = 4096
     """Plans kept (least recently used dropped first)."""
+    learn_time: bool = False
+    """Correct the predicted time of each option and length bucket from the measured micro-batches of
+    the run (:mod:`megatron_paradyse.cost.correction`); the ranks agree on the corrections at each
+    iteration's end. Needs the per-micro-batch measurement (no pipeline parallelism)."""
+    learn_prior: float = 1.0
+    """Weight, in micro-batches, of the current correction against the new measurements."""
 
     def __post_init__(self) -> None:
         for name in ("attention", "mlp", "pairs"):
@@ -79,6 +85,8 @@ class PlannerConfig:
             raise ValueError(f"planner.bucket_ratio must be a finite number > 1, got {self.bucket_ratio}")
         if not isinstance(self.cache_size, int) or self.cache_size < 1:
             raise ValueError(f"planner.cache_size must be a positive int, got {self.cache_size!r}")
+        if not (isinstance(self.learn_prior, (int, float)) and 0 < self.learn_prior < math.inf):
+            raise ValueError(f"planner.learn_prior must be a positive number (micro-batches), got {self.learn_prior!r}")
 
     def _named_strategies(self) -> list[tuple[str, str, str]]:
         """(field, sublayer, name) of every strategy the config names."""

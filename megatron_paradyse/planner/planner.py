@@ -195,6 +195,23 @@ class Planner:
         """Start a new run of decisions: no previous plan for hysteresis (cached plans stay)."""
         self._previous = None
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the planner: the previous plan (hysteresis), so that a resumed run
+        plans its first micro-batch as the uninterrupted run would."""
+        return {"previous": None if self._previous is None else list(self._previous)}
+
+    def load_state_dict(self, state: dict) -> None:
+        previous = state.get("previous")
+        if previous is not None and len(previous) != len(self.options):
+            raise ValueError(
+                f"the saved previous plan counts {len(previous)} layer options, this planner has {len(self.options)}"
+            )
+        self._previous = None if previous is None else tuple(int(n) for n in previous)
+
+    def bucket_layout(self, layout: SequenceLayout, micro_batch_size: int = 1) -> SequenceLayout:
+        """The layout :meth:`decide` costs ``layout`` at: its bucket's upper edge."""
+        return self._bucket_layout(self._key(layout, micro_batch_size))
+
     def decide(self, layout: SequenceLayout, micro_batch_size: int = 1) -> Decision | None:
         """The plan for a micro-batch of ``micro_batch_size`` samples laid out as ``layout``.
 

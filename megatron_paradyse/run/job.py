@@ -226,6 +226,12 @@ def _argument_problems(args: argparse.Namespace, config: ParadyseConfig, flags: 
             f"the dataset {config.data.dataset} has no manifest naming its tokenizer: pass --tokenizer-type "
             f"and its flags"
         )
+    if config.planner.learn_time and args.pipeline_model_parallel_size > 1:
+        problems.append(
+            f"planner.learn_time learns from each micro-batch's measured forward and backward, which run back to "
+            f"back only without pipeline parallelism; got --pipeline-model-parallel-size "
+            f"{args.pipeline_model_parallel_size}: set planner.learn_time: false, or leave pipeline parallelism out"
+        )
     if args.inprocess_restart:
         problems.append(
             "--inprocess-restart: Megatron's in-process restart is not wired into this entry point; an out-of-memory "

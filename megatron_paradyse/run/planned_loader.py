@@ -24,6 +24,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.cost.correction import TimeCorrections
 from megatron_paradyse.data import DynamicSequenceLoader
 from megatron_paradyse.planner import Decision, InfeasibleReport, InfeasibleSequenceError, Planner
 
@@ -67,10 +68,18 @@ class PlannedMicroBatches:
         stage: this rank's pipeline stage; its planner's decisions are the plans returned.
         evaluation: the micro-batches are for validation or test (forward-only passes, planned by
             forward-only planners); :meth:`restart` starts each evaluation from the same one.
+        time_corrections: what the planners' cost models learned from the run (saved and restored with
+            the data's position).
     """
 
     def __init__(
-        self, loader: DynamicSequenceLoader, planners: Sequence[Planner], stage: int, *, evaluation: bool = False
+        self,
+        loader: DynamicSequenceLoader,
+        planners: Sequence[Planner],
+        stage: int,
+        *,
+        evaluation: bool = False,
+        time_corrections: TimeCorrections | None = None,
     ) -> None:
         if not 0 <= stage < len(planners):
             raise ValueError(f"stage must be in [0, {len(planners)}), got {stage}")
@@ -82,6 +91,7 @@ class PlannedMicroBatches:
         self.stage = stage
         self.policy = policies.pop()
         self.evaluation = evaluation
+        self.time_corrections = time_corrections
         # Feasibility is asked of separate planners, so the checks never move the hysteresis of the
         # planner that makes this stage's plans.
         self._checkers = tuple(_checker(planner) for planner in planners)
@@ -139,12 +149,24 @@ class PlannedMicroBatches:
 
     # -- Megatron's checkpoint hook (``--dataloader-save``) -----------------------------------------
     def save_state(self) -> dict:
-        """Where the next micro-batch comes from (Megatron saves it with each checkpoint)."""
-        return {"loader": self.loader.state_dict()}
+        """Where the next micro-batch comes from and how it will be planned: the data's position, the
+        planners' previous plans and the learned time corrections (Megatron saves it with each checkpoint)."""
+        state = {"loader": self.loader.state_dict(), "planners": [planner.state_dict() for planner in self.planners]}
+        if self.time_corrections is not None:
+            state["time_corrections"] = self.time_corrections.state_dict()
+        return state
 
     def load_state(self, state: dict) -> None:
+        """Continue from ``state`` (a position saved before the planners' state was: their previous plans
+        start empty)."""
         try:
             self.loader.load_state_dict(state["loader"])
+            for planner, saved in zip(self.planners, state.get("planners", ()), strict=False):
+                planner.load_state_dict(saved)
+            if self.time_corrections is not None and "time_corrections" in state:
+                self.time_corrections.load_state_dict(state["time_corrections"])
+                for planner in self.planners:
+                    planner.clear_cache()
         except ValueError as e:
             raise ResumeError(str(e)) from e
 

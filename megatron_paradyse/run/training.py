@@ -60,6 +60,14 @@ class TrainingRun:
         """The documents of ``train``, ``valid`` and ``test`` (None: that split has none)."""
         self._prepared = False
         self.meter = None
+        self.time_corrections = None
+        """What the training planners learned from measured micro-batches (``planner.learn_time``)."""
+        if job.config.planner.learn_time:
+            from megatron_paradyse.cost.correction import TimeCorrections
+
+            self.time_corrections = TimeCorrections(job.config.planner.learn_prior)
+        self._planned: list = []
+        """This iteration's training micro-batches, in forward order: what the measurements correct."""
         self.records: list = []
         self.pending: list = []
         """This iteration's micro-batch records, in forward order."""
@@ -121,6 +129,7 @@ class TrainingRun:
         from megatron.core import parallel_state as mpu
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
+        from megatron_paradyse.cost.correction import CorrectedCostModel
         from megatron_paradyse.data import DynamicSequenceLoader, LoaderConfig
         from megatron_paradyse.planner import Planner
         from megatron_paradyse.planner.planner import ForwardOnlyCost
@@ -157,19 +166,31 @@ class TrainingRun:
         planner_config = job.planner_config
         if evaluation:  # nothing to recompute without a backward
             planner_config = dataclasses.replace(planner_config, recompute=False)
+        learning = self.time_corrections is not None and not evaluation
+        cost_models = self.cost_models
+        if evaluation:
+            cost_models = [ForwardOnlyCost(cost) for cost in cost_models]
+        elif learning:
+            cost_models = [CorrectedCostModel(cost, self.time_corrections) for cost in cost_models]
         planners = [
             Planner.for_model(
                 planner_config,
-                ForwardOnlyCost(cost) if evaluation else cost,
+                cost,
                 shape=cost.shape,
                 p=job.tp,
                 num_layers=footprint.layers,
                 budget_bytes=job.budget_bytes,
             )
-            for cost, footprint in zip(self.cost_models, self.footprints)
+            for cost, footprint in zip(cost_models, self.footprints)
         ]
         stage = mpu.get_pipeline_model_parallel_rank()
-        iterator = PlannedMicroBatches(loader, planners, stage=stage, evaluation=evaluation)
+        iterator = PlannedMicroBatches(
+            loader,
+            planners,
+            stage=stage,
+            evaluation=evaluation,
+            time_corrections=self.time_corrections if learning else None,
+        )
         if evaluation:
             self.eval_iterators.append(iterator)
             return iterator
@@ -185,7 +206,7 @@ class TrainingRun:
         if job.args.iteration > 0:
             self._resume(iterator)
         self.iterators.append(iterator)
-        if config.log.measure and mpu.get_pipeline_model_parallel_world_size() == 1:
+        if (config.log.measure or learning) and mpu.get_pipeline_model_parallel_world_size() == 1:
             self.meter = MicroBatchMeter(job.device, self.footprints[stage].static_bytes)
         return iterator
 
@@ -318,6 +339,8 @@ class TrainingRun:
         if not self._checked_parameters:
             self._check_parameter_count(model)
         plan = planned.decision.plan
+        if not planned.evaluation:
+            self._planned.append(planned)
         (self.eval_pending if planned.evaluation else self.pending).append(
             MicroBatchLog(
                 tokens=planned.layout.valid_len,
@@ -405,6 +428,9 @@ class TrainingRun:
         measured = self.meter.collect() if self.meter is not None else []
         for record, (seconds, peak) in zip(records, measured):
             record.measured_time_s, record.measured_peak_bytes = seconds, peak
+        planned, self._planned = self._planned, []
+        if self.time_corrections is not None:
+            self._learn_time(planned, [record.measured_time_s for record in records])
         for index, (loss, tokens) in self._losses.items():
             records[index].loss = loss.item() / max(int(tokens.item()), 1)
         self._losses, self._forwards = {}, {}
@@ -437,6 +463,23 @@ class TrainingRun:
         lines += [f"paradyse: skipped on stage {s['stage']}: {s['reason']}" for s in log.skipped]
         if lines:
             print("\n".join(lines), flush=True)
+
+    def _learn_time(self, planned: list, measured: list[float | None]) -> None:
+        """Correct the training planners' time model from this iteration's measured micro-batches; every
+        rank takes part (one gather), and every rank's planners then plan with the same corrections."""
+        from megatron.core import parallel_state as mpu
+
+        planner = self.iterators[0].planners[mpu.get_pipeline_model_parallel_rank()]
+        for micro_batch, seconds in zip(planned, measured):
+            if seconds is None or not seconds > 0:
+                continue
+            bucket = planner.bucket_layout(micro_batch.layout)
+            times = planner.cost_model.option_times(micro_batch.decision.plan, bucket, 1)
+            self.time_corrections.observe(micro_batch.decision.plan, bucket.padded_len, times, seconds)
+        if self.time_corrections.agree():
+            for iterator in self.iterators:
+                for stage_planner in iterator.planners:
+                    stage_planner.clear_cache()
 
     # evaluation ---------------------------------------------------------------------------------
     def begin_evaluation(self) -> None:

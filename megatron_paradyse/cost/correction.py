@@ -1,0 +1,188 @@
+"""A time model that learns from the run: measured micro-batches correct each option's predicted time.
+
+Every micro-batch is measured (forward + backward of the stage's layers). A plan's predicted time is
+the sum over its layers of each option's time, times that option's correction factor at the
+micro-batch's length bucket. A measurement ``m`` of a plan predicted at ``P`` moves the factor of every
+option ``o`` the plan uses by its share of the prediction, in log space::
+
+    w_o = f_o * t_o / P              (the option's share of the predicted time)
+    log f_o  +=  sum(w_o * log(m / P)) / (sum(w_o) + prior)
+
+summed over the micro-batches measured since the last update. ``prior`` (in micro-batches) keeps one
+noisy step from swinging a factor; a plan of one option converges to the geometric mean of measured
+over predicted.
+
+Plans stay identical on every rank without talking during a step: ranks only accumulate their own
+measurements, and at an iteration boundary every rank gathers every rank's sums
+(:meth:`TimeCorrections.agree`, one ``all_gather_object``), adds them in rank order and key order, and
+applies the same update: the same floats in the same order give the same factors on every rank, bit
+for bit. A bucket an option was never measured in takes the option's factor at the nearest bucket it
+was measured in (by length ratio), else the mean log factor of the options measured at the nearest
+bucket, else 1. The factors are saved with the data's position in each checkpoint
+(:meth:`state_dict`), so a resumed run plans as an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.plan import LayerOption, Plan
+from megatron_paradyse.cost.base import CostModel, LayerCost
+
+__all__ = ["CorrectedCostModel", "TimeCorrections"]
+
+_LOG_LIMIT = math.log(100.0)
+"""Factors stay within [1/100, 100]: a broken measurement cannot make an option free or unusable."""
+
+
+@dataclasses.dataclass
+class _Sums:
+    weighted_log_ratio: float = 0.0
+    weight: float = 0.0
+
+
+class TimeCorrections:
+    """Correction factors of predicted layer times, per (option, length bucket), agreed across ranks.
+
+    Args:
+        prior: weight, in micro-batches, of the current factor against new measurements (> 0).
+    """
+
+    def __init__(self, prior: float = 1.0) -> None:
+        if not prior > 0 or not math.isfinite(prior):
+            raise ValueError(f"prior must be a positive finite number of micro-batches, got {prior!r}")
+        self.prior = float(prior)
+        self._log_factor: dict[tuple[str, int], float] = {}
+        self._pending: dict[tuple[str, int], _Sums] = {}
+        self.version = 0
+        """Counts the updates that changed a factor: a planner's cached plans are stale when it moves."""
+
+    # -- factors ----------------------------------------------------------------------------------
+    def factor(self, option: LayerOption | str, bucket: int) -> float:
+        """The correction of ``option``'s time at the bucket whose upper edge is ``bucket`` tokens."""
+        return math.exp(self._log(str(option), bucket))
+
+    def _log(self, option: str, bucket: int) -> float:
+        known = self._log_factor.get((option, bucket))
+        if known is not None:
+            return known
+        if not self._log_factor:
+            return 0.0
+        buckets = {b for o, b in self._log_factor if o == option}
+        if buckets:
+            return self._log_factor[(option, _nearest(buckets, bucket))]
+        nearest = _nearest({b for _, b in self._log_factor}, bucket)
+        logs = [value for (_, b), value in sorted(self._log_factor.items()) if b == nearest]
+        return math.fsum(logs) / len(logs)
+
+    # -- learning ---------------------------------------------------------------------------------
+    def observe(self, plan: Plan, bucket: int, option_times: dict[str, float], measured_s: float) -> None:
+        """Account one micro-batch of ``plan`` measured at ``measured_s`` (its bucket edge ``bucket``;
+        ``option_times``: each option's uncorrected predicted time for one layer at that bucket)."""
+        if not (measured_s > 0 and math.isfinite(measured_s)):
+            raise ValueError(f"a measured time must be a positive finite number of seconds, got {measured_s!r}")
+        layers: dict[str, int] = {}
+        for option in plan:
+            layers[str(option)] = layers.get(str(option), 0) + 1
+        shares = {o: n * option_times[o] * self.factor(o, bucket) for o, n in sorted(layers.items())}
+        predicted = math.fsum(shares.values())
+        if not predicted > 0:
+            return
+        log_ratio = math.log(measured_s / predicted)
+        for option, share in shares.items():
+            sums = self._pending.setdefault((option, bucket), _Sums())
+            weight = share / predicted
+            sums.weighted_log_ratio += weight * log_ratio
+            sums.weight += weight
+
+    def agree(self, group=None) -> bool:
+        """Merge every rank's pending measurements and update the factors, the same on every rank (a
+        collective over ``group``, the default group if None; single process: no collective). True
+        when a factor changed."""
+        import torch.distributed as dist
+
+        mine = sorted((key, (s.weighted_log_ratio, s.weight)) for key, s in self._pending.items())
+        self._pending.clear()
+        if dist.is_available() and dist.is_initialized():
+            gathered: list[list | None] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, mine, group=group)
+        else:
+            gathered = [mine]
+        return self._update(gathered)
+
+    def _update(self, per_rank: Iterable[list]) -> bool:
+        totals: dict[tuple[str, int], _Sums] = {}
+        for entries in per_rank:  # rank order, then key order: the same sums on every rank
+            for key, (weighted_log_ratio, weight) in entries:
+                sums = totals.setdefault(tuple(key), _Sums())
+                sums.weighted_log_ratio += weighted_log_ratio
+                sums.weight += weight
+        # each factor moves from the value the predictions used (a fallback for a key measured first now)
+        current = {key: self._log(*key) for key in sorted(totals) if totals[key].weight > 0}
+        for key, log_factor in current.items():
+            step = totals[key].weighted_log_ratio / (totals[key].weight + self.prior)
+            self._log_factor[key] = min(max(log_factor + step, -_LOG_LIMIT), _LOG_LIMIT)
+        changed = bool(current)
+        if changed:
+            self.version += 1
+        return changed
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The agreed factors (pending measurements are not kept: a checkpoint is taken between updates)."""
+        return {
+            "prior": self.prior,
+            "log_factors": [[option, bucket, value] for (option, bucket), value in sorted(self._log_factor.items())],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        try:
+            factors = {(str(o), int(b)): float(v) for o, b, v in state["log_factors"]}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"time corrections: expected {{'log_factors': [[option, bucket, log], ...]}}: {e}") from e
+        self._log_factor = factors
+        self._pending.clear()
+        self.version += 1
+
+    def summary(self) -> str:
+        """One line per option: its factors by bucket, for logs."""
+        by_option: dict[str, list[str]] = {}
+        for (option, bucket), value in sorted(self._log_factor.items()):
+            by_option.setdefault(option, []).append(f"{bucket}:{math.exp(value):.3g}")
+        return "; ".join(f"{option} x[{', '.join(items)}]" for option, items in by_option.items()) or "none"
+
+
+def _nearest(buckets: set[int], bucket: int) -> int:
+    """The bucket of ``buckets`` nearest to ``bucket`` by length ratio (the shorter on a tie)."""
+    return min(buckets, key=lambda b: (abs(math.log(b / bucket)), b))
+
+
+class CorrectedCostModel:
+    """A cost model whose layer times are ``base``'s times the corrections; memory is ``base``'s.
+
+    The planner evaluates costs at a bucket's upper edge (``layout.padded_len``): the key of the factor.
+    """
+
+    def __init__(self, base: CostModel, corrections: TimeCorrections) -> None:
+        self.base = base
+        self.corrections = corrections
+
+    def layer_cost(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> LayerCost:
+        cost = self.base.layer_cost(option, layout, micro_batch_size)
+        factor = self.corrections.factor(option, layout.padded_len)
+        return dataclasses.replace(cost, time_s=cost.time_s * factor)
+
+    def peak_bytes(
+        self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, transient_bytes: float
+    ) -> float:
+        return self.base.peak_bytes(layout, micro_batch_size, saved_bytes, transient_bytes)
+
+    def option_times(self, plan: Plan, layout: SequenceLayout, micro_batch_size: int) -> dict[str, float]:
+        """The uncorrected time of one layer of each option of ``plan`` (``layout``: the bucket's)."""
+        return {str(o): self.base.layer_cost(o, layout, micro_batch_size).time_s for o in set(plan)}
+
+    def __getattr__(self, name: str):
+        return getattr(self.base, name)  # the rest of the base model's interface (shape, profile, ...)

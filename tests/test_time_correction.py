@@ -1,0 +1,165 @@
+"""The time model that learns from measured micro-batches (megatron_paradyse.cost.correction): the update
+rule, its fallbacks, the same factors on every rank (gloo), checkpoints, and planners that follow it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from planner_cost_models import physical_planner
+
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.multiprocess import run_on_ranks
+from megatron_paradyse.core.plan import Plan
+from megatron_paradyse.cost.correction import CorrectedCostModel, TimeCorrections
+
+GIB = 2**30
+A, B = "tp_sp/tp_sp", "ring/zero3+rc"
+
+
+def _learned(measurements, prior=1.0) -> TimeCorrections:
+    corrections = TimeCorrections(prior)
+    for plan, bucket, times, seconds in measurements:
+        corrections.observe(Plan.from_options(plan), bucket, times, seconds)
+    corrections.agree()
+    return corrections
+
+
+def test_a_plan_of_one_option_moves_its_factor_by_the_log_ratio_over_weight_plus_prior():
+    corrections = _learned([([A] * 4, 1024, {A: 0.25}, 2.0)])  # predicted 1 s, measured 2 s
+    assert corrections.factor(A, 1024) == pytest.approx(math.exp(math.log(2.0) / 2))
+    for _ in range(40):  # converges to measured over predicted
+        corrections.observe(Plan.from_options([A] * 4), 1024, {A: 0.25}, 2.0)
+        corrections.agree()
+    assert corrections.factor(A, 1024) == pytest.approx(2.0, rel=1e-6)
+
+
+def test_a_mixed_plan_moves_each_option_by_its_share_of_the_prediction():
+    # A: 3 layers x 0.1 s, B: 1 layer x 0.1 s -> shares 0.75 and 0.25 of 0.4 s; measured 0.8 s
+    corrections = _learned([([A, A, A, B], 2048, {A: 0.1, B: 0.1}, 0.8)], prior=0.5)
+    assert corrections.factor(A, 2048) == pytest.approx(math.exp(0.75 * math.log(2) / (0.75 + 0.5)))
+    assert corrections.factor(B, 2048) == pytest.approx(math.exp(0.25 * math.log(2) / (0.25 + 0.5)))
+
+
+def test_unmeasured_buckets_and_options_fall_back_to_the_nearest_measured():
+    corrections = TimeCorrections()
+    assert corrections.factor(A, 512) == 1.0
+    corrections = _learned([([A], 1024, {A: 1.0}, 4.0), ([A], 65536, {A: 1.0}, 0.25), ([B], 1024, {B: 1.0}, 1.0)])
+    assert corrections.factor(A, 2048) == corrections.factor(A, 1024) == 2.0
+    assert corrections.factor(A, 32768) == corrections.factor(A, 65536) == 0.5
+    assert corrections.factor(B, 65536) == corrections.factor(B, 1024) == 1.0
+    unseen = "ulysses/tp_sp"  # the mean log factor of the options measured at the nearest bucket
+    assert corrections.factor(unseen, 1500) == pytest.approx(math.sqrt(2.0 * 1.0))
+    assert corrections.factor(unseen, 40000) == 0.5
+
+
+def test_factors_stay_within_a_hundredfold_and_bad_measurements_are_refused():
+    corrections = TimeCorrections(prior=1e-9)
+    corrections.observe(Plan.from_options([A]), 512, {A: 1.0}, 1e9)
+    corrections.agree()
+    assert corrections.factor(A, 512) == pytest.approx(100.0)
+    with pytest.raises(ValueError, match=r"a measured time must be a positive finite number of seconds, got nan"):
+        corrections.observe(Plan.from_options([A]), 512, {A: 1.0}, math.nan)
+    with pytest.raises(ValueError, match=r"prior must be a positive finite number of micro-batches, got 0"):
+        TimeCorrections(0)
+
+
+def test_corrections_round_trip_through_a_checkpoint_and_bump_the_version():
+    corrections = _learned([([A, B], 1024, {A: 0.1, B: 0.3}, 0.7), ([B], 4096, {B: 1.0}, 0.5)])
+    restored = TimeCorrections()
+    version = restored.version
+    restored.load_state_dict(corrections.state_dict())
+    assert restored.state_dict()["log_factors"] == corrections.state_dict()["log_factors"]
+    assert restored.version > version
+    for option, bucket in ((A, 1024), (B, 1024), (B, 4096), (A, 9999)):
+        assert restored.factor(option, bucket) == corrections.factor(option, bucket)
+    with pytest.raises(ValueError, match=r"time corrections: expected"):
+        restored.load_state_dict({"factors": {}})
+
+
+def _agree_on_rank(rank: int, world_size: int, measurements: list) -> dict:
+    corrections = TimeCorrections()
+    for iteration in measurements:  # each iteration: this rank's own measurements, then one agreement
+        for plan, bucket, times, seconds in iteration[rank]:
+            corrections.observe(Plan.from_options(plan), bucket, times, seconds)
+        corrections.agree()
+    return corrections.state_dict()
+
+
+def test_every_rank_agrees_on_the_same_factors_from_different_measurements():
+    ranks = 3
+    measurements = [
+        [  # iteration 1: rank r's micro-batches
+            [([A] * 2, 1024, {A: 0.11}, 0.37)],
+            [([A, B], 1024, {A: 0.11, B: 0.29}, 0.53), ([B] * 2, 4096, {B: 0.9}, 1.1)],
+            [],
+        ],
+        [  # iteration 2
+            [([B] * 2, 4096, {B: 0.9}, 2.3)],
+            [],
+            [([A] * 2, 2048, {A: 0.2}, 0.31), ([A] * 2, 1024, {A: 0.11}, 0.19)],
+        ],
+    ]
+    states = run_on_ranks(_agree_on_rank, ranks, args=(measurements,))
+    assert all(state == states[0] for state in states[1:])  # bit for bit
+    # the same as one process that sees every rank's measurements, rank by rank
+    reference = TimeCorrections()
+    for iteration in measurements:
+        per_rank = []
+        for entries in iteration:
+            single = TimeCorrections()
+            single.load_state_dict(reference.state_dict())
+            for plan, bucket, times, seconds in entries:
+                single.observe(Plan.from_options(plan), bucket, times, seconds)
+            per_rank.append(sorted((k, (s.weighted_log_ratio, s.weight)) for k, s in single._pending.items()))
+        reference._update(per_rank)
+    assert states[0] == reference.state_dict()
+    assert states[0]["log_factors"], "the ranks learned nothing"
+
+
+def test_a_planner_follows_the_corrections_and_keeps_memory_as_it_was():
+    planner = physical_planner(8, 60 * GIB, hysteresis=0.0)
+    layout = SequenceLayout.build([16384], 8, causal=True)
+    before = planner.decide(layout).plan
+    assert len(set(before)) == 1, before.compact()
+    problem = planner.stage_problem(layout)  # the runner-up: the fastest other option whose plan fits
+    uniform = [problem.evaluate(problem.uniform(i)) for i in range(len(problem.options))]
+    runner_up = min(
+        (s for s, o in zip(uniform, problem.options) if o != before[0] and problem.fits(s)), key=lambda s: s.time_s
+    )
+    runner_up = problem.to_plan(runner_up)
+    corrections = TimeCorrections()
+    planner.cost_model = CorrectedCostModel(planner.cost_model, corrections)
+    bucket = planner.bucket_layout(layout)
+    for _ in range(10):  # the chosen plan runs 3x slower than predicted, the runner-up as predicted
+        for plan, slower in ((before, 3.0), (runner_up, 1.0)):
+            times = planner.cost_model.option_times(plan, bucket, 1)
+            corrections.observe(plan, bucket.padded_len, times, slower * sum(times[str(o)] for o in plan))
+        assert corrections.agree()
+        planner.clear_cache()
+    after = planner.decide(layout).plan
+    assert after.layers == runner_up.layers, (before.compact(), runner_up.compact(), after.compact())
+    option = before[0]
+    base = planner.cost_model.base.layer_cost(option, bucket, 1)
+    corrected = planner.cost_model.layer_cost(option, bucket, 1)
+    assert corrected.time_s == pytest.approx(3 * base.time_s, rel=2e-3)  # 3 ** (1 - 2 ** -10): halving the gap
+    assert (corrected.saved_bytes, corrected.transient_bytes) == (base.saved_bytes, base.transient_bytes)
+
+
+def test_a_resumed_planner_makes_the_decisions_of_an_uninterrupted_one():
+    lengths = [16384, 15000, 13000, 11000, 9000, 7000, 5000, 3000]
+    layouts = [SequenceLayout.build([n], 8, causal=True) for n in lengths]
+    config = dict(hysteresis=0.5, bucket_tokens=1024)
+    uninterrupted = physical_planner(8, 60 * GIB, **config)
+    plans = [uninterrupted.decide(layout).plan.layers for layout in layouts]
+    assert len(set(plans)) == 1 and any(d.kept_previous for d in [uninterrupted.decide(layouts[-1])])
+    first = physical_planner(8, 60 * GIB, **config)
+    for layout in layouts[:4]:
+        first.decide(layout)
+    resumed = physical_planner(8, 60 * GIB, **config)
+    resumed.load_state_dict(first.state_dict())
+    assert [resumed.decide(layout).plan.layers for layout in layouts[4:]] == plans[4:]
+    fresh = physical_planner(8, 60 * GIB, **config)  # without the saved state, it would plan otherwise
+    assert fresh.decide(layouts[-1]).plan.layers != plans[-1]
+    with pytest.raises(ValueError, match=r"the saved previous plan counts 2 layer options, this planner has 24"):
+        resumed.load_state_dict({"previous": [1, 7]})
