@@ -152,3 +152,17 @@ def test_overlapped_reduction_is_refused_where_lean_would_break_it(tmp_path, cac
     config = _config(tmp_path / "no-lean" / "cfg.yaml", cache_p2, planner={"attention": ["tp_sp", "ring"]})
     result = _torchrun(2, "--paradyse-config", str(config), *flags)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_learning_the_time_model_is_refused_with_pipeline_parallelism(tmp_path, cache_p2):
+    config = _config(tmp_path / "cfg.yaml", cache_p2, planner={"on_infeasible": "skip", "learn_time": True})
+    flags = [*SMALL_GPT, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
+    result = _torchrun(2, "--paradyse-config", str(config), *flags, "--global-batch-size", "2", "--train-iters", "2")
+    assert result.returncode != 0
+    assert (
+        "paradyse: error: the Megatron arguments do not fit this entry point:\n  - planner.learn_time learns from "
+        "each micro-batch's measured forward and backward, which run back to back only without pipeline "
+        "parallelism; got --pipeline-model-parallel-size 2: set planner.learn_time: false, or leave pipeline "
+        "parallelism out\n" in result.stderr
+    ), result.stderr[-3000:]
+    assert result.stderr.count("paradyse: error:") == 1
