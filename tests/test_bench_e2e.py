@@ -53,7 +53,11 @@ def test_small_run_output_and_accounting(run):
     out, result = run
     lines = out.strip().splitlines()
     assert "PeakMemory" in lines[1] and "16 B/param" in lines[1]  # how the peak is measured
-    last = re.fullmatch(r"adaptive_vs_best_static=(\S+) adaptive_vs_megatron=(\S+) max_len_ratio=(\S+)", lines[-1])
+    last = re.fullmatch(
+        r"adaptive_vs_best_static=(\S+) adaptive_vs_megatron=(\S+) max_len_ratio=(\S+) "
+        r"adaptive_vs_best_per_bucket_max=(\S+)",
+        lines[-1],
+    )
     assert last, lines[-1]
     budget_mib = result["budget_bytes"] / 2**20
     assert re.search(rf"^== dna corpus: 6 documents of \d+\.\.\d+ tokens; budget {budget_mib:.1f} MiB", out, re.M)
@@ -77,9 +81,23 @@ def test_small_run_output_and_accounting(run):
 
     results = e2e.CorpusResult(**{**result, "arms": {n: _arm(a) for n, a in arms.items()}})
     ratios = results.ratios()
-    assert [float(v) for v in last.groups()] == pytest.approx(
-        [round(ratios[k], 3) for k in ("adaptive_vs_best_static", "adaptive_vs_megatron", "max_len_ratio")], abs=1e-3
-    )
+    keys = ("adaptive_vs_best_static", "adaptive_vs_megatron", "max_len_ratio", "adaptive_vs_best_per_bucket_max")
+    printed = [float(v) for v in last.groups()]
+    assert printed == pytest.approx([round(ratios[k], 3) for k in keys], abs=1e-3, nan_ok=True)
+    # per power-of-two bin: adaptive over the fastest static arm that trains the whole bin
+    adaptive = results.arms[e2e.ADAPTIVE]
+    worst = math.nan
+    for low in (64, 128, 256, 512):
+        inside = [i for i, s in enumerate(adaptive.sequences) if low <= s.tokens < 2 * low]
+        whole = [results.arms[n] for n in e2e.PAIRINGS if all(i in results.arms[n].trained() for i in inside)]
+        both = [i for i in inside if i in adaptive.trained()]
+        if inside and whole and both:
+            best = min(sum(a.sequences[i].time_s for i in inside) for a in whole)
+            fastest = next(a for a in whole if sum(a.sequences[i].time_s for i in inside) == best)
+            ratio = sum(adaptive.sequences[i].time_s for i in both) / sum(fastest.sequences[i].time_s for i in both)
+            worst = ratio if math.isnan(worst) else max(worst, ratio)
+    assert ratios["adaptive_vs_best_per_bucket_max"] == pytest.approx(worst, nan_ok=True)
+    assert re.search(r"^adaptive / the fastest static arm of each length bin: \[", out, re.M)
     static_longest = max(results.arms[n].longest() for n in e2e.PAIRINGS)
     assert ratios["max_len_ratio"] == results.arms[e2e.ADAPTIVE].longest() / static_longest
 

@@ -44,6 +44,11 @@ length ratio)::
                               within budget, over the sequences both trained (nan if no static arm does)
     adaptive_vs_megatron    = adaptive time / megatron time, over the sequences both trained
     max_len_ratio           = adaptive's longest trained sequence / the longest any static arm trained
+    adaptive_vs_best_per_bucket_max
+                            = over the length bins: adaptive time / time of the fastest static arm that
+                              trains every sequence of the bin, over the bin's sequences adaptive trained
+                              (the worst bin; what a user who picked the right static strategy for those
+                              lengths would compare with)
 
 Everything here is measured on this machine; nothing is simulated (``bench simulate`` is).
 """
@@ -140,11 +145,34 @@ class CorpusResult:
         statics = [self.arms[name] for name in PAIRINGS if name in self.arms]
         complete = [a for a in statics if a.completes()]
         best = min(complete, key=lambda a: a.time_on(a.trained()), default=None)
+        per_bucket = [ratio for _, _, _, ratio in self.per_bucket() if not math.isnan(ratio)]
         return {
             "adaptive_vs_best_static": _time_ratio(adaptive, best) if best else math.nan,
             "adaptive_vs_megatron": _time_ratio(adaptive, self.arms[MEGATRON]),
             "max_len_ratio": adaptive.longest() / max(max(a.longest() for a in statics), 1),
+            "adaptive_vs_best_per_bucket_max": max(per_bucket, default=math.nan),
         }
+
+    def per_bucket(self) -> list[tuple[int, int, str, float]]:
+        """Per length bin: ``(low, high, best, ratio)``: the fastest static arm that trains every sequence
+        of the bin, and adaptive's time over its time on the bin's sequences adaptive trained (``best``
+        empty and ``ratio`` nan where no static arm trains the whole bin, or adaptive trains none of it)."""
+        adaptive = self.arms[ADAPTIVE]
+        trained = adaptive.trained()
+        rows = []
+        for low, high in _bins([s.tokens for s in adaptive.sequences]):
+            inside = [i for i, s in enumerate(adaptive.sequences) if low <= s.tokens < high]
+            if not inside:
+                continue
+            statics = [self.arms[name] for name in PAIRINGS if name in self.arms]
+            whole = [a for a in statics if all(i in a.trained() for i in inside)]
+            both = [i for i in inside if i in trained]
+            if not whole or not both:
+                rows.append((low, high, "", math.nan))
+                continue
+            best = min(whole, key=lambda a: a.time_on(inside))
+            rows.append((low, high, best.name, adaptive.time_on(both) / best.time_on(both)))
+        return rows
 
 
 def _time_ratio(arm: ArmResult, other: ArmResult) -> float:
@@ -653,6 +681,13 @@ def _print_corpus(result: CorpusResult, corpus: Corpus) -> None:
         f"adaptive: the planner's first decision of each length bucket took {adaptive.first_decisions_s:.3f} s "
         f"in all (memory pass); timed passes reuse its cached plans (decisions included in their times)"
     )
+    print(
+        "adaptive / the fastest static arm of each length bin: "
+        + "; ".join(
+            f"[{_fmt_len(low)},{_fmt_len(high)}) " + (f"{ratio:.3f} vs {best}" if best else "-")
+            for low, high, best, ratio in result.per_bucket()
+        )
+    )
     for name, arm in arms.items():
         if name != ADAPTIVE:
             both = adaptive.trained().keys() & arm.trained().keys()
@@ -696,7 +731,8 @@ def _summary_line(results: list[CorpusResult]) -> str:
     return (
         f"adaptive_vs_best_static={worst('adaptive_vs_best_static', max):.3f} "
         f"adaptive_vs_megatron={worst('adaptive_vs_megatron', max):.3f} "
-        f"max_len_ratio={worst('max_len_ratio', min):.3f}"
+        f"max_len_ratio={worst('max_len_ratio', min):.3f} "
+        f"adaptive_vs_best_per_bucket_max={worst('adaptive_vs_best_per_bucket_max', max):.3f}"
     )
 
 
