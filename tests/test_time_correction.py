@@ -6,12 +6,14 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from planner_cost_models import physical_planner
 
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.plan import Plan
 from megatron_paradyse.cost.correction import CorrectedCostModel, TimeCorrections
+from megatron_paradyse.run.log import MicroBatchMeter
 
 GIB = 2**30
 A, B = "tp_sp/tp_sp", "ring/zero3+rc"
@@ -163,3 +165,34 @@ def test_a_resumed_planner_makes_the_decisions_of_an_uninterrupted_one():
     assert fresh.decide(layouts[-1]).plan.layers != plans[-1]
     with pytest.raises(ValueError, match=r"the saved previous plan counts 2 layer options, this planner has 24"):
         resumed.load_state_dict({"previous": [1, 7]})
+
+
+class _Block(torch.nn.Module):
+    """Stands in for Megatron's TransformerBlock: the meter hooks its ``hidden_states`` keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64)
+
+    def forward(self, *, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden_states).relu()
+
+
+@pytest.mark.parametrize("memory", [True, False])
+def test_the_meter_times_forward_and_backward_and_measures_memory_only_when_asked(memory):
+    block = _Block()
+    meter = MicroBatchMeter(torch.device("cpu"), static_bytes=1000.0, memory=memory)
+    meter.attach(block)
+    for rows in (256, 512):
+        meter.begin()
+        x = torch.randn(rows, 64, requires_grad=True)
+        block(hidden_states=x).sum().backward()
+    (first, first_peak), (second, second_peak) = meter.collect()
+    assert first > 0 and second > 0
+    if memory:  # the output and its gradient, at least, above the static bytes
+        assert first_peak > 1000 + 256 * 64 * 4 and second_peak > 1000 + 512 * 64 * 4
+    else:
+        assert first_peak is None and second_peak is None
+    meter.begin()  # a window whose backward never came (a forward-only step not planned for one)
+    block(hidden_states=torch.randn(8, 64))
+    assert meter.collect() == [(None, None)]

@@ -89,11 +89,16 @@ class MicroBatchMeter:
     micro-batch's forward and backward back to back (no pipeline parallelism). A forward-only
     micro-batch (``begin(forward_only=True)``, evaluation) is measured until the next one begins or
     ``collect()``: its forward and its loss.
+
+    ``memory=False`` measures time only (peaks None): no device synchronisation inside a step on CUDA
+    (events, read at ``collect()``), and on the CPU no operator-watching dispatch mode, whose own cost
+    would be measured with the work.
     """
 
-    def __init__(self, device: torch.device, static_bytes: float) -> None:
+    def __init__(self, device: torch.device, static_bytes: float, *, memory: bool = True) -> None:
         self.device = device
         self.static_bytes = static_bytes
+        self.memory = memory
         self._open: _Window | None = None
         self._done: list[_Window] = []
         self._hooked: set[int] = set()
@@ -114,7 +119,7 @@ class MicroBatchMeter:
 
     def begin(self, *, forward_only: bool = False) -> None:
         self._close()
-        self._open = _Window(self.device, forward_only=forward_only)
+        self._open = _Window(self.device, forward_only=forward_only, memory=self.memory)
 
     def collect(self) -> list[tuple[float | None, float | None]]:
         self._close()
@@ -125,7 +130,8 @@ class MicroBatchMeter:
         if self._open is not None:
             if self._open.forward_only:
                 self._open.finish()
-            self._open.memory.__exit__(None, None, None)
+            if self._open.memory is not None:
+                self._open.memory.__exit__(None, None, None)
             self._done.append(self._open)
             self._open = None
 
@@ -133,10 +139,11 @@ class MicroBatchMeter:
 class _Window:
     """One micro-batch's measurement: opened in its forward step, ended by its backward."""
 
-    def __init__(self, device: torch.device, *, forward_only: bool) -> None:
-        self.memory = PeakMemory(device).__enter__()
+    def __init__(self, device: torch.device, *, forward_only: bool, memory: bool) -> None:
+        self.memory = PeakMemory(device).__enter__() if memory else None
         self.forward_only = forward_only
         self.cuda = device.type == "cuda"
+        self.finished = False
         self.peak: int | None = None
         if self.cuda:
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -145,19 +152,21 @@ class _Window:
             self.start, self.end = time.perf_counter(), None
 
     def finish(self) -> None:
-        self.peak = self.memory.peak_until_now()
+        self.finished = True
+        if self.memory is not None:
+            self.peak = self.memory.peak_until_now()
         if self.cuda:
             self.end.record()
         else:
             self.end = time.perf_counter()
 
     def result(self, static_bytes: float) -> tuple[float | None, float | None]:
-        if self.peak is None:  # no backward seen (the step ran forward only, unplanned for it)
+        if not self.finished:  # no backward seen (the step ran forward only, unplanned for it)
             return None, None
         if self.cuda:
             self.end.synchronize()
         seconds = self.start.elapsed_time(self.end) / 1e3 if self.cuda else self.end - self.start
-        return seconds, static_bytes + self.peak
+        return seconds, None if self.peak is None else static_bytes + self.peak
 
 
 class _BackwardEnd(torch.autograd.Function):

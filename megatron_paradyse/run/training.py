@@ -207,7 +207,7 @@ class TrainingRun:
             self._resume(iterator)
         self.iterators.append(iterator)
         if (config.log.measure or learning) and mpu.get_pipeline_model_parallel_world_size() == 1:
-            self.meter = MicroBatchMeter(job.device, self.footprints[stage].static_bytes)
+            self.meter = MicroBatchMeter(job.device, self.footprints[stage].static_bytes, memory=config.log.measure)
         return iterator
 
     def _prepare(self) -> None:
