@@ -219,4 +219,10 @@ def test_demo_trains_switches_plans_and_skips_what_no_plan_fits(tmp_path, cache,
     assert all("fits no plan" in s["reason"] for s in skipped)
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"{len(plans)} different" in stdout and "paradyse demo: done in" in stdout
+    # the demo's config learns the time model from its measured micro-batches: every plan's options
+    train_log = (out / "train.log").read_text()
+    learned = re.search(r"paradyse: learned time factors \(option x\[bucket:factor\]\): (.*)", train_log)
+    assert learned, train_log[-3000:]
+    options = {option for plan in plans for option in re.findall(r"\dx ([\w/+]+)", plan)}
+    assert options == set(re.findall(r"([\w/+]+) x\[", learned.group(1))), (options, learned.group(1))
     assert re.search(r"^\s+1 +[\d.]+ \|  0 +\d+  4x ", stdout, re.MULTILINE)  # the table's first row

@@ -526,6 +526,9 @@ class TrainingRun:
             + "; ".join(f"{n}x [{plan}]" for plan, n in plans.items()),
             flush=True,
         )
+        if self.time_corrections is not None:
+            learned = self.time_corrections.summary()
+            print(f"paradyse: learned time factors (option x[bucket:factor]): {learned}", flush=True)
         if self.job.config.log.plot:
             write_plot(
                 self.records,
