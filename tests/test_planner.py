@@ -174,6 +174,7 @@ def test_plan_puts_large_transients_first_and_reports_its_prediction():
         "bucket_length": 512,
         "cached": False,
         "kept_previous": False,
+        "explored": False,
     }
 
 

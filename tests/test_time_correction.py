@@ -13,6 +13,7 @@ from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.plan import Plan
 from megatron_paradyse.cost.correction import CorrectedCostModel, TimeCorrections
+from megatron_paradyse.planner.exploration import Exploration
 from megatron_paradyse.run.log import MicroBatchMeter
 
 GIB = 2**30
@@ -196,3 +197,53 @@ def test_the_meter_times_forward_and_backward_and_measures_memory_only_when_aske
     meter.begin()  # a window whose backward never came (a forward-only step not planned for one)
     block(hidden_states=torch.randn(8, 64))
     assert meter.collect() == [(None, None)]
+
+
+def _exploring_planner(share: float, margin: float):
+    planner = physical_planner(8, 60 * GIB, hysteresis=0.0)
+    corrections = TimeCorrections()
+    planner.cost_model = CorrectedCostModel(planner.cost_model, corrections)
+    planner.exploration = Exploration(corrections, share=share, margin=margin)
+    return planner, corrections
+
+
+def test_the_planner_explores_the_fastest_unmeasured_option_on_at_most_its_share_of_decisions():
+    layout = SequenceLayout.build([16384], 8, causal=True)
+    planner, corrections = _exploring_planner(share=0.25, margin=0.5)
+    decisions = [planner.decide(layout) for _ in range(8)]
+    assert [d.explored for d in decisions] == [False, False, False, True, False, False, False, True]
+    best = decisions[0].plan
+    problem = planner.stage_problem(layout)
+    close = [  # uniform plans of other options that fit and are predicted within the margin
+        problem.evaluate(problem.uniform(i))
+        for i, option in enumerate(problem.options)
+        if option != best[0] and problem.fits(problem.evaluate(problem.uniform(i)))
+    ]
+    close = [s for s in close if s.time_s <= 1.5 * best.predicted_time_s]
+    fastest = problem.to_plan(min(close, key=lambda s: s.time_s))
+    assert decisions[3].plan.layers == decisions[7].plan.layers == fastest.layers
+    assert decisions[3].plan.predicted_time_s > best.predicted_time_s
+    # once measured there, an option is not explored again at that length: the next close one is
+    bucket = planner.bucket_layout(layout)
+    times = planner.cost_model.option_times(fastest, bucket, 1)
+    corrections.observe(fastest, bucket.padded_len, times, sum(times[str(o)] for o in fastest))
+    corrections.agree()
+    planner.clear_cache()
+    later = [planner.decide(layout) for _ in range(4)]
+    explored = [d.plan for d in later if d.explored]
+    assert len(explored) == 1 and explored[0][0] != fastest[0] and explored[0][0] != best[0]
+    # nothing predicted within the margin: nothing explored
+    planner, _ = _exploring_planner(share=0.5, margin=0.0)
+    assert not any(planner.decide(layout).explored for _ in range(8))
+
+
+def test_exploration_counts_are_saved_with_the_planner():
+    layout = SequenceLayout.build([16384], 8, causal=True)
+    planner, _ = _exploring_planner(share=0.25, margin=0.5)
+    uninterrupted = [planner.decide(layout).explored for _ in range(8)]
+    first, _ = _exploring_planner(share=0.25, margin=0.5)
+    for _ in range(5):
+        first.decide(layout)
+    resumed, _ = _exploring_planner(share=0.25, margin=0.5)
+    resumed.load_state_dict(first.state_dict())
+    assert [resumed.decide(layout).explored for _ in range(3)] == uninterrupted[5:] == [False, False, True]

@@ -65,6 +65,10 @@ class TimeCorrections:
         """The correction of ``option``'s time at the bucket whose upper edge is ``bucket`` tokens."""
         return math.exp(self._log(str(option), bucket))
 
+    def measured(self, option: LayerOption | str, bucket: int) -> bool:
+        """Whether ``option`` has run (and been measured) at the bucket whose edge is ``bucket`` tokens."""
+        return (str(option), bucket) in self._log_factor
+
     def _log(self, option: str, bucket: int) -> float:
         known = self._log_factor.get((option, bucket))
         if known is not None:

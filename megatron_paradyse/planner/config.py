@@ -53,6 +53,11 @@ class PlannerConfig:
     iteration's end. Needs the per-micro-batch measurement (no pipeline parallelism)."""
     learn_prior: float = 1.0
     """Weight, in micro-batches, of the current correction against the new measurements."""
+    explore_share: float = 0.05
+    """Where the time model learns: the most decisions (a fraction) that may run, instead of the optimum,
+    an option not yet measured at that length whose predicted time is within ``explore_margin`` of it;
+    0: never."""
+    explore_margin: float = 0.10
 
     def __post_init__(self) -> None:
         for name in ("attention", "mlp", "pairs"):
@@ -85,6 +90,9 @@ class PlannerConfig:
             raise ValueError(f"planner.bucket_ratio must be a finite number > 1, got {self.bucket_ratio}")
         if not isinstance(self.cache_size, int) or self.cache_size < 1:
             raise ValueError(f"planner.cache_size must be a positive int, got {self.cache_size!r}")
+        for name in ("explore_share", "explore_margin"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"planner.{name} must be in [0, 1), got {getattr(self, name)}")
         if not (isinstance(self.learn_prior, (int, float)) and 0 < self.learn_prior < math.inf):
             raise ValueError(f"planner.learn_prior must be a positive number (micro-batches), got {self.learn_prior!r}")
 

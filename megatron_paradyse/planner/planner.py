@@ -27,6 +27,7 @@ from megatron_paradyse.cost.base import CostModel, LayerCost
 from megatron_paradyse.planner.buckets import LengthBuckets
 from megatron_paradyse.planner.config import PlannerConfig, layer_options
 from megatron_paradyse.planner.exact import solve_exact
+from megatron_paradyse.planner.exploration import Exploration
 from megatron_paradyse.planner.heuristic import solve_heuristic
 from megatron_paradyse.planner.problem import Solution, StageProblem
 from megatron_paradyse.strategies import ModelShape
@@ -54,6 +55,9 @@ class Decision:
     """Padded length the costs were evaluated at."""
     optimal_time_s: float
     """Predicted time of the bucket's optimum (``plan.predicted_time_s`` unless ``kept_previous``)."""
+    explored: bool = False
+    """The plan is a trial of an option the learned time model has not measured at this length
+    (:mod:`~megatron_paradyse.planner.exploration`), run instead of the optimum."""
 
     def log_fields(self) -> dict[str, object]:
         """Flat fields for a step log."""
@@ -64,6 +68,7 @@ class Decision:
             "bucket_length": self.bucket_length,
             "cached": self.cached,
             "kept_previous": self.kept_previous,
+            "explored": self.explored,
         }
 
 
@@ -151,6 +156,8 @@ class Planner:
         self._cache: collections.OrderedDict[tuple, _Bucket] = collections.OrderedDict()
         self._longest: dict[tuple[int, bool, int], int] = {}
         self._previous: tuple[int, ...] | None = None
+        self.exploration: Exploration | None = None
+        """Set where the time model learns: now and then a plan it cannot tell from the optimum."""
         self.set_budget(budget_bytes)
 
     @classmethod
@@ -198,7 +205,10 @@ class Planner:
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the planner: the previous plan (hysteresis), so that a resumed run
         plans its first micro-batch as the uninterrupted run would."""
-        return {"previous": None if self._previous is None else list(self._previous)}
+        state: dict = {"previous": None if self._previous is None else list(self._previous)}
+        if self.exploration is not None:
+            state["exploration"] = self.exploration.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         previous = state.get("previous")
@@ -207,6 +217,8 @@ class Planner:
                 f"the saved previous plan counts {len(previous)} layer options, this planner has {len(self.options)}"
             )
         self._previous = None if previous is None else tuple(int(n) for n in previous)
+        if self.exploration is not None and "exploration" in state:
+            self.exploration.load_state_dict(state["exploration"])
 
     def bucket_layout(self, layout: SequenceLayout, micro_batch_size: int = 1) -> SequenceLayout:
         """The layout :meth:`decide` costs ``layout`` at: its bucket's upper edge."""
@@ -238,7 +250,11 @@ class Planner:
             old = bucket.problem.evaluate(previous)
             if bucket.problem.fits(old) and old.time_s <= (1 + self.config.hysteresis) * solution.time_s:
                 solution, plan, kept = old, bucket.problem.to_plan(old), True
-        self._previous = solution.counts
+        self._previous = solution.counts  # hysteresis follows the planner's choice, not a trial
+        if self.exploration is not None:
+            trial = self.exploration.alternative(bucket.problem, solution, key[0])
+            if trial is not None:
+                return Decision(bucket.problem.to_plan(trial), cached, False, key[0], bucket.solution.time_s, True)
         return Decision(plan, cached, kept, key[0], bucket.solution.time_s)
 
     def stage_problem(self, layout: SequenceLayout, micro_batch_size: int = 1) -> StageProblem:

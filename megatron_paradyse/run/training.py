@@ -132,6 +132,7 @@ class TrainingRun:
         from megatron_paradyse.cost.correction import CorrectedCostModel
         from megatron_paradyse.data import DynamicSequenceLoader, LoaderConfig
         from megatron_paradyse.planner import Planner
+        from megatron_paradyse.planner.exploration import Exploration
         from megatron_paradyse.planner.planner import ForwardOnlyCost
         from megatron_paradyse.run.log import MicroBatchMeter
         from megatron_paradyse.run.planned_loader import PlannedMicroBatches
@@ -183,6 +184,11 @@ class TrainingRun:
             )
             for cost, footprint in zip(cost_models, self.footprints)
         ]
+        if learning and planner_config.explore_share > 0:
+            for planner in planners:
+                planner.exploration = Exploration(
+                    self.time_corrections, share=planner_config.explore_share, margin=planner_config.explore_margin
+                )
         stage = mpu.get_pipeline_model_parallel_rank()
         iterator = PlannedMicroBatches(
             loader,
