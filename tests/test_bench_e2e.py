@@ -1,16 +1,21 @@
-"""``python -m megatron_paradyse.bench e2e``: one small run on 2 gloo ranks, its output and its accounting.
+"""``python -m megatron_paradyse.bench e2e``: two small runs on gloo ranks, their output and their accounting.
 
-The run trains the demo's GPT on six short synthetic-DNA documents under every arm, one timed repeat,
-with the default (derived) budget. Its cost profile is built from published A100 figures relabelled
-fp32 with no allocator slack: the arms' plans and peaks do not depend on its rates (the adaptive
-arm's choices do, which is all this test needs from it), and a CPU calibration would take minutes.
+The first run trains the demo's GPT on six short synthetic-DNA documents, one per micro-batch, under
+every arm on 2 ranks (TP=2), one timed repeat, with the default (derived) budget. The second packs
+eight such documents into micro-batches of at most 512 tokens and trains them on 4 ranks (TP=2 x DP=2),
+every arm but Megatron's (which cannot attend per document on CPU). Their cost profile is built from
+published A100 figures relabelled fp32 with no allocator slack: the arms' plans and peaks do not depend
+on its rates (the adaptive arm's choices do, which is all this test needs from it), and a CPU
+calibration would take minutes.
 
 What is checked: the tables and the last line; that the derived budget makes ``tp_sp/tp_sp`` fail on
 the longest document and ``lean/lean`` train every one; that a sequence is trained if and only if its
 measured peak is within the budget on every rank (the rest are OOMs, counted, not timed); that the
-ratios of the last line are those of the recorded times and lengths; and that every arm trains the
+ratios of the last line are those of the recorded times and lengths; that every arm trains the
 same model: sequences trained by arms that have trained the same sequences before give the same loss,
-stock Megatron included.
+stock Megatron included; that packed micro-batches hold consecutive documents, several in some, never
+over the token budget; and that with DP=2 both DP ranks train their own micro-batch of each step and
+end with the same weights (their gradients averaged).
 """
 
 from __future__ import annotations
@@ -29,17 +34,22 @@ from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
 from megatron_paradyse.cost.profile import save_profile
 
 P = 2
+DP = 2
+PACK = 512
 LOSS_TOLERANCE = 1e-4
+LAST_LINE = (
+    r"adaptive_vs_best_static=(\S+) adaptive_vs_megatron=(\S+) max_len_ratio=(\S+) "
+    r"adaptive_vs_best_per_bucket_max=(\S+)"
+)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> tuple[str, dict]:
-    """(stdout, the JSON result of the one corpus) of the small run."""
-    tmp = tmp_path_factory.mktemp("bench-e2e")
+def _bench(tmp_path_factory, name: str, argv: list[str]) -> tuple[str, dict]:
+    """(stdout, the JSON result of the one corpus) of a small run on the DNA corpus with ``argv`` added."""
+    tmp = tmp_path_factory.mktemp(name)
     profile = hardware_profile(dataclasses.replace(HARDWARE["a100"], p=P))
     profile.update(dtype="float32", allocator_slack=0.0)
     save_profile(profile, tmp / "profile.json")
-    argv = ["--p", str(P), "--corpora", "dna", "--sequences", "6", "--min-len", "64", "--max-len", "512"]
+    argv = ["--p", str(P), "--corpora", "dna", "--min-len", "64", "--max-len", "512", *argv]
     argv += ["--repeats", "1", "--profile", str(tmp / "profile.json"), "--cache-dir", str(tmp / "cache")]
     argv += ["--json", str(tmp / "result.json")]
     out = io.StringIO()
@@ -49,15 +59,21 @@ def run(tmp_path_factory) -> tuple[str, dict]:
     return out.getvalue(), result
 
 
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[str, dict]:
+    return _bench(tmp_path_factory, "bench-e2e", ["--sequences", "6"])
+
+
+@pytest.fixture(scope="module")
+def packed_dp_run(tmp_path_factory) -> tuple[str, dict]:
+    return _bench(tmp_path_factory, "bench-e2e-packed-dp", ["--sequences", "8", "--pack", str(PACK), "--dp", str(DP)])
+
+
 def test_small_run_output_and_accounting(run):
     out, result = run
     lines = out.strip().splitlines()
     assert "PeakMemory" in lines[1] and "16 B/param" in lines[1]  # how the peak is measured
-    last = re.fullmatch(
-        r"adaptive_vs_best_static=(\S+) adaptive_vs_megatron=(\S+) max_len_ratio=(\S+) "
-        r"adaptive_vs_best_per_bucket_max=(\S+)",
-        lines[-1],
-    )
+    last = re.fullmatch(LAST_LINE, lines[-1])
     assert last, lines[-1]
     budget_mib = result["budget_bytes"] / 2**20
     assert re.search(rf"^== dna corpus: 6 documents of \d+\.\.\d+ tokens; budget {budget_mib:.1f} MiB", out, re.M)
@@ -65,21 +81,14 @@ def test_small_run_output_and_accounting(run):
     assert list(arms) == [*e2e.PAIRINGS, e2e.MEGATRON, e2e.ADAPTIVE]
     for name in arms:
         assert re.search(rf"^{re.escape(name)}\s+\d/6\s+\d+\s", out, re.M), name
+    for arm in arms.values():
+        assert all(len(s["document_tokens"]) == 1 and len(s["document_tokens"][0]) == 1 for s in arm["sequences"])
 
-    budget = result["budget_bytes"]
-    for name, arm in arms.items():
-        for s in arm["sequences"]:
-            if s["status"] == e2e.INFEASIBLE:
-                assert name == e2e.ADAPTIVE and not s["peak_bytes"]
-                continue
-            assert len(s["peak_bytes"]) == P
-            over = max(s["peak_bytes"]) > budget
-            assert s["status"] == (e2e.OOM if over else e2e.TRAINED), (name, s)
-            assert len(s["times_s"]) == (0 if over else 1)
+    _check_budget_accounting(result, ranks=P)
     assert arms["tp_sp/tp_sp"]["sequences"][-1]["status"] == e2e.OOM
     assert all(s["status"] == e2e.TRAINED for s in arms["lean/lean"]["sequences"])
 
-    results = e2e.CorpusResult(**{**result, "arms": {n: _arm(a) for n, a in arms.items()}})
+    results = _corpus_result(result)
     ratios = results.ratios()
     keys = ("adaptive_vs_best_static", "adaptive_vs_megatron", "max_len_ratio", "adaptive_vs_best_per_bucket_max")
     printed = [float(v) for v in last.groups()]
@@ -101,7 +110,76 @@ def test_small_run_output_and_accounting(run):
     static_longest = max(results.arms[n].longest() for n in e2e.PAIRINGS)
     assert ratios["max_len_ratio"] == results.arms[e2e.ADAPTIVE].longest() / static_longest
 
-    # Every arm trains the same model: the same history of trained sequences gives the same loss.
+    assert _compare_losses_across_arms(results) >= 5  # at least the shortest document, trained by every arm
+
+
+def test_adaptive_stays_within_budget(run, packed_dp_run):
+    """The planner's predicted peaks hold on the ranks: no adaptive sequence is an OOM."""
+    for _, result in (run, packed_dp_run):
+        over = [s for s in result["arms"][e2e.ADAPTIVE]["sequences"] if s["status"] == e2e.OOM]
+        assert not over, [(s["document_tokens"], s["plans"], s["peak_bytes"], s["predicted_peak_bytes"]) for s in over]
+
+
+def test_packed_documents_on_two_dp_ranks(packed_dp_run):
+    out, result = packed_dp_run
+    lines = out.strip().splitlines()
+    assert f"TP={P}, sequence parallel; DP={DP}" in lines[0] and f"at most {PACK} tokens" in lines[0]
+    assert lines[2].startswith("megatron arm: not run with --pack")
+    last = re.fullmatch(LAST_LINE, lines[-1])
+    assert last and last.group(2) == "nan", lines[-1]  # no megatron arm; the other ratios are measured
+    assert not math.isnan(float(last.group(3)))
+    assert (result["tp"], result["dp"], result["pack_tokens"]) == (P, DP, PACK)
+    arms = result["arms"]
+    assert list(arms) == [*e2e.PAIRINGS, e2e.ADAPTIVE]
+    _check_budget_accounting(result, ranks=P * DP)
+
+    # Packed: consecutive documents in curriculum order, several in some micro-batches, none over the budget.
+    steps = [s["document_tokens"] for s in arms[e2e.ADAPTIVE]["sequences"]]
+    assert all(s["document_tokens"] == step for arm in arms.values() for s, step in zip(arm["sequences"], steps))
+    micro_batches = [micro_batch for step in steps for micro_batch in step]
+    packed = re.search(
+        r"^packed into (\d+) micro-batches .* the last (\d+) micro-batch\(es\) dropped", out, re.M | re.S
+    )
+    assert packed and len(micro_batches) == int(packed.group(1)) - int(packed.group(2))
+    documents = [n for micro_batch in micro_batches for n in micro_batch]
+    assert documents == sorted(documents) and len(documents) <= 8
+    assert all(sum(micro_batch) <= PACK for micro_batch in micro_batches), micro_batches
+    assert max(len(micro_batch) for micro_batch in micro_batches) > 1, micro_batches
+
+    # DP: every step holds one micro-batch per DP rank, each trained by its DP rank; the replicas agree.
+    assert len(steps) >= 2 and all(len(step) == DP for step in steps)
+    for name, arm in arms.items():
+        trained = [s for s in arm["sequences"] if s["status"] == e2e.TRAINED]
+        assert trained, name
+        for s in trained:
+            assert len(s["peak_bytes"]) == P * DP and len(s["losses"]) == DP, (name, s)
+            assert all(math.isfinite(loss) for loss in s["losses"]) and len(set(s["losses"])) == DP, (name, s)
+        checksums = arm["weight_checksums"]
+        assert len(checksums) == P * DP
+        assert checksums[P:] == checksums[:P], (name, checksums)  # DP rank 1's shards equal DP rank 0's
+        assert checksums[0] != checksums[1], (name, checksums)  # TP ranks hold different shards
+    assert re.search(r"^weights after training, .*: tp_sp/tp_sp 0\.0e\+00, ", out, re.M)
+
+    assert _compare_losses_across_arms(_corpus_result(result)) >= 3  # the first step, trained by every arm
+
+
+def _check_budget_accounting(result: dict, *, ranks: int) -> None:
+    """Every run sequence has a peak per rank; trained if and only if every peak is within the budget."""
+    budget = result["budget_bytes"]
+    for name, arm in result["arms"].items():
+        for s in arm["sequences"]:
+            if s["status"] == e2e.INFEASIBLE:
+                assert name == e2e.ADAPTIVE and not s["peak_bytes"]
+                continue
+            assert len(s["peak_bytes"]) == ranks
+            over = max(s["peak_bytes"]) > budget
+            assert s["status"] == (e2e.OOM if over else e2e.TRAINED), (name, s)
+            assert len(s["times_s"]) == (0 if over else 1)
+
+
+def _compare_losses_across_arms(results: e2e.CorpusResult) -> int:
+    """Every arm trains the same model: the same history of trained sequences gives the same loss.
+    Returns how many pairs of arms were compared."""
     by_history: dict[tuple, list[tuple[str, float]]] = {}
     for name, arm in results.arms.items():
         for i, s in arm.trained().items():
@@ -113,18 +191,20 @@ def test_small_run_output_and_accounting(run):
         for name, loss in losses[1:]:
             assert math.isclose(loss, first, rel_tol=LOSS_TOLERANCE), (history, first_name, first, name, loss)
             compared += 1
-    assert compared >= 5  # at least the shortest document, trained by every arm
+    return compared
 
 
-def test_adaptive_stays_within_budget(run):
-    """The planner's predicted peaks hold on the ranks: no adaptive sequence is an OOM."""
-    _, result = run
-    over = [s for s in result["arms"][e2e.ADAPTIVE]["sequences"] if s["status"] == e2e.OOM]
-    assert not over, [(s["tokens"], s["plan"], max(s["peak_bytes"]), s["predicted_peak_bytes"]) for s in over]
-
-
-def _arm(data: dict) -> e2e.ArmResult:
-    return e2e.ArmResult(data["name"], [e2e.SequenceResult(**s) for s in data["sequences"]], data["resident_bytes"])
+def _corpus_result(data: dict) -> e2e.CorpusResult:
+    arms = {
+        name: e2e.ArmResult(
+            arm["name"],
+            [e2e.SequenceResult(**s) for s in arm["sequences"]],
+            arm["resident_bytes"],
+            weight_checksums=tuple(arm["weight_checksums"]),
+        )
+        for name, arm in data["arms"].items()
+    }
+    return e2e.CorpusResult(**{**data, "arms": arms})
 
 
 @pytest.mark.parametrize(
@@ -133,6 +213,8 @@ def _arm(data: dict) -> e2e.ArmResult:
         (["--arms", "tp_sp/tp_sp,adaptive"], "--arms must include lean/lean, megatron"),
         (["--arms", "tp_sp/tp_sp,lean/lean,megatron,adaptive,zz"], "--arms: unknown zz"),
         (["--corpora", "code,wiki"], "--corpora takes code and/or dna, got 'code,wiki'"),
+        (["--pack", "512", "--arms", "tp_sp/tp_sp,lean/lean,megatron,adaptive"], "megatron cannot run with --pack"),
+        (["--dp", "0"], "--repeats, --p, --dp and --pack must be >= 1"),
     ],
 )
 def test_bad_arguments_exit_2_before_any_work(argv, message, capsys):

@@ -1,13 +1,16 @@
-"""End-to-end training on p gloo ranks: every static strategy, stock Megatron TP+SP, and the adaptive planner.
+"""End-to-end training on gloo ranks: every static strategy, stock Megatron TP+SP, and the adaptive planner.
 
     python -m megatron_paradyse.bench e2e                    # p=4, code and DNA corpora, 3 repeats
     python -m megatron_paradyse.bench e2e --quick            # a smoke run: short sequences, 1 repeat
     python -m megatron_paradyse.bench e2e --budget-mib 40 --corpora dna --json runs/e2e.json
+    python -m megatron_paradyse.bench e2e --pack 4096        # packed documents, attention per document
+    python -m megatron_paradyse.bench e2e --dp 2             # TP=4 x DP=2 on 8 ranks
 
-One launch of ``--p`` ranks (TP = p with sequence parallelism, Megatron's ``parallel_state``) trains the
-GPT of the CPU demo (``configs/tiny-cpu.yaml``: 4 layers, h=128, 8 heads, FFN 512, RoPE, fp32) on each
-corpus's documents, one document per micro-batch (b = 1), in curriculum order (short to long), with
-Adam, under these *arms*, each from the same initial weights:
+One launch of ``--p`` x ``--dp`` ranks (Megatron's ``parallel_state``: TP = p with sequence parallelism,
+data-parallel size ``--dp``; rank ``r`` is TP rank ``r % p`` of DP rank ``r // p``) trains the GPT of the
+CPU demo (``configs/tiny-cpu.yaml``: 4 layers, h=128, 8 heads, FFN 512, RoPE, fp32) on each corpus's
+documents in curriculum order (short to long), b = 1, with Adam, under these *arms*, each from the
+same initial weights:
 
 - the static strategies ``tp_sp/tp_sp``, ``ulysses/zero3``, ``ring/zero3``, ``lean/lean``: the same
   pair on every layer for every sequence (the Paradyse layer spec);
@@ -15,15 +18,36 @@ Adam, under these *arms*, each from the same initial weights:
   token order with Megatron's causal mask: what a user trains with today;
 - ``adaptive``: the :class:`~megatron_paradyse.planner.Planner` (every attention x MLP strategy per
   layer, per-layer recompute) on the calibrated :class:`~megatron_paradyse.cost.AnalyticCostModel`,
-  planning each sequence within the budget. A sequence it finds no plan for is skipped and reported.
+  planning each micro-batch within the budget. A sequence it finds no plan for is skipped and reported.
 
-**Peak memory** per rank and sequence is *measured*: the bytes the rank holds before the step, counted
-from its tensors (fp32 weights, fp32 gradients allocated up front as Megatron's gradient buffers, and
-Adam's two fp32 moments once they exist: 16 bytes per parameter), plus the high-water mark above
-them during forward + backward + gradient all-reduce, and during the optimizer step, from
-:class:`~megatron_paradyse.core.memory.PeakMemory` (on CPU a dispatch mode that counts the storages every
-operator creates until they are freed: tensor bytes, no allocator caching or fragmentation). The
-step's inputs (a few KB) are not counted.
+**Micro-batches.** One document each by default. With ``--pack TOKENS``, consecutive documents (in
+curriculum order) packed greedily into micro-batches of at most TOKENS tokens in all, by the loader's
+own packing (:func:`megatron_paradyse.data.pack`, the loader's ``token_budget``); a document longer
+than TOKENS fills a micro-batch alone. Attention stays within each document (the layout's segments).
+Megatron's local spec cannot do that on CPU (its packed-sequence path needs Transformer Engine or
+flash-attn), so packed runs leave the ``megatron`` arm out and print ``adaptive_vs_megatron=nan``.
+
+**Data parallelism** (``--dp N``). Micro-batch ``i`` goes to DP rank ``i % N``; a trailing remainder of
+fewer than N micro-batches is dropped (and reported), so every DP rank runs the same number of steps.
+After backward, the gradients of the parameters every TP rank holds whole are all-reduced within TP
+(as without DP), then every gradient is averaged over the DP group, as Megatron's DDP does (one flat
+gradient buffer, allocated before any step). Each rank's planner plans its DP rank's own micro-batch;
+the ranks of a TP group plan the same (checked), and a step runs on every DP rank or on none.
+After training, each arm records a checksum of every rank's parameters: equal between the DP replicas
+of a TP rank when the gradients were averaged.
+
+**A sequence**, in the tables and ratios, is one *step*: the micro-batches the N DP ranks run together
+(one micro-batch without ``--dp``). Its length, which sets its bin and the ``longest`` column, is the
+total tokens of its longest micro-batch (its documents' tokens in all when packed). It is trained,
+an OOM or infeasible as a whole.
+
+**Peak memory** per rank (all p x N ranks) and sequence is *measured*: the bytes the rank holds before
+the step, counted from its tensors (fp32 weights, fp32 gradients allocated up front as Megatron's
+gradient buffer, and Adam's two fp32 moments once they exist: 16 bytes per parameter), plus the
+high-water mark above them during forward + backward + gradient all-reduces, and during the optimizer
+step, from :class:`~megatron_paradyse.core.memory.PeakMemory` (on CPU a dispatch mode that counts the
+storages every operator creates until they are freed: tensor bytes, no allocator caching or
+fragmentation). The step's inputs (a few KB) are not counted.
 
 **Budget** (``--budget-mib``, per rank). Default, per corpus: midway between the largest peak of
 ``lean/lean`` and the peak of ``tp_sp/tp_sp`` on the longest sequence, so the fast static strategy
@@ -33,16 +57,17 @@ time is not counted, and it counts as a budget violation. Peaks do not depend on
 each arm first runs an untimed *memory pass* over every sequence; its **timed passes** (``--repeats``,
 interleaved across arms) then train from the initial weights on the sequences within budget only.
 
-**Time** of a sequence: forward + backward + gradient all-reduce + Adam step (the adaptive arm's
-``Planner.decide`` included), between barriers of the group; the median over the repeats. Bins are
-powers of two of the sequence length.
+**Time** of a sequence: forward + backward + gradient all-reduces + Adam step (the adaptive arm's
+``Planner.decide`` included), between barriers of all the ranks (a DP step ends with its slowest DP
+rank); the median over the repeats. Bins are powers of two of the sequence's length.
 
 **Ratios** (per corpus; the last line takes the worst corpus: the largest time ratios, the smallest
-length ratio)::
+length ratio; its four keys are always printed, nan where a ratio has nothing to compare)::
 
     adaptive_vs_best_static = adaptive time / time of the fastest static arm that trains every sequence
                               within budget, over the sequences both trained (nan if no static arm does)
     adaptive_vs_megatron    = adaptive time / megatron time, over the sequences both trained
+                              (nan with --pack: no megatron arm)
     max_len_ratio           = adaptive's longest trained sequence / the longest any static arm trained
     adaptive_vs_best_per_bucket_max
                             = over the length bins: adaptive time / time of the fastest static arm that
@@ -78,6 +103,11 @@ MIB = 2**20
 ADAPTIVE = "adaptive"
 MEGATRON = "megatron"
 TRAINED, OOM, INFEASIBLE = "trained", "oom", "infeasible"
+MEGATRON_PLAN = "megatron local spec"
+MEGATRON_CANNOT_PACK = (
+    "Megatron's local spec has no per-document attention on CPU (its packed-sequence path needs "
+    "Transformer Engine or flash-attn)"
+)
 
 MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=8, ffn_hidden_size=512, normalization="LayerNorm")
 """The CPU demo's GPT (``configs/tiny-cpu.yaml``)."""
@@ -88,22 +118,45 @@ SEED = 1234
 # -- results ------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class SequenceResult:
-    tokens: int
+    """One step: the micro-batch of every DP rank (one micro-batch in all without ``--dp``)."""
+
+    document_tokens: tuple[tuple[int, ...], ...]
+    """Per DP rank, the lengths of the documents of its micro-batch (one document each unless packed)."""
     status: str
     """``trained``; ``oom`` (measured peak over the budget); ``infeasible`` (the planner found no plan)."""
     peak_bytes: tuple[int, ...] = ()
-    """Measured peak of each rank (empty when not run)."""
+    """Measured peak of each rank, in rank order (empty when not run)."""
     times_s: list[float] = dataclasses.field(default_factory=list)
     """Step time of each timed repeat (trained sequences only)."""
-    loss: float | None = None
-    """Mean loss per token of the first timed repeat."""
-    plan: str = ""
-    predicted_peak_bytes: float | None = None
-    """The cost model's peak for the plan at the sequence's padded length (not for Megatron's layers)."""
+    losses: tuple[float, ...] = ()
+    """Per DP rank, the mean loss per token of its micro-batch in the first timed repeat."""
+    plans: tuple[str, ...] = ()
+    """Per DP rank, the plan its TP group ran."""
+    predicted_peak_bytes: tuple[float, ...] = ()
+    """Per DP rank, the cost model's peak for its plan at its micro-batch's exact length (none for Megatron's
+    layers)."""
+
+    @property
+    def tokens(self) -> int:
+        """The step's length: its longest micro-batch's tokens."""
+        return max(map(sum, self.document_tokens))
+
+    @property
+    def loss(self) -> float | None:
+        """The mean over the DP ranks (what Megatron reports)."""
+        return statistics.fmean(self.losses) if self.losses else None
 
     @property
     def time_s(self) -> float:
         return statistics.median(self.times_s)
+
+    def peaks_vs_predicted(self) -> list[tuple[int, str, float, int]]:
+        """Per DP rank with a prediction: its micro-batch's tokens, its plan, the predicted peak and the
+        highest measured peak of its TP group."""
+        tp = len(self.peak_bytes) // len(self.document_tokens)
+        measured = [max(self.peak_bytes[i : i + tp]) for i in range(0, len(self.peak_bytes), tp)]
+        tokens = map(sum, self.document_tokens)
+        return list(zip(tokens, self.plans, self.predicted_peak_bytes, measured))
 
 
 @dataclasses.dataclass
@@ -114,6 +167,8 @@ class ArmResult:
     """Weights + gradients + Adam moments a rank holds after training (every rank holds the same)."""
     first_decisions_s: float = 0.0
     """The planner's decisions in the memory pass: each length bucket planned for the first time."""
+    weight_checksums: tuple[float, ...] = ()
+    """Per rank, in rank order, the float64 sum of the parameters it holds after training."""
 
     def trained(self) -> dict[int, SequenceResult]:
         return {i: s for i, s in enumerate(self.sequences) if s.status == TRAINED}
@@ -131,10 +186,20 @@ class ArmResult:
         done = self.trained().values()
         return [sum(r) for r in zip(*(s.times_s for s in done))] if done else []
 
+    def replica_difference(self, tp: int) -> float:
+        """The largest relative difference between a rank's weight checksum and its TP rank's on DP rank 0
+        (0: the DP replicas hold the same weights)."""
+        sums = self.weight_checksums
+        return max((abs(c - sums[r % tp]) / max(abs(sums[r % tp]), 1e-30) for r, c in enumerate(sums)), default=0.0)
+
 
 @dataclasses.dataclass
 class CorpusResult:
     corpus: str
+    tp: int
+    dp: int
+    pack_tokens: int | None
+    """``--pack``: the token budget of a packed micro-batch (None: one document each)."""
     budget_bytes: float
     budget_rule: str
     planner_static_bytes: float
@@ -146,12 +211,16 @@ class CorpusResult:
         complete = [a for a in statics if a.completes()]
         best = min(complete, key=lambda a: a.time_on(a.trained()), default=None)
         per_bucket = [ratio for _, _, _, ratio in self.per_bucket() if not math.isnan(ratio)]
+        megatron = self.arms.get(MEGATRON)
         return {
             "adaptive_vs_best_static": _time_ratio(adaptive, best) if best else math.nan,
-            "adaptive_vs_megatron": _time_ratio(adaptive, self.arms[MEGATRON]),
+            "adaptive_vs_megatron": _time_ratio(adaptive, megatron) if megatron else math.nan,
             "max_len_ratio": adaptive.longest() / max(max(a.longest() for a in statics), 1),
             "adaptive_vs_best_per_bucket_max": max(per_bucket, default=math.nan),
         }
+
+    def bins(self) -> list[tuple[int, int]]:
+        return _bins([s.tokens for s in self.arms[ADAPTIVE].sequences])
 
     def per_bucket(self) -> list[tuple[int, int, str, float]]:
         """Per length bin: ``(low, high, best, ratio)``: the fastest static arm that trains every sequence
@@ -160,7 +229,7 @@ class CorpusResult:
         adaptive = self.arms[ADAPTIVE]
         trained = adaptive.trained()
         rows = []
-        for low, high in _bins([s.tokens for s in adaptive.sequences]):
+        for low, high in self.bins():
             inside = [i for i, s in enumerate(adaptive.sequences) if low <= s.tokens < high]
             if not inside:
                 continue
@@ -186,12 +255,21 @@ class Corpus:
     name: str
     documents: tuple[np.ndarray, ...]
     """Token ids, in curriculum order (short to long)."""
+    micro_batches: tuple[tuple[int, ...], ...]
+    """The documents (indices into ``documents``) of each micro-batch, in order: one each, or packed."""
     vocab_size: int
     pad_id: int
+
+    def micro_batch_tokens(self, micro_batch: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(len(self.documents[d]) for d in micro_batch)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Settings:
+    tp: int
+    dp: int
+    pack_tokens: int | None
+    """``--pack`` (None: one document per micro-batch)."""
     repeats: int
     budget_bytes: float | None
     """None: derived per corpus (see the module docstring)."""
@@ -201,17 +279,20 @@ class Settings:
     """The adaptive arm plans to ``budget * (1 - plan_margin)``: room for the memory model's error."""
 
 
-def _bench_on_rank(rank: int, p: int, corpora: list[Corpus], settings: Settings) -> list[CorpusResult]:
+def _bench_on_rank(rank: int, world_size: int, corpora: list[Corpus], settings: Settings) -> list[CorpusResult]:
     from megatron_paradyse.core import compat
 
     compat.install()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=p)
-    model_parallel_cuda_manual_seed(SEED)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=settings.tp)
     try:
-        return [_CorpusBench(corpus, p, settings).run() for corpus in corpora]
+        placement = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank())
+        if placement != (rank % settings.tp, rank // settings.tp):  # the results' rank order relies on it
+            raise RuntimeError(f"rank {rank} is (TP rank, DP rank) {placement}, not r % tp, r // tp")
+        model_parallel_cuda_manual_seed(SEED)
+        return [_CorpusBench(corpus, settings).run() for corpus in corpora]
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -219,7 +300,7 @@ def _bench_on_rank(rank: int, p: int, corpora: list[Corpus], settings: Settings)
 class _CorpusBench:
     """The arms on one corpus, on this rank: models, batches, memory passes, timed passes."""
 
-    def __init__(self, corpus: Corpus, p: int, settings: Settings) -> None:
+    def __init__(self, corpus: Corpus, settings: Settings) -> None:
         from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer import TransformerConfig
@@ -231,8 +312,11 @@ class _CorpusBench:
         from megatron_paradyse.mcore.static_memory import pipeline_footprints
         from megatron_paradyse.mcore.stock_spec import stock_block_spec
 
+        p, dp = settings.tp, settings.dp
         self.corpus, self.p, self.settings = corpus, p, settings
-        self.group = parallel_state.get_tensor_model_parallel_group()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
         self.config = TransformerConfig(
             **MODEL,
             use_cpu_initialization=True,
@@ -245,7 +329,7 @@ class _CorpusBench:
         )
         multiple = 128 * p  # Megatron's --make-vocab-size-divisible-by 128, times TP
         self.vocab_size = -(-corpus.vocab_size // multiple) * multiple
-        longest = max(len(d) for d in corpus.documents)
+        longest = max(sum(corpus.micro_batch_tokens(m)) for m in corpus.micro_batches)
 
         def build(spec) -> torch.nn.Module:
             torch.manual_seed(SEED)
@@ -258,7 +342,7 @@ class _CorpusBench:
                 share_embeddings_and_output_weights=True,  # Megatron's default (no --untie-embeddings-...)
             )
 
-        self.stock = build(stock_block_spec(self.config))
+        self.stock = build(stock_block_spec(self.config))  # also without the megatron arm: the initial weights
         self.paradyse = build(get_paradyse_layer_spec(self.config))
         self.initial = {k: v.clone() if torch.is_tensor(v) else v for k, v in self.stock.state_dict().items()}
         (self.footprint,) = pipeline_footprints(
@@ -278,13 +362,20 @@ class _CorpusBench:
             static_bytes=self.footprint.static_bytes,
             vocab_size=self.vocab_size,
         )
-        self.batches = [
-            make_micro_batch([doc], [False], p=p, causal=True, pad_id=corpus.pad_id) for doc in corpus.documents
-        ]
-        for batch in self.batches:  # what Megatron's stock layers take: natural order, padding kept (last)
-            order = batch["layout"].canonical_index
-            keys = ("tokens", "labels", "loss_mask", "position_ids")
-            batch["natural"] = {k: batch[k].index_select(1, order) for k in keys}
+        # Step k runs micro-batch k * dp + d on DP rank d; a trailing remainder of fewer than dp is dropped.
+        steps = [corpus.micro_batches[k * dp : (k + 1) * dp] for k in range(len(corpus.micro_batches) // dp)]
+        self.document_tokens = [tuple(map(corpus.micro_batch_tokens, step)) for step in steps]
+        self.batches = []  # this DP rank's micro-batch of each step
+        for step in steps:
+            documents = [corpus.documents[d] for d in step[self.dp_rank]]
+            self.batches.append(
+                make_micro_batch(documents, [False] * len(documents), p=p, causal=True, pad_id=corpus.pad_id)
+            )
+        if MEGATRON in settings.arms:
+            for batch in self.batches:  # what Megatron's stock layers take: natural order, padding kept (last)
+                order = batch["layout"].canonical_index
+                keys = ("tokens", "labels", "loss_mask", "position_ids")
+                batch["natural"] = {k: batch[k].index_select(1, order) for k in keys}
 
     # -- arms -------------------------------------------------------------------------------------
     def run(self) -> CorpusResult:
@@ -303,9 +394,12 @@ class _CorpusBench:
         for repeat in range(self.settings.repeats):
             for name in names:
                 self._progress(f"timed pass {repeat + 1}/{self.settings.repeats}, {name}")
-                self._timed_pass(results[name], budget, first=repeat == 0)
+                self._timed_pass(results[name], first=repeat == 0)
         arms = {n: results[n] for n in names}
-        return CorpusResult(self.corpus.name, budget, rule, self.footprint.static_bytes, arms)
+        s = self.settings
+        return CorpusResult(
+            self.corpus.name, s.tp, s.dp, s.pack_tokens, budget, rule, self.footprint.static_bytes, arms
+        )
 
     def _progress(self, what: str) -> None:
         if dist.get_rank() == 0:
@@ -315,7 +409,7 @@ class _CorpusBench:
         if self.settings.budget_bytes is not None:
             return self.settings.budget_bytes, "--budget-mib"
         lean = max(max(s.peak_bytes) for s in results["lean/lean"].sequences)
-        fast = max(results["tp_sp/tp_sp"].sequences[-1].peak_bytes)
+        fast = max(max(results["tp_sp/tp_sp"].sequences, key=lambda s: s.tokens).peak_bytes)
         if lean >= fast:
             raise ValueError(
                 f"{self.corpus.name}: lean/lean peaks at {lean / MIB:.1f} MiB, not below tp_sp/tp_sp's "
@@ -343,7 +437,7 @@ class _CorpusBench:
         return self.cost_model.peak_bytes(layout, 1, saved, max(c.transient_bytes for c in costs))
 
     def _arm_plan(self, name: str, planner, layout):
-        """The plan of a sequence (None: Megatron's own layers); raises _Infeasible for the planner."""
+        """The plan of a micro-batch (None: Megatron's own layers); raises _Infeasible for the planner."""
         from megatron_paradyse.core.plan import LayerOption, Plan
 
         if name == MEGATRON:
@@ -356,24 +450,44 @@ class _CorpusBench:
         return Plan.uniform(LayerOption.parse(name), self.config.num_layers)
 
     def _reset(self, name: str):
+        """The arm's model at the initial weights, its Adam, and its flat gradient buffer."""
         model = self.stock if name == MEGATRON else self.paradyse
         model.load_state_dict(self.initial)
-        for param in model.parameters():  # the gradient buffers exist before any step, as in Megatron's DDP
-            param.grad = torch.zeros_like(param)
-        optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
-        return model, optimizer
+        params = list(model.parameters())
+        # The gradients exist before any step, in one buffer, as in Megatron's DDP: one DP all-reduce.
+        grads = torch.zeros(sum(param.numel() for param in params))
+        offset = 0
+        for param in params:
+            param.grad = grads[offset : offset + param.numel()].view_as(param)
+            offset += param.numel()
+        optimizer = torch.optim.Adam(params, lr=LEARNING_RATE)
+        return model, optimizer, grads
+
+    def _gather(self, value) -> list:
+        """``value`` of every rank, in rank order."""
+        values = [None] * dist.get_world_size()
+        dist.all_gather_object(values, value)
+        return values
+
+    def _per_dp_rank(self, values: list) -> tuple:
+        """One value per DP rank from every rank's, which the ranks of each TP group must agree on."""
+        groups = [values[i : i + self.p] for i in range(0, len(values), self.p)]
+        for d, group in enumerate(groups):
+            if any(v != group[0] for v in group):
+                raise RuntimeError(f"the TP ranks of DP rank {d} disagree: {group}")
+        return tuple(group[0] for group in groups)
 
     # -- passes -----------------------------------------------------------------------------------
     def _memory_pass(self, name: str, budget: float | None = None) -> ArmResult:
         """Every sequence once, untimed, under the storage tracker: the peak of each rank."""
         from megatron_paradyse.core.memory import PeakMemory
 
-        model, optimizer = self._reset(name)
+        model, optimizer, grads = self._reset(name)
         planner = self._planner(budget) if name == ADAPTIVE else None
         if planner is not None:
             self.adaptive_planner = planner  # the timed passes reuse its cached plans
         results, deciding = [], 0.0
-        for batch in self.batches:
+        for batch, document_tokens in zip(self.batches, self.document_tokens):
             layout = batch["layout"]
             try:
                 start = time.perf_counter()
@@ -381,37 +495,41 @@ class _CorpusBench:
                     plan = self._arm_plan(name, planner, layout)
                 finally:
                     deciding += time.perf_counter() - start
+                planned = (
+                    (MEGATRON_PLAN, None) if plan is None else (plan.compact(), self._predicted_peak(plan, layout))
+                )
             except _Infeasible:
-                results.append(SequenceResult(layout.valid_len, INFEASIBLE))
+                planned = None
+            plans = self._per_dp_rank(self._gather(planned))
+            if None in plans:  # a step runs on every DP rank or on none
+                results.append(SequenceResult(document_tokens, INFEASIBLE))
                 continue
             resident = _resident_bytes(model, optimizer)
             gc.collect()
             gc.disable()  # tensors freed only with a reference cycle stay counted until the window ends
             try:
                 with PeakMemory() as forward_backward:
-                    self._forward_backward(model, batch, plan)
+                    self._forward_backward(model, grads, batch, plan)
                 with PeakMemory() as step:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=False)
             finally:
                 gc.enable()
-            peak = torch.tensor([resident + max(forward_backward.peak_bytes, step.peak_bytes)], dtype=torch.int64)
-            peaks = [torch.zeros_like(peak) for _ in range(self.p)]
-            dist.all_gather(peaks, peak, group=self.group)
+            peaks = self._gather(resident + max(forward_backward.peak_bytes, step.peak_bytes))
             results.append(
                 SequenceResult(
-                    layout.valid_len,
+                    document_tokens,
                     TRAINED,
-                    tuple(int(t) for t in peaks),
-                    plan="megatron local spec" if plan is None else plan.compact(),
-                    predicted_peak_bytes=None if plan is None else self._predicted_peak(plan, layout),
+                    tuple(peaks),
+                    plans=tuple(text for text, _ in plans),
+                    predicted_peak_bytes=tuple(peak for _, peak in plans if peak is not None),
                 )
             )
         return ArmResult(name, results, first_decisions_s=deciding if planner is not None else 0.0)
 
-    def _timed_pass(self, arm: ArmResult, budget: float, *, first: bool) -> None:
+    def _timed_pass(self, arm: ArmResult, *, first: bool) -> None:
         """Train from the initial weights on the sequences ``arm`` holds within budget; time each step."""
-        model, optimizer = self._reset(arm.name)
+        model, optimizer, grads = self._reset(arm.name)
         planner = None
         if arm.name == ADAPTIVE:  # plans cached by the memory pass, as in a run where length buckets recur
             planner = self.adaptive_planner
@@ -421,23 +539,27 @@ class _CorpusBench:
                 if planner is not None:  # the planner sees every sequence, as in the memory pass (hysteresis)
                     planner.decide(batch["layout"])
                 continue
-            dist.barrier(group=self.group)
+            dist.barrier()
             start = time.perf_counter()
             plan = self._arm_plan(arm.name, planner, batch["layout"])
-            loss = self._forward_backward(model, batch, plan)
+            loss = self._forward_backward(model, grads, batch, plan)
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
-            dist.barrier(group=self.group)
+            dist.barrier()
             result.times_s.append(time.perf_counter() - start)
             if first:
-                result.loss = loss
-            if plan is not None and plan.compact() != result.plan:
-                raise RuntimeError(f"{arm.name}: plan {plan.compact()} differs from the memory pass's {result.plan}")
+                result.losses = tuple(self._gather(loss)[:: self.p])
+            if plan is not None and plan.compact() != result.plans[self.dp_rank]:
+                raise RuntimeError(
+                    f"{arm.name}: plan {plan.compact()} differs from the memory pass's {result.plans[self.dp_rank]}"
+                )
         arm.resident_bytes = _resident_bytes(model, optimizer)
+        arm.weight_checksums = tuple(self._gather(sum(float(param.double().sum()) for param in model.parameters())))
 
-    def _forward_backward(self, model, batch: dict, plan) -> float:
-        """Mean loss per token of one micro-batch, backward, and Megatron's TP all-reduce of the
-        gradients of parameters every rank holds whole (norms, row-parallel biases)."""
+    def _forward_backward(self, model, grads: torch.Tensor, batch: dict, plan) -> float:
+        """Mean loss per token of one micro-batch, backward, Megatron's TP all-reduce of the gradients of
+        parameters every rank holds whole (norms, row-parallel biases), and the average over the DP ranks
+        of every gradient (``grads``: the flat buffer they live in)."""
         from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
 
         keys = ("tokens", "labels", "loss_mask", "position_ids")
@@ -452,12 +574,15 @@ class _CorpusBench:
         loss.backward()
         for param in model.parameters():
             if getattr(param, "sequence_parallel", False) and self.p > 1:
-                dist.all_reduce(param.grad, group=self.group)
+                dist.all_reduce(param.grad, group=self.tp_group)
+        if self.settings.dp > 1:
+            dist.all_reduce(grads, group=self.dp_group)
+            grads.div_(self.settings.dp)
         return loss.item()
 
 
 class _Infeasible(Exception):
-    """The planner found no plan that fits the budget for this sequence."""
+    """The planner found no plan that fits the budget for this micro-batch."""
 
 
 def _resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -471,7 +596,14 @@ def _resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
 # -- the command --------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatron_paradyse.bench e2e", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--p", type=int, default=4, help="gloo ranks = tensor-parallel size (default 4)")
+    parser.add_argument("--p", type=int, default=4, help="tensor-parallel size (default 4)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel size: p x dp gloo ranks (default 1)")
+    parser.add_argument(
+        "--pack",
+        type=int,
+        metavar="TOKENS",
+        help="pack consecutive documents into micro-batches of at most TOKENS tokens (default: one document each)",
+    )
     parser.add_argument("--corpora", default="code,dna", help="comma-separated: code, dna (default both)")
     parser.add_argument("--sequences", type=int, default=16, help="documents per corpus (default 16)")
     parser.add_argument("--min-len", type=int, default=256, help="shortest document, tokens (default 256)")
@@ -484,7 +616,7 @@ def _parser() -> argparse.ArgumentParser:
         default=0.1,
         help="the adaptive arm plans to the budget times 1 - this, room for the memory model's error (default 0.1)",
     )
-    parser.add_argument("--arms", default=",".join([*PAIRINGS, MEGATRON, ADAPTIVE]), help="arms to run")
+    parser.add_argument("--arms", help="arms to run (default: all; no megatron with --pack)")
     parser.add_argument("--cache-dir", type=Path, default=Path("paradyse-bench-cache"), help="corpora, profile")
     parser.add_argument("--profile", type=Path, help="cost profile (default: calibrated once into --cache-dir)")
     parser.add_argument("--json", type=Path, help="write every sequence's result here")
@@ -504,37 +636,53 @@ def main(argv: list[str] | None = None) -> int:
             if f"--{name.replace('_', '-')}" not in given:
                 setattr(args, name, value)
     try:
-        arms = _arms(args.arms, args.budget_mib)
+        if min(args.repeats, args.p, args.dp) < 1 or (args.pack is not None and args.pack < 1):
+            raise ValueError(
+                f"--repeats, --p, --dp and --pack must be >= 1, got {args.repeats}, {args.p}, {args.dp}, {args.pack}"
+            )
+        arms = _arms(args.arms, args.budget_mib, packed=args.pack is not None)
         corpora = [_corpus(name, args) for name in _names(args.corpora)]
-        if args.repeats < 1 or args.p < 1:
-            raise ValueError(f"--repeats and --p must be >= 1, got {args.repeats} and {args.p}")
+        for corpus in corpora:
+            if len(corpus.micro_batches) < args.dp:
+                raise ValueError(f"{corpus.name}: {len(corpus.micro_batches)} micro-batches, fewer than --dp {args.dp}")
         if not 0.0 <= args.plan_margin < 1.0:
             raise ValueError(f"--plan-margin must be in [0, 1), got {args.plan_margin}")
         profile, where = _profile(args)
     except ValueError as e:  # ProfileError included
         parser.exit(2, f"bench e2e: error: {e}\n")
     settings = Settings(
+        tp=args.p,
+        dp=args.dp,
+        pack_tokens=args.pack,
         repeats=args.repeats,
         budget_bytes=None if args.budget_mib is None else args.budget_mib * MIB,
         profile=profile,
         arms=arms,
         plan_margin=args.plan_margin,
     )
+    data_parallel = f"; DP={args.dp}, gradients averaged over the DP ranks" if args.dp > 1 else ""
+    micro_batches = (
+        "one document per micro-batch"
+        if args.pack is None
+        else f"consecutive documents packed into micro-batches of at most {args.pack} tokens, attention per document"
+    )
     print(
-        f"bench e2e: {args.p} gloo ranks (TP={args.p}, sequence parallel), GPT {_model_text()}, fp32, Adam "
-        f"lr={LEARNING_RATE}, b=1, one document per micro-batch, curriculum order; {args.repeats} timed "
-        f"repeat(s), medians; cost profile: {where}; adaptive plans to {1 - args.plan_margin:.0%} of the budget",
+        f"bench e2e: {args.p * args.dp} gloo ranks (TP={args.p}, sequence parallel{data_parallel}), GPT "
+        f"{_model_text()}, fp32, Adam lr={LEARNING_RATE}, b=1, {micro_batches}, curriculum order; {args.repeats} "
+        f"timed repeat(s), medians; cost profile: {where}; adaptive plans to {1 - args.plan_margin:.0%} of the budget",
         flush=True,
     )
     print(
         "peak = weights + gradients + Adam moments held by the rank (16 B/param, counted from its tensors) "
-        "+ the high-water mark above them in forward+backward+all-reduce and in the optimizer step, measured "
+        "+ the high-water mark above them in forward+backward+all-reduces and in the optimizer step, measured "
         "by megatron_paradyse.core.memory.PeakMemory (CPU: a dispatch mode tracking every storage operators "
         "create: tensor bytes, no allocator caching); OOM = measured peak over the budget on any rank",
         flush=True,
     )
+    if args.pack is not None:
+        print(f"megatron arm: not run with --pack: {MEGATRON_CANNOT_PACK}; adaptive_vs_megatron=nan", flush=True)
     start = time.perf_counter()
-    results = run_on_ranks(_bench_on_rank, args.p, args=(corpora, settings), timeout_s=3 * 3600)[0]
+    results = run_on_ranks(_bench_on_rank, args.p * args.dp, args=(corpora, settings), timeout_s=3 * 3600)[0]
     for result in results:
         _print_corpus(result, next(c for c in corpora if c.name == result.corpus))
     if args.json:
@@ -553,13 +701,18 @@ def _names(text: str) -> list[str]:
     return names
 
 
-def _arms(text: str, budget_mib: float | None) -> tuple[str, ...]:
+def _arms(text: str | None, budget_mib: float | None, *, packed: bool) -> tuple[str, ...]:
     known = (*PAIRINGS, MEGATRON, ADAPTIVE)
+    if text is None:
+        return tuple(a for a in known if not (packed and a == MEGATRON))
     arms = tuple(a for a in text.split(",") if a)
     unknown = [a for a in arms if a not in known]
     if unknown:
         raise ValueError(f"--arms: unknown {', '.join(unknown)}; known: {', '.join(known)}")
-    required = {ADAPTIVE, MEGATRON, PAIRINGS[0]} | (set() if budget_mib else {"tp_sp/tp_sp", "lean/lean"})
+    if packed and MEGATRON in arms:
+        raise ValueError(f"--arms: megatron cannot run with --pack: {MEGATRON_CANNOT_PACK}")
+    required = {ADAPTIVE, PAIRINGS[0]} | (set() if packed else {MEGATRON})
+    required |= set() if budget_mib else {"tp_sp/tp_sp", "lean/lean"}
     missing = sorted(required - set(arms))
     if missing:
         raise ValueError(f"--arms must include {', '.join(missing)} (the ratios and the derived budget need them)")
@@ -567,8 +720,9 @@ def _arms(text: str, budget_mib: float | None) -> tuple[str, ...]:
 
 
 def _corpus(name: str, args: argparse.Namespace) -> Corpus:
-    """``args.sequences`` documents of ``args.min_len..args.max_len`` tokens spread evenly in log length."""
-    from megatron_paradyse.data import DocumentDataset
+    """``args.sequences`` documents of ``args.min_len..args.max_len`` tokens spread evenly in log length,
+    in micro-batches of one document each or packed to ``args.pack`` tokens."""
+    from megatron_paradyse.data import DocumentDataset, pack
     from megatron_paradyse.data.corpora import build_code_corpus, build_dna_corpus
     from megatron_paradyse.data.subset import spread_by_length
     from megatron_paradyse.data.tokenizers import ByteTokenizer, KmerTokenizer
@@ -581,7 +735,11 @@ def _corpus(name: str, args: argparse.Namespace) -> Corpus:
     dataset = DocumentDataset(prefix)
     docs = spread_by_length(dataset.lengths, args.sequences, args.min_len, args.max_len)
     documents = tuple(np.asarray(dataset[int(d)], dtype=np.int64) for d in docs)
-    return Corpus(name, documents, tokenizer.vocab_size, tokenizer.pad_id)
+    lengths = np.array([len(d) for d in documents])
+    if args.pack is not None:  # a longer document counts as the budget: the packing puts it alone
+        lengths = np.minimum(lengths, args.pack)
+    micro_batches = tuple(pack(np.arange(len(documents)), lengths, args.pack))
+    return Corpus(name, documents, micro_batches, tokenizer.vocab_size, tokenizer.pad_id)
 
 
 def _profile(args: argparse.Namespace) -> tuple[dict, str]:
@@ -629,7 +787,7 @@ def _fmt_len(n: int) -> str:
 
 def _print_corpus(result: CorpusResult, corpus: Corpus) -> None:
     lengths = [len(d) for d in corpus.documents]
-    bins = _bins(lengths)
+    bins = result.bins()
     arms = result.arms
     print(
         f"\n== {result.corpus} corpus: {len(lengths)} documents of {min(lengths)}..{max(lengths)} tokens; "
@@ -637,6 +795,7 @@ def _print_corpus(result: CorpusResult, corpus: Corpus) -> None:
         f"{result.planner_static_bytes / MIB:.2f} MiB of weights, gradients and Adam state, the ranks hold "
         f"{max(a.resident_bytes for a in arms.values()) / MIB:.2f} MiB"
     )
+    _print_steps(result, corpus)
     head = ["arm", "trained", "longest", "total s (range)"]
     head += [f"[{_fmt_len(a)},{_fmt_len(b)})" for a, b in bins]
     head += ["peak MiB", "over budget", "peak vs model", "last loss"]
@@ -675,7 +834,8 @@ def _print_corpus(result: CorpusResult, corpus: Corpus) -> None:
     _print_predictions(adaptive)
     plans: dict[str, int] = {}
     for s in adaptive.trained().values():
-        plans[s.plan] = plans.get(s.plan, 0) + 1
+        for plan in s.plans:
+            plans[plan] = plans.get(plan, 0) + 1
     print("adaptive plans: " + "; ".join(f"{n}x [{plan}]" for plan, n in plans.items()))
     print(
         f"adaptive: the planner's first decision of each length bucket took {adaptive.first_decisions_s:.3f} s "
@@ -693,25 +853,51 @@ def _print_corpus(result: CorpusResult, corpus: Corpus) -> None:
             both = adaptive.trained().keys() & arm.trained().keys()
             ratio = _time_ratio(adaptive, arm)
             print(f"adaptive / {name}: {ratio:.3f} over the {len(both)} sequences both trained")
+    if result.dp > 1:
+        print(
+            "weights after training, largest relative difference of a rank's parameter checksum from its TP "
+            "rank's on DP rank 0 (0: the DP replicas agree): "
+            + ", ".join(f"{name} {arm.replica_difference(result.tp):.1e}" for name, arm in arms.items())
+        )
     print(" ".join(f"{k}={v:.3f}" for k, v in result.ratios().items()) + f" ({result.corpus})")
 
 
+def _print_steps(result: CorpusResult, corpus: Corpus) -> None:
+    """How the documents became micro-batches and the micro-batches steps (nothing to say for the default)."""
+    count = len(corpus.micro_batches)
+    if result.pack_tokens is not None:
+        totals = [sum(corpus.micro_batch_tokens(m)) for m in corpus.micro_batches]
+        sizes = [len(m) for m in corpus.micro_batches]
+        print(
+            f"packed into {count} micro-batches of {min(totals)}..{max(totals)} tokens and {min(sizes)}..{max(sizes)} "
+            f"documents (at most {result.pack_tokens} tokens each, a longer document alone); a sequence's "
+            f"length is its micro-batch's total tokens"
+        )
+    if result.dp > 1:
+        steps = count // result.dp
+        print(
+            f"DP={result.dp}: micro-batch i on DP rank i % {result.dp}; {steps} steps of {result.dp} micro-batches, "
+            f"the last {count - steps * result.dp} micro-batch(es) dropped; a sequence below is one step (its "
+            f"length: its longest micro-batch's tokens; its time: between barriers of all {result.tp * result.dp} "
+            f"ranks; its peaks: of every rank)"
+        )
+
+
 def _model_error(sequences: list[SequenceResult]) -> str:
-    """The range of (measured peak / the cost model's) - 1 over ``sequences``."""
-    errors = [max(s.peak_bytes) / s.predicted_peak_bytes - 1 for s in sequences if s.predicted_peak_bytes]
+    """The range of (measured peak / the cost model's) - 1 over the micro-batches of ``sequences``."""
+    errors = [measured / predicted - 1 for s in sequences for _, _, predicted, measured in s.peaks_vs_predicted()]
     return f"{min(errors):+.0%}..{max(errors):+.0%}" if errors else "-"
 
 
 def _print_predictions(adaptive: ArmResult) -> None:
     """How the planner's predicted peaks compare with the measured ones (the worst under-prediction)."""
-    pairs = [(s, max(s.peak_bytes)) for s in adaptive.sequences if s.peak_bytes and s.predicted_peak_bytes]
-    if not pairs:
+    rows = [row for s in adaptive.sequences if s.peak_bytes for row in s.peaks_vs_predicted()]
+    if not rows:
         return
-    s, measured = max(pairs, key=lambda sm: sm[1] - sm[0].predicted_peak_bytes)
+    tokens, plan, predicted, measured = max(rows, key=lambda row: row[3] - row[2])
     print(
-        f"adaptive: predicted vs measured peak: worst at {s.tokens} tokens [{s.plan}]: predicted "
-        f"{s.predicted_peak_bytes / MIB:.2f} MiB, measured {measured / MIB:.2f} MiB "
-        f"({(measured - s.predicted_peak_bytes) / s.predicted_peak_bytes:+.1%})"
+        f"adaptive: predicted vs measured peak: worst at {tokens} tokens [{plan}]: predicted "
+        f"{predicted / MIB:.2f} MiB, measured {measured / MIB:.2f} MiB ({(measured - predicted) / predicted:+.1%})"
     )
 
 
