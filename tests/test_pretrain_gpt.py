@@ -191,10 +191,12 @@ def test_validation_runs_forward_only_plans_on_held_out_documents(tmp_path, cach
         out,
         re.MULTILINE,
     )
-    assert len(evaluations) == 3 and len(set(evaluations)) == 1, evaluations
-    tokens, plans, predicted, measured = evaluations[0]
+    # every evaluation: the same micro-batches, plans and prediction; the measured peak is a measurement (a
+    # first evaluation was once seen 0.1 MiB above the next ones: something built once), under the prediction
+    assert len(evaluations) == 3 and len({e[:3] for e in evaluations}) == 1, evaluations
+    tokens, plans, predicted, _ = evaluations[0]
     assert "+rc" not in plans  # nothing to recompute without a backward
-    assert 0 < float(measured) <= float(predicted)
+    assert all(0 < float(measured) <= float(predicted) for *_, measured in evaluations), evaluations
     assert re.search(r"^paradyse: 4 micro-batches, ", out, re.MULTILINE)  # the table: training's only
 
 
