@@ -17,8 +17,11 @@ peak memory above the layer's input and static memory (:class:`PeakMemory`). Com
   predicted from the others (forest inside their range, AIC polynomial beyond: the longest length
   is extrapolated).
 
-Prints the table, the MAPEs per option and of the empirical model, and last ``time_mape=<x>
-mem_mape=<y>`` of the analytic model. Timings are only as quiet as the machine.
+Prints the table, the MAPEs per option and of the empirical model, then per length how well the
+analytic model *ranks* the options (the planner's job): Kendall's tau-b of predicted against measured
+times and the share of option pairs ordered correctly (:func:`rank_agreement`, over the points the
+correction was not fitted on), and last ``time_mape=<x> mem_mape=<y> rank_tau_min=<t>
+pairs_ordered=<f>`` of the analytic model (:func:`summary_line`). Timings are only as quiet as the machine.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
@@ -41,10 +46,89 @@ from megatron_paradyse.cost.fitting import mape
 from megatron_paradyse.cost.measure import measure_layer
 from megatron_paradyse.cost.profile import load_profile
 
-__all__ = ["main"]
+__all__ = ["RankAgreement", "length_line", "main", "rank_agreement", "summary_line"]
 
 PAIRS = tuple(f"{a}/{m}" for a in ("tp_sp", "ulysses", "ring", "lean") for m in ("tp_sp", "zero3", "lean"))
 MIB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class RankAgreement:
+    """How well predicted times order the options measured at one length (:func:`rank_agreement`)."""
+
+    options: int
+    """Options compared."""
+    tau: float
+    """Kendall's tau-b of predicted against measured times; nan if undefined."""
+    pairs_correct: int
+    """Pairs (not tied in measurement) whose order the prediction gets right."""
+    pairs: int
+    """Pairs not tied in measurement."""
+
+
+def rank_agreement(predicted: Sequence[float], measured: Sequence[float]) -> RankAgreement:
+    """Rank agreement of ``predicted`` and ``measured`` times of the same ``n`` options (same order).
+
+    Over the ``n0 = n (n - 1) / 2`` pairs ``(i, j)``, ties by exact equality: a pair is concordant if
+    ``predicted`` and ``measured`` order it the same way (both strictly), discordant if opposite ways;
+    ``n1`` pairs are tied in ``predicted``, ``n2`` tied in ``measured`` (a pair tied in both counts in
+    both). Kendall's tau-b is ``(concordant - discordant) / sqrt((n0 - n1) * (n0 - n2))``, nan where that
+    denominator is 0 (every prediction or every measurement equal).
+
+    ``pairs`` counts the pairs not tied in ``measured`` (a tie there has no order to get right: left
+    out), ``pairs_correct`` those of them the prediction orders the same strict way: a pair tied in
+    ``predicted`` but not in ``measured`` counts as wrong.
+
+    With fewer than 2 options: ``tau`` nan and 0 pairs; callers skip such a length.
+    """
+    if len(predicted) != len(measured):
+        raise ValueError(f"{len(predicted)} predictions for {len(measured)} measurements")
+    n = len(measured)
+    concordant = discordant = tied_predicted = tied_measured = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            dp = _sign(predicted[j] - predicted[i])
+            dm = _sign(measured[j] - measured[i])
+            tied_predicted += dp == 0
+            tied_measured += dm == 0
+            if dp and dm:
+                if dp == dm:
+                    concordant += 1
+                else:
+                    discordant += 1
+    n0 = n * (n - 1) // 2
+    denominator = math.sqrt((n0 - tied_predicted) * (n0 - tied_measured))
+    tau = (concordant - discordant) / denominator if denominator > 0 else math.nan
+    return RankAgreement(options=n, tau=tau, pairs_correct=concordant, pairs=n0 - tied_measured)
+
+
+def _sign(x: float) -> int:
+    return (x > 0) - (x < 0)
+
+
+def length_line(length: int, agreement: RankAgreement) -> str:
+    """``length=<s> options=<n> kendall_tau=<x.xxx> pairs_ordered=<k>/<m> (<pct>%)``."""
+    share = f"{agreement.pairs_correct / agreement.pairs * 100:.1f}%" if agreement.pairs else "no pairs"
+    line = (
+        f"length={length} options={agreement.options} kendall_tau={agreement.tau:.3f} "
+        f"pairs_ordered={agreement.pairs_correct}/{agreement.pairs} ({share})"
+    )
+    return line + ("  (skipped: fewer than 2 options)" if agreement.options < 2 else "")
+
+
+def summary_line(time_mape: float, mem_mape: float, agreements: Sequence[RankAgreement]) -> str:
+    """The last line: ``time_mape=<x> mem_mape=<y> rank_tau_min=<t> pairs_ordered=<f>``.
+
+    ``rank_tau_min``: the smallest tau-b over the lengths (those with 2 options or more and a defined
+    tau); ``pairs_ordered``: correctly ordered pairs over all pairs, the lengths' pairs pooled. nan when
+    there is nothing to take them over.
+    """
+    taus = [a.tau for a in agreements if a.options >= 2 and not math.isnan(a.tau)]
+    pairs = sum(a.pairs for a in agreements if a.options >= 2)
+    correct = sum(a.pairs_correct for a in agreements if a.options >= 2)
+    tau_min = min(taus) if taus else math.nan
+    share = correct / pairs if pairs else math.nan
+    return f"time_mape={time_mape:.1f} mem_mape={mem_mape:.1f} rank_tau_min={tau_min:.3f} pairs_ordered={share:.3f}"
 
 
 def _measure_grid(rank: int, p: int, lengths, options, repeats: int) -> list[Sample]:
@@ -149,6 +233,13 @@ def main(argv: list[str] | None = None) -> int:
         mem_mape = mape([r[2] for r in mine], [r[0].peak_bytes for r in mine])
         print(f"{str(option):<20} {time_mape:>9.1f} {mem_mape:>9.1f}")
     held = [r for r in rows if r[5]]
+    print("rank agreement, analytic vs measured time, per length (points the correction was not fitted on):")
+    agreements = []
+    for length in sorted({r[0].length for r in rows}):
+        here = [r for r in held if r[0].length == length]
+        agreement = rank_agreement([r[1] for r in here], [r[0].time_s for r in here])
+        agreements.append(agreement)
+        print(length_line(length, agreement))
     raw = [uncorrected.layer_cost(r[0].option, _layout(r[0].length, args.p), 1).time_s for r in rows]
     print(
         f"analytic, all {len(rows)} points: time_mape={mape([r[1] for r in rows], measured_t):.1f}; "
@@ -180,8 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                 indent=1,
             )
     print(
-        f"time_mape={mape([r[1] for r in held], [r[0].time_s for r in held]):.1f} "
-        f"mem_mape={mape([r[2] for r in rows], measured_m):.1f}"
+        summary_line(
+            mape([r[1] for r in held], [r[0].time_s for r in held]), mape([r[2] for r in rows], measured_m), agreements
+        )
     )
     return 0
 
