@@ -476,14 +476,16 @@ def test_paradyse_matches_stock_and_tp1(tp_launch, variant, case):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_tp_sp_runs_megatrons_own_modules(tp_launch, variant):
     """tp_sp is Megatron's TP+SP: every layer's linear modules run their forward once per batch, and the
-    model equals the stock local spec within 1e-6 (fp32; the same GEMMs, the attention core and the
-    token order reorder sums only; gradients norm-wise: the max-abs measure of the other tests puts a
-    [hn] q/k norm gradient, downstream of the attention core, at ~1e-6 from rounding alone)."""
+    model equals the stock local spec: the loss within 1e-6, every gradient norm-wise within 1e-5 (fp32;
+    the same GEMMs, the attention core and the token order reorder sums only. A [hn] q/k norm gradient,
+    downstream of the attention core and summed over every token, has measured up to 1.1e-6 from
+    rounding alone; a module left out or run twice is off by O(1))."""
     _, per_rank = tp_launch
     for rank, results in enumerate(per_rank):
         result = results[f"{variant}-tp_sp-modules"]
         for what, err in result["errors"].items():
-            assert err <= 1e-6, f"rank {rank}: {what} off by {err:.2e} from the stock spec"
+            tolerance = 1e-6 if what.startswith("loss") else 1e-5
+            assert err <= tolerance, f"rank {rank}: {what} off by {err:.2e} from the stock spec"
         assert result["calls"] and set(result["calls"].values()) == {len(documents(2))}, f"rank {rank}: {result}"
         assert {name.rsplit(".", 1)[-1] for name in result["calls"]} == set(LINEARS)
 
