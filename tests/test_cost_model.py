@@ -303,28 +303,42 @@ def test_time_is_compute_plus_synchronous_comm():
 
 
 def test_peak_bytes_adds_static_saved_and_the_larger_working_set():
+    """The whole step's terms written out by hand for one shape (``tests/test_step_memory.py`` measures
+    them on gloo ranks); p=4, s=1024, b=2, h=256, V=32000, LayerNorm on the CPU."""
     profile = synthetic_profile()
     profile["allocator_slack"] = 0.1
     model = AnalyticCostModel(profile, MHA, 4, static_bytes=1e9, vocab_size=32000, rotary_dim=32)
     layout = SequenceLayout.build(1024, 4, causal=True)
+    tokens = 1024 * 2
+    full = tokens * 256 * 4
+    weight_grad = 8000 * 256 * 4
+    final_norm = full // 4 + 2 * (tokens // 4 * 4)  # output [s/p, b, h], mean and rstd [s/p, b]
     # fp32: the logits [s, b, V/p] are the cross-entropy's softmax and gradient; in backward the
-    # output layer's input is gathered again (into Megatron's buffer, the stage's) beside its gradient
-    # ([s, b, h]), and beside them the final norm's output and the input gradient reduce-scattered to
-    # it ([s/p, b, h] each)
-    full = 1024 * 2 * 256 * 4
-    loss = 1024 * 2 * 32000 // 4 * 4 + full + 2 * full // 4
+    # projection's input gradient [s, b, h], reduce-scattered to [s/p, b, h], and its weight gradient
+    # beside them; kept throughout: the final norm's output and statistics and the per-token loss
+    loss = tokens * 8000 * 4 + (full + full // 4 + weight_grad) + final_norm + 4 * tokens
     assert model.loss_bytes(layout, 2) == loss
-    # the stage's input [s/p, b, h], the rotary table [s, 1, 1, 32] fp32, the layout's three int64
-    # index tensors on the device and Megatron's all-gather buffer [s, b, h], whatever the plan
-    stage = full // 4 + 1024 * 32 * 4 + 3 * 1024 * 8 + full
+    # the inputs (three int64 [b, s], an fp32 loss mask) and the layout's three int64 index tensors,
+    # the stage's input [s/p, b, h], the embedding's mask and masked ids [b, s] (bool, int64), the
+    # rotary table [s, 1, 1, 32] fp32 and Megatron's all-gather buffer [s, b, h], whatever the plan
+    stage = tokens * 28 + 3 * 1024 * 8 + full // 4 + tokens * 9 + 1024 * 32 * 4 + full
     assert model.stage_bytes(layout, 2) == stage
     assert model.peak_bytes(layout, 2, 100.0, 50.0) == pytest.approx(1e9 + stage + 100 + 1.1 * loss)
     assert model.peak_bytes(layout, 2, 100.0, 2 * loss) == pytest.approx(1e9 + stage + 100 + 2.2 * loss)
-    # bf16 logits: an fp32 copy beside them
+    # a tied, unfused output layer's weight gradient waits for the embedding's beside every layer's backward
+    tied = AnalyticCostModel(
+        profile, MHA, 4, static_bytes=1e9, vocab_size=32000, rotary_dim=32, tied_unfused_output=True
+    )
+    working = 2 * loss + weight_grad
+    assert tied.peak_bytes(layout, 2, 100.0, 2 * loss) == pytest.approx(1e9 + stage + 100 + 1.1 * working)
+    # bf16 logits: an fp32 copy beside them; the norm's statistics in bf16 on the CPU
     bf16 = synthetic_profile()
     bf16["dtype"] = "bfloat16"
     model = AnalyticCostModel(bf16, MHA, 4, dtype=torch.bfloat16, vocab_size=32000)
-    assert model.loss_bytes(layout, 2) == 1024 * 2 * 8000 * (2 + 4) + 2 * (1024 * 2 * 256 * 2) // 4
+    full = tokens * 256 * 2
+    final_norm = full // 4 + 2 * (tokens // 4 * 2)
+    expected = tokens * 8000 * (2 + 4) + final_norm + 4 * tokens  # the fp32 copy outweighs the backward
+    assert model.loss_bytes(layout, 2) == expected
     assert AnalyticCostModel(profile, MHA, 4).loss_bytes(layout, 2) == 0  # no output layer on this stage
 
 

@@ -126,13 +126,20 @@ class AnalyticCostModel:
         vocab_size: int = 0,
         rotary_dim: int = 0,
         bias: bool = True,
+        normalization: str = "LayerNorm",
+        tied_unfused_output: bool = False,
         use_correction: bool = True,
     ):
         """``static_bytes``: what the rank holds whatever the plan, its weights, gradients and optimizer
         state (see :mod:`megatron_paradyse.mcore.static_memory`) and anything else resident;
         ``vocab_size``: Megatron's padded vocabulary if the stage holds the output layer, else 0 (see
         :meth:`loss_bytes`); ``rotary_dim``: the channels of each head RoPE rotates (0: the model has no
-        RoPE); ``bias``: the linear layers have biases. Memory is counted for the profile's device."""
+        RoPE); ``bias``: the linear layers have biases; ``normalization``: Megatron's ``LayerNorm`` or
+        ``RMSNorm`` (they keep different tensors); ``tied_unfused_output``: the stage's output layer shares
+        its embedding's weight and weight gradients are not fused into Megatron's buffer (no Transformer
+        Engine or apex): autograd then holds the output layer's weight gradient ``[V/p, h]`` until the
+        embedding's backward adds its own, through every layer's backward. Memory is counted for the
+        profile's device."""
         if p > 1 and str(p) not in profile["collectives"]:
             raise ValueError(f"the profile has no collectives for p={p}; run `paradyse calibrate --p {p}`")
         dtype_name = str(dtype).removeprefix("torch.")
@@ -150,6 +157,8 @@ class AnalyticCostModel:
         self.vocab_size = vocab_size
         self.rotary_dim = rotary_dim
         self.bias = bias
+        self.normalization = normalization
+        self.tied_unfused_output = tied_unfused_output
         self.device = profile["fingerprint"]["device"]
         correction = profile.get("correction") if use_correction else None
         self._k_compute = correction["compute"] if correction else 1.0
@@ -176,48 +185,61 @@ class AnalyticCostModel:
         self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, transient_bytes: float
     ) -> float:
         """Static bytes, the stage's own activations (:meth:`stage_bytes`), every layer's saved
-        activations, and the larger of the largest layer working set and the output layer's (it runs
-        between the last layer's forward and its backward, with every layer's activations kept and no
-        layer working), with the allocator's slack."""
-        working = max(transient_bytes, self.loss_bytes(layout, micro_batch_size))
+        activations, and the larger of the largest layer working set (with a tied, unfused output
+        layer's weight gradient beside it) and the output layer's (it runs between the last layer's
+        forward and its backward, with every layer's activations kept and no layer working), with the
+        allocator's slack."""
+        held = self._output_weight_grad_bytes() if self.tied_unfused_output else 0
+        working = max(transient_bytes + held, self.loss_bytes(layout, micro_batch_size))
         resident = self.static_bytes + self.stage_bytes(layout, micro_batch_size) + saved_bytes
         return resident + working * (1.0 + self.profile["allocator_slack"])
 
     def stage_bytes(self, layout: SequenceLayout, micro_batch_size: int) -> float:
-        """What the stage keeps outside its layers for the whole step: its input ``[t, b, h]`` (the
-        embedding's output or the previous stage's activation; the first layer's norm keeps it),
-        GPTModel's rotary table ``[s, 1, 1, rotary_dim]`` (fp32), the layout's index tensors on the
-        device (:meth:`SequenceLayout.indices`: three int64 ``[s]``) and, with sequence parallelism,
-        Megatron's global all-gather buffer ``[s, b, h]``: Megatron's sequence-parallel column linears
-        (``tp_sp``'s, the output layer's) gather their input into it and keep it, so the layers'
-        memory (:mod:`cost.allocations`) has no gathered input. The training entry point drops it before
-        each micro-batch (Megatron would keep it at the longest so far): it is the micro-batch's own."""
+        """What the stage keeps outside its layers for the whole step: the micro-batch's inputs on the
+        device (tokens, labels and position ids in int64, the loss mask in fp32: ``[b, s]`` each) and the
+        layout's index tensors (:meth:`SequenceLayout.indices`: three int64 ``[s]``); its input
+        ``[t, b, h]`` (the embedding's output or the previous stage's activation; the first layer's norm
+        keeps it) and, with p > 1, what Megatron's vocab-parallel embedding keeps for its backward (its
+        out-of-range mask, bool, and masked token ids, int64, ``[b, s]``; counted on every stage);
+        GPTModel's rotary table ``[s, 1, 1, rotary_dim]`` (fp32); with sequence parallelism, Megatron's
+        global all-gather buffer ``[s, b, h]``: Megatron's sequence-parallel column linears (``tp_sp``'s,
+        the output layer's) gather their input into it and keep it, so the layers' memory
+        (:mod:`cost.allocations`) has no gathered input. The training entry point releases the buffer and
+        the rotary tables before each micro-batch (:mod:`megatron_paradyse.mcore.step_buffers`): they are
+        the micro-batch's own."""
         tokens = layout.padded_len * micro_batch_size
-        indices = 3 * layout.padded_len * 8
+        inputs = tokens * (3 * 8 + 4) + 3 * layout.padded_len * 8
+        embedding_saved = tokens * (1 + 8) if self.p > 1 else 0
         activation = tokens * self.shape.hidden_size * self.element_size
         gather_buffer = activation if self.p > 1 else 0
-        return activation // self.p + layout.padded_len * self.rotary_dim * 4 + indices + gather_buffer
+        rotary = layout.padded_len * self.rotary_dim * 4
+        return inputs + activation // self.p + embedding_saved + rotary + gather_buffer
 
     def loss_bytes(self, layout: SequenceLayout, micro_batch_size: int) -> float:
         """The output layer's working set on a stage that holds it, as Megatron computes it with
-        sequence parallelism and its (unfused) vocab-parallel cross-entropy: the sequence all-gathered
-        ``[s, b, h]`` before the projection (and again in its backward, beside the input gradient;
-        into Megatron's global buffer, which :meth:`stage_bytes` counts, with p > 1), the logits
-        ``[s, b, V/p]``, and for half-precision logits the fp32 copy the cross-entropy turns into its
-        softmax in place and keeps as the logits' gradient (fp32 logits are used in place). Peak: the
-        logits beside the fp32 copy, or beside two ``[s, b, h]`` in backward; with them the final
-        norm's output ``[t, b, h]`` (kept by the projection) and in backward the input gradient
-        reduce-scattered to ``[t, b, h]``. The weight gradient is taken as fused into Megatron's
-        gradient buffer (its default on GPU)."""
+        sequence parallelism and its (unfused) vocab-parallel cross-entropy. Kept from forward to
+        backward: the final norm's output ``[t, b, h]`` (the projection's input) and statistics, and the
+        per-token loss (fp32 ``[s, b]``). The projection gathers its input into Megatron's global buffer
+        (:meth:`stage_bytes`, p > 1) and makes the logits ``[s, b, V/p]``; half-precision logits are
+        copied to fp32, which the cross-entropy turns into its softmax in place and keeps as the logits'
+        gradient (fp32 logits are used in place). Peak: the logits beside the fp32 copy, or, in
+        backward, the logits' gradient beside the projection's input gradient ``[s, b, h]``, its
+        reduce-scatter to ``[t, b, h]`` (p > 1) and the weight's gradient ``[V/p, h]`` (accumulated into
+        ``.grad``, unfused as :mod:`cost.allocations` counts every linear's)."""
         if not self.vocab_size:
             return 0.0
-        tokens = layout.padded_len * micro_batch_size
-        e = self.element_size
+        d = self._memo(layout, micro_batch_size).dims
+        tokens = d.s * d.b
         logits = tokens * (self.vocab_size // self.p)
-        fp32_copy = 4 * logits if e < 4 else 0
-        full = tokens * self.shape.hidden_size * e
-        gathered = full if self.p == 1 else 0  # else in the global buffer
-        return logits * e + max(fp32_copy, full + gathered) + 2 * full // self.p
+        fp32_copy = 4 * logits if d.e < 4 else 0
+        input_grad = tokens * d.h * d.e + (d.x if self.p > 1 else 0)
+        weight_grad = self._output_weight_grad_bytes()
+        final_norm = d.x + (2 * d.norm_stats if self.normalization == "LayerNorm" else d.t * d.b * d.acc)
+        return logits * d.e + max(fp32_copy, input_grad + weight_grad) + final_norm + 4 * tokens
+
+    def _output_weight_grad_bytes(self) -> float:
+        """The output layer's weight gradient ``[V/p, h]``."""
+        return self.vocab_size // self.p * self.shape.hidden_size * self.element_size
 
     # -- details ---------------------------------------------------------------------------------
     def time_breakdown(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> TimeBreakdown:
@@ -259,6 +281,7 @@ class AnalyticCostModel:
                 self.element_size,
                 self.rotary_dim,
                 bias=self.bias,
+                normalization=self.normalization,
                 device=self.device,
             )
             memo = self._last_memo = _LayoutMemo(key, dims)

@@ -58,21 +58,23 @@ def stage_footprints(args: argparse.Namespace, transformer):
 def stage_cost_models(args: argparse.Namespace, transformer, profile: dict):
     """One analytic cost model per pipeline stage of the job, priced by ``profile``."""
     from megatron_paradyse.cost import AnalyticCostModel
-    from megatron_paradyse.mcore.model_shape import model_shape
+    from megatron_paradyse.mcore.model_shape import model_shape, rotary_dim
 
-    shape = model_shape(transformer)
-    rope = args.position_embedding_type == "rope"
-    rotary_dim = int(shape.kv_channels * args.rotary_percent) if rope else 0
     return [
         AnalyticCostModel(
             profile,
-            shape,
+            model_shape(transformer),
             args.tensor_model_parallel_size,
             dtype=transformer.params_dtype,
             static_bytes=f.static_bytes,
             vocab_size=args.padded_vocab_size if f.has_output_layer else 0,
-            rotary_dim=rotary_dim,
+            rotary_dim=rotary_dim(transformer, args.position_embedding_type, args.rotary_percent),
             bias=transformer.add_bias_linear,
+            normalization=transformer.normalization,
+            # one stage holds both: with pipeline stages the last one's copy is tied by an all-reduce
+            tied_unfused_output=args.pipeline_model_parallel_size == 1
+            and not args.untie_embeddings_and_output_weights
+            and not transformer.gradient_accumulation_fusion,
         )
         for f in stage_footprints(args, transformer)
     ]

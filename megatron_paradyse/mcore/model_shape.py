@@ -6,7 +6,7 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_paradyse.strategies import ModelShape
 
-__all__ = ["model_shape"]
+__all__ = ["model_shape", "rotary_dim"]
 
 
 def model_shape(config: TransformerConfig) -> ModelShape:
@@ -19,3 +19,8 @@ def model_shape(config: TransformerConfig) -> ModelShape:
         ffn_hidden_size=config.ffn_hidden_size,
         gated_mlp=config.gated_linear_unit,
     )
+
+
+def rotary_dim(config: TransformerConfig, position_embedding_type: str, rotary_percent: float = 1.0) -> int:
+    """The channels of each head GPTModel's RoPE rotates (0 without RoPE): its rotary table's width."""
+    return int(config.kv_channels * rotary_percent) if position_embedding_type == "rope" else 0

@@ -33,6 +33,7 @@ from typing import NoReturn
 import torch
 
 from megatron_paradyse.config import ParadyseConfig
+from megatron_paradyse.mcore.step_buffers import release_step_buffers
 from megatron_paradyse.run.fault import STATE_FILE, FaultWatch
 from megatron_paradyse.run.job import Job
 
@@ -328,7 +329,7 @@ class TrainingRun:
             for k in ("tokens", "labels", "loss_mask", "position_ids")
         )
         planned.layout.indices(self.job.device)  # the layers' index tensors, on the device before they run
-        _release_gather_buffer()
+        release_step_buffers()
         step = MicroBatch(
             layout=planned.layout, plan=planned.decision.plan, attention_kernel=self.job.config.attention_kernel
         )
@@ -604,18 +605,6 @@ def _split_source(args) -> str:
     if args.split is None:
         return f"the default split, {_DEFAULT_VALIDATION:.0%} of the documents for validation (at least one)"
     return f"--split {args.split}"
-
-
-def _release_gather_buffer() -> None:
-    """Drop Megatron's global all-gather buffer before a micro-batch: its sequence-parallel linears would
-    keep it at the longest micro-batch gathered so far (and grow it with the old one still held), where
-    the plan prices each micro-batch's own (``AnalyticCostModel.stage_bytes``). The caching allocator
-    serves the next one from the freed block."""
-    from megatron.core.parallel_state import get_global_memory_buffer
-
-    buffers = get_global_memory_buffer().buffer
-    for key in [key for key in buffers if key[0] == "mpu"]:
-        del buffers[key]
 
 
 def _attempt(fn):
