@@ -200,6 +200,13 @@ def test_validation_runs_forward_only_plans_on_held_out_documents(tmp_path, cach
     assert re.search(r"^paradyse: 4 micro-batches, ", out, re.MULTILINE)  # the table: training's only
 
 
+def test_demo_default_config_is_the_repositorys():
+    """``paradyse demo`` without ``--config`` reads ``configs/tiny-cpu.yaml`` (the package's move into
+    folders once left it looking in ``megatron_paradyse/configs``, and the README's first command failed)."""
+    assert demo.DEFAULT_CONFIG == (ROOT / "configs" / "tiny-cpu.yaml").resolve()
+    assert demo.DEFAULT_CONFIG.is_file()
+
+
 def test_demo_trains_switches_plans_and_skips_what_no_plan_fits(tmp_path, cache, capsys):
     """The demo's config on fewer, longer files: 8 iterations over 256 to 8192 tokens."""
     data = yaml.safe_load((ROOT / "configs" / "tiny-cpu.yaml").read_text())

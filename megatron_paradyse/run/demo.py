@@ -31,7 +31,7 @@ from megatron_paradyse.run.log import format_header, format_rows, plan_switches,
 
 __all__ = ["main"]
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.yaml"
 RANKS = 4
 
 
