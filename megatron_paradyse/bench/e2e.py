@@ -786,23 +786,15 @@ def _corpus(name: str, args: argparse.Namespace) -> Corpus:
 
 
 def _profile(args: argparse.Namespace) -> tuple[dict, str]:
-    """The ``--profile`` given, or the one calibrated before into the cache, or a new calibration."""
-    from megatron_paradyse.cost import ProfileError, load_profile
-    from megatron_paradyse.cost.calibrate import calibrate
-    from megatron_paradyse.cost.profile import save_profile
+    """The ``--profile`` given, or the quick one with its fitted correction, read from or calibrated into
+    ``--cache-dir`` (:func:`~megatron_paradyse.cost.calibrate.cached_quick_profile`)."""
+    from megatron_paradyse.cost import load_profile
+    from megatron_paradyse.cost.calibrate import cached_quick_profile
 
     if args.profile is not None:
         return load_profile(args.profile, p=args.p, check_machine=False), str(args.profile)
-    path = args.cache_dir / f"cost-profile-quick-corrected-cpu-p{args.p}-float32.json"
-    try:
-        return load_profile(path, p=args.p), f"{path} (calibrated before)"
-    except ProfileError:
-        pass
-    print(f"bench e2e: calibrating a cost profile on {args.p} ranks (quick grid, fitted correction) ...", flush=True)
-    profile = calibrate([args.p], grid="quick", fit_correction=True, show_progress=sys.stderr.isatty())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_profile(profile, path)
-    return profile, f"{path} (calibrated now)"
+    profile = cached_quick_profile(args.cache_dir, args.p, device="cpu", dtype=torch.float32)
+    return profile, f"the quick profile in {args.cache_dir}"
 
 
 # -- output -------------------------------------------------------------------------------------------

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -458,6 +460,29 @@ def _measure_correction_layers(rank: int, world: int, lengths, device_type: str,
             )
             out.append((str(option), s, m.time_s))
     return out
+
+
+def cached_quick_profile(cache_dir: str | os.PathLike, p: int, *, device: str, dtype: torch.dtype) -> dict[str, Any]:
+    """The quick profile with its correction fitted on measured layers, for ``p`` ranks on ``device`` in
+    ``dtype``: the one an earlier run saved in ``cache_dir``, else calibrated now (a few minutes on a CPU)
+    and saved there. Run it on one rank; the caller shares the result with the ranks that plan with it."""
+    from megatron_paradyse.cost.profile import ProfileError, load_profile, save_profile
+
+    name = str(dtype).removeprefix("torch.")
+    path = Path(cache_dir) / f"cost-profile-quick-corrected-{device}-p{p}-{name}.json"
+    try:
+        profile = load_profile(path, p=p)
+        print(f"paradyse: no cost.profile: using the quick profile calibrated before, {path}", flush=True)
+        return profile
+    except ProfileError:
+        pass
+    print(f"paradyse: no cost.profile: calibrating a quick profile for p={p} into {path} ...", flush=True)
+    start = time.perf_counter()
+    profile = calibrate([p], device=device, grid="quick", dtype=dtype, fit_correction=True, show_progress=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_profile(profile, path)
+    print(f"paradyse: calibrated in {time.perf_counter() - start:.0f} s", flush=True)
+    return profile
 
 
 def fit_correction_from_layers(profile, world: int, grid: Grid, device: str, dtype, timeout_s: float) -> dict:

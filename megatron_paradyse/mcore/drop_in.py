@@ -231,22 +231,12 @@ def _profile(config: ParadyseConfig, p: int, dtype: torch.dtype, device: torch.d
 
     if config.cost.profile is not None:
         return load_profile(config.cost.profile, p=p, check_machine=config.cost.check_machine)
-    from megatron_paradyse.cost.calibrate import calibrate
-    from megatron_paradyse.cost.profile import save_profile
+    from megatron_paradyse.cost.calibrate import cached_quick_profile
 
-    name = str(dtype).removeprefix("torch.")
-    path = Path(config.data.cache_dir) / f"cost-profile-quick-{device.type}-p{p}-{name}.json"
     message: list = [None]
     if torch.distributed.get_rank(group) == 0:
         try:
-            try:
-                message[0] = load_profile(path, p=p)
-            except ProfileError:
-                print(f"paradyse: no cost.profile: calibrating a quick profile for p={p} into {path}", flush=True)
-                profile = calibrate([p], device=device.type, grid="quick", dtype=dtype, show_progress=False)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                save_profile(profile, path)
-                message[0] = profile
+            message[0] = cached_quick_profile(config.data.cache_dir, p, device=device.type, dtype=dtype)
         except Exception as e:  # noqa: BLE001 - the group's other ranks must hear of it, not wait
             message[0] = ProfileError(f"could not calibrate a cost profile ({e}); name one in cost.profile")
     torch.distributed.broadcast_object_list(message, group_src=0, group=group)

@@ -619,29 +619,17 @@ def _attempt(fn):
 
 
 def _calibrate_once(job: Job) -> dict:
-    """No ``cost.profile``: rank 0 calibrates a quick profile (or reuses the one it saved before in the
-    data cache) and every rank plans from rank 0's. A failure on rank 0 raises on every rank."""
-    from megatron_paradyse.cost import ProfileError, load_profile
-    from megatron_paradyse.cost.calibrate import calibrate
-    from megatron_paradyse.cost.profile import save_profile
+    """No ``cost.profile``: rank 0 reads or calibrates the quick profile with its fitted correction
+    (:func:`~megatron_paradyse.cost.calibrate.cached_quick_profile`, in the data cache) and every rank
+    plans from rank 0's. A failure on rank 0 raises on every rank."""
+    from megatron_paradyse.cost import ProfileError
+    from megatron_paradyse.cost.calibrate import cached_quick_profile
 
-    device = job.device.type
-    dtype = str(job.model_config.transformer.params_dtype).removeprefix("torch.")
-    path = Path(job.config.data.cache_dir) / f"cost-profile-quick-{device}-p{job.tp}-{dtype}.json"
+    dtype = job.model_config.transformer.params_dtype
     message: list = [None]
     if torch.distributed.get_rank() == 0:
         try:
-            try:
-                message[0] = load_profile(path, p=job.tp)
-                print(f"paradyse: no cost.profile: using the quick profile calibrated before, {path}", flush=True)
-            except ProfileError:
-                print(f"paradyse: no cost.profile: calibrating a quick profile for p={job.tp} ...", flush=True)
-                start = time.perf_counter()
-                profile = calibrate([job.tp], device=device, grid="quick", dtype=getattr(torch, dtype))
-                path.parent.mkdir(parents=True, exist_ok=True)
-                save_profile(profile, path)
-                print(f"paradyse: calibrated in {time.perf_counter() - start:.0f} s, saved {path}", flush=True)
-                message[0] = profile
+            message[0] = cached_quick_profile(job.config.data.cache_dir, job.tp, device=job.device.type, dtype=dtype)
         except Exception as e:  # noqa: BLE001 - every rank must hear about it, not wait forever
             message[0] = ProfileError(
                 f"rank 0 could not calibrate a cost profile ({e}); make one with `paradyse calibrate --p {job.tp}` "
