@@ -168,3 +168,19 @@ def test_log_every_is_refused_with_what_replaced_it(tmp_path):
         f"{path}:\n  log.every: no longer a key: the table follows Megatron's --log-interval (megatron_args or "
         "the command line)"
     )
+
+
+def test_the_table_marks_an_explored_plan():
+    """A micro-batch the planner ran on a runner-up plan to measure it says so in its row, within the
+    plan column; its choice does not."""
+    from megatron_paradyse.run.log import MicroBatchLog, format_rows
+
+    def row(plan: str, explored: bool) -> str:
+        mb = MicroBatchLog(300, 1, 304, plan, 0.1, 2**20, cached=False, kept_previous=False, explored=explored)
+        (line,) = format_rows(IterationLog(1, 2.0, [mb], [], 1.0, rank=0, dp_rank=0))
+        return line
+
+    long_plan = "1x tp_sp/tp_sp, 1x ulysses/zero3+rc, 1x ring/lean, 1x lean/lean+rc"
+    assert "(explored)" in row("4x ring/lean", True) and "(explored)" not in row("4x ring/lean", False)
+    assert "... (explored)   0.100" in row(long_plan, True)  # cut to leave the mark in the column
+    assert len(row(long_plan, True)) == len(row(long_plan, False))

@@ -59,6 +59,8 @@ class MicroBatchLog:
     predicted_peak_bytes: float
     cached: bool
     kept_previous: bool
+    explored: bool = False
+    """The planner ran a runner-up plan to measure it (``planner.explore_share``), not its choice."""
     measured_time_s: float | None = None
     measured_peak_bytes: float | None = None
     loss: float | None = None
@@ -196,7 +198,9 @@ def format_rows(record: IterationLog) -> list[str]:
     rows = []
     for i, mb in enumerate(record.micro_batches):
         head = f"{record.iteration:>5} {_number(record.loss, '.4f'):>8}" if i == 0 else " " * 14
-        plan = mb.plan if len(mb.plan) <= _PLAN_WIDTH else mb.plan[: _PLAN_WIDTH - 3] + "..."
+        mark = " (explored)" if mb.explored else ""
+        room = _PLAN_WIDTH - len(mark)
+        plan = (mb.plan if len(mb.plan) <= room else mb.plan[: room - 3] + "...") + mark
         rows.append(
             f"{head} | {i:>2} {mb.tokens:>6}  {plan:<{_PLAN_WIDTH}} {mb.predicted_time_s:>7.3f} "
             f"{_number(mb.measured_time_s, '7.3f'):>7} {mb.predicted_peak_bytes / _MIB:>8.1f} "

@@ -358,6 +358,7 @@ class TrainingRun:
                 predicted_peak_bytes=plan.predicted_peak_bytes,
                 cached=planned.decision.cached,
                 kept_previous=planned.decision.kept_previous,
+                explored=planned.decision.explored,
             )
         )
         if self.meter is not None and (planned.evaluation or torch.is_grad_enabled()):
