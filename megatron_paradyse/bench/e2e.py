@@ -623,15 +623,19 @@ def _input_bytes(batch: dict, plan) -> int:
     else:
         tensors = [batch[k] for k in ("tokens", "labels", "loss_mask", "position_ids")]
         tensors += list(batch["layout"].indices("cpu"))
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    return _storage_bytes(tensors)
 
 
 def _resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the distinct storages of ``model``'s parameters and gradients and ``optimizer``'s state."""
     tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
     tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
+    return _storage_bytes(tensors)
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors`` (views and aliases counted once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 # -- the command --------------------------------------------------------------------------------------

@@ -120,9 +120,12 @@ class Dims:
 
     @property
     def norm_stats(self) -> int:
-        """Bytes of one LayerNorm statistic (mean or rstd) of ``[t, b]`` tokens: fp32 on CUDA, the
-        input's dtype on the CPU."""
-        return self.t * self.b * (self.acc if self.device == "cuda" else self.e)
+        """Bytes of the statistics one norm of ``[t, b]`` tokens keeps for its backward: LayerNorm's mean
+        and rstd (fp32 on CUDA, the input's dtype on the CPU), RMSNorm's rstd (fp32)."""
+        tokens = self.t * self.b
+        if self.normalization == "LayerNorm":
+            return 2 * tokens * (self.acc if self.device == "cuda" else self.e)
+        return tokens * self.acc
 
     def q_copied(self, groups: int) -> bool:
         """Whether ``split_qkv`` copies q out of a QKV tensor holding ``groups`` key/value groups: the
@@ -1190,15 +1193,15 @@ def _norm_forward(m: _Memory, d: Dims, name: str) -> None:
     dtype: the input's square, ``x rstd``, times the weight)."""
     tokens = d.t * d.b
     if d.normalization == "LayerNorm":
-        m.alloc(**{f"{name}_out": d.x, f"{name}_stats": 2 * d.norm_stats})
+        m.alloc(**{f"{name}_out": d.x, f"{name}_stats": d.norm_stats})
         return
-    x_acc, stats = tokens * d.h * d.acc, tokens * d.acc
+    x_acc = tokens * d.h * d.acc
     if d.device == "cuda":
-        m.alloc(**{f"{name}_out": d.x, f"{name}_stats": stats})
+        m.alloc(**{f"{name}_out": d.x, f"{name}_stats": d.norm_stats})
         return
     if d.half:
         m.alloc(norm_x=x_acc)
-    m.alloc(norm_square=x_acc, norm_mean=stats, **{f"{name}_stats": stats})
+    m.alloc(norm_square=x_acc, norm_mean=tokens * d.acc, **{f"{name}_stats": d.norm_stats})
     m.free("norm_square", "norm_mean")
     m.alloc(norm_x_hat=x_acc)
     if d.half:

@@ -234,7 +234,7 @@ class AnalyticCostModel:
         fp32_copy = 4 * logits if d.e < 4 else 0
         input_grad = tokens * d.h * d.e + (d.x if self.p > 1 else 0)
         weight_grad = self._output_weight_grad_bytes()
-        final_norm = d.x + (2 * d.norm_stats if self.normalization == "LayerNorm" else d.t * d.b * d.acc)
+        final_norm = d.x + d.norm_stats
         return logits * d.e + max(fp32_copy, input_grad + weight_grad) + final_norm + 4 * tokens
 
     def _output_weight_grad_bytes(self) -> float:
