@@ -28,6 +28,7 @@ from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig  # noqa
 from megatron_paradyse.core.layout import SequenceLayout  # noqa: E402
 from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope  # noqa: E402
 from megatron_paradyse.core.plan import Plan  # noqa: E402
+from megatron_paradyse.mcore.chunked_loss import output_processor  # noqa: E402
 from megatron_paradyse.mcore.stock_spec import stock_block_spec as stock_block_spec  # noqa: E402 - re-exported for the tests
 
 VOCAB = 128
@@ -77,8 +78,11 @@ def init_parallel(tp: int, pp: int = 1, vpp: int | None = None) -> None:
     model_parallel_cuda_manual_seed(1234)
 
 
-def build_gpt(config: TransformerConfig, spec, seed: int = 0, vp_stage: int | None = None) -> GPTModel:
-    """A GPT model (this rank's pipeline stage, or its chunk ``vp_stage``) with weights drawn from ``seed``."""
+def build_gpt(
+    config: TransformerConfig, spec, seed: int = 0, vp_stage: int | None = None, vocab_size: int = VOCAB
+) -> GPTModel:
+    """A GPT model (this rank's pipeline stage, or its chunk ``vp_stage``) with weights drawn from ``seed``;
+    ``vocab_size`` must divide by the TP size (tokens are drawn below :data:`VOCAB`)."""
     torch.manual_seed(seed)
     vp_size = config.virtual_pipeline_model_parallel_size
     first_chunk = vp_stage in (None, 0)
@@ -86,7 +90,7 @@ def build_gpt(config: TransformerConfig, spec, seed: int = 0, vp_stage: int | No
     return GPTModel(
         config,
         spec,
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         max_sequence_length=512,
         position_embedding_type="rope",
         pre_process=first_chunk and parallel_state.is_pipeline_first_stage(ignore_virtual=True),
@@ -156,7 +160,7 @@ def paradyse_forward(model: GPTModel, batch: Batch, plan: Plan) -> torch.Tensor:
     on the last pipeline stage, hidden states elsewhere."""
     tokens, labels, positions = batch.canonical()
     with micro_batch_scope(MicroBatch(layout=batch.layout, plan=plan)):
-        return model(tokens, positions, None, labels=labels)
+        return model(tokens, positions, None, labels=labels, output_processor=output_processor(plan))
 
 
 def paradyse_loss(model: GPTModel, batch: Batch, plan: Plan) -> torch.Tensor:

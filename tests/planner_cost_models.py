@@ -18,7 +18,7 @@ import numpy as np
 from megatron_paradyse.bench.planner import bench_shape, build_cost_model
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
-from megatron_paradyse.cost.base import LayerCost
+from megatron_paradyse.cost.base import WHOLE_LOSS, LayerCost, StageOptions
 from megatron_paradyse.planner import Planner, PlannerConfig, StageProblem
 
 PEAK_KINDS = ("affine", "stepped", "convex")
@@ -110,9 +110,20 @@ class FunctionCostModel:
         return LayerCost(cost.time_s * micro_batch_size, cost.saved_bytes * micro_batch_size, cost.transient_bytes)
 
     def peak_bytes(
-        self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, transient_bytes: float
+        self,
+        layout: SequenceLayout,
+        micro_batch_size: int,
+        saved_bytes: float,
+        transient_bytes: float,
+        stage: StageOptions = WHOLE_LOSS,
     ) -> float:
         return self.peak(saved_bytes, transient_bytes)
+
+    def stage_options(self, loss_chunk_tokens: int) -> tuple[StageOptions, ...]:
+        return (WHOLE_LOSS,)
+
+    def stage_time_s(self, layout: SequenceLayout, micro_batch_size: int, stage: StageOptions) -> float:
+        return 0.0
 
 
 def random_scaling_model(rng: random.Random, options: tuple[LayerOption, ...]) -> FunctionCostModel:

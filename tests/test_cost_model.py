@@ -18,6 +18,7 @@ from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost import allocations
 from megatron_paradyse.cost.allocations import Dims, sublayer_memory
 from megatron_paradyse.cost.analytic import AnalyticCostModel
+from megatron_paradyse.cost.base import StageOptions
 from megatron_paradyse.cost.empirical import EmpiricalCostModel, HybridRegressor, Sample, aic_polynomial
 from megatron_paradyse.cost.fitting import fit_nonnegative, mape
 from megatron_paradyse.cost.profile import PROFILE_SCHEMA, ProfileError, fingerprint, load_profile, save_profile
@@ -325,12 +326,31 @@ def test_peak_bytes_adds_static_saved_and_the_larger_working_set():
     assert model.stage_bytes(layout, 2) == stage
     assert model.peak_bytes(layout, 2, 100.0, 50.0) == pytest.approx(1e9 + stage + 100 + 1.1 * loss)
     assert model.peak_bytes(layout, 2, 100.0, 2 * loss) == pytest.approx(1e9 + stage + 100 + 2.2 * loss)
-    # a tied, unfused output layer's weight gradient waits for the embedding's beside every layer's backward
+    # a tied, unfused output layer's weight gradient waits for the embedding's beside every layer's
+    # backward (a recomputed layer's high-water mark is in its backward), not beside its forward
     tied = AnalyticCostModel(
         profile, MHA, 4, static_bytes=1e9, vocab_size=32000, rotary_dim=32, tied_unfused_output=True
     )
-    working = 2 * loss + weight_grad
-    assert tied.peak_bytes(layout, 2, 100.0, 2 * loss) == pytest.approx(1e9 + stage + 100 + 1.1 * working)
+    recomputed = LayerOption("tp_sp", "tp_sp", recompute=True)
+    untied_cost, tied_cost = (m.layer_cost(recomputed, layout, 2) for m in (model, tied))
+    assert tied_cost.transient_bytes == untied_cost.transient_bytes + weight_grad
+    assert tied_cost.saved_bytes == untied_cost.saved_bytes
+    assert tied.peak_bytes(layout, 2, 100.0, 2 * loss) == model.peak_bytes(layout, 2, 100.0, 2 * loss)
+    # the loss in chunks of 256 gathered tokens (64 rows of each rank's 256): one chunk's logits, its
+    # gathered and its own input gradient and the weight gradient, beside the chunks' input gradients
+    # so far and the weight gradients' running sum; and the chunks' joined input gradient
+    rows, gathered = 64, 256 * 2
+    row_grads = rows * 2 * 256 * 4
+    chunk = gathered * 8000 * 4 + gathered * 256 * 4 + row_grads + weight_grad
+    joined = max(full // 4 - row_grads + chunk + weight_grad, full // 4 + 3 * weight_grad, full // 2 + weight_grad)
+    assert model.loss_bytes(layout, 2, chunk_tokens=256) == joined + final_norm + 4 * tokens
+    chunked = StageOptions(256)
+    assert model.stage_bytes(layout, 2, chunked) == stage
+    # the output layer the only one to gather: Megatron's buffer holds one chunk [p * rows, b, h]
+    assert model.stage_bytes(layout, 2, StageOptions(256, sequence_buffer=False)) == stage - full + gathered * 256 * 4
+    assert model.peak_bytes(layout, 2, 100.0, 50.0, chunked) == pytest.approx(
+        1e9 + stage + 100 + 1.1 * (joined + final_norm + 4 * tokens)
+    )
     # bf16 logits: an fp32 copy beside them; the norm's statistics in bf16 on the CPU
     bf16 = synthetic_profile()
     bf16["dtype"] = "bfloat16"

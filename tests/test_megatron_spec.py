@@ -4,7 +4,8 @@ Two launches, many cases each (Megatron's process groups are rebuilt inside a la
 
 - 2 ranks: TP=1 references (and the ready ``ModuleSpec`` at TP=1); TP=2 with sequence parallelism,
   the Paradyse model built as ``--spec megatron_paradyse.spec get_paradyse_layer_spec`` builds it:
-  every uniform plan and random mixed plans, a new one every iteration of one model; two
+  every uniform plan and random mixed plans (these also with the loss in chunks), a new one every
+  iteration of one model; two
   micro-batches run forward, forward, then backward in the other order under a third scope; state
   dicts and Megatron distributed checkpoints between stock and Paradyse models; three steps of
   Megatron's DDP + Adam; the error messages.
@@ -38,6 +39,7 @@ VARIANTS = ["gpt", "llama"]
 CASES = (
     [f"uniform-{a}/{m}" for a in strategy_names("attention") for m in strategy_names("mlp")]
     + [f"mix{i}" for i in range(MIXES)]
+    + [f"mix{i}-chunked-loss" for i in range(MIXES)]
     + ["interleaved"]
 )
 
@@ -128,6 +130,13 @@ def _tp_cases(rank: int, p: int, batches, refs) -> tuple[dict, dict]:
                 **H.compare(run, stock_runs[j], model, rank, 1, "stock"),
                 **H.compare(run, tp1_runs[j], model, rank, p, "TP=1"),
             }
+            if case.startswith("mix"):  # the output layer and loss in chunks of 3 rows on every rank
+                chunked = dataclasses.replace(plan, loss_chunk_tokens=3 * p)
+                run = H.backward(model, H.paradyse_loss(model, batches[j], chunked))
+                out[f"{variant}-{case}-chunked-loss"] = {
+                    **H.compare(run, stock_runs[j], model, rank, 1, "stock"),
+                    **H.compare(run, tp1_runs[j], model, rank, p, "TP=1"),
+                }
 
         out[f"{variant}-tp_sp-modules"] = _tp_sp_through_megatron_modules(rank, model, stock_runs, batches)
 

@@ -278,9 +278,13 @@ def test_longer_sequences_never_plan_faster_and_move_from_tp_sp_to_lean_options(
     p, num_layers = 8, 24
     planner = physical_planner(num_layers, 0.9 * HARDWARE["h100"].memory_bytes, p)
     options = planner.options
-    longest = planner.max_feasible_length(p, causal=True)
-    reference = planner.stage_problem(SequenceLayout.build(longest, p, causal=True))
-    lengths = [512 * round(1.25**k) for k in range(60) if 512 * round(1.25**k) < longest] + [longest]
+
+    def fits(tokens: int) -> bool:  # Megatron's whole-sequence buffer kept: the problems solved below
+        problem = planner.stage_problem(SequenceLayout.build(tokens, p, causal=True))
+        return problem.fits(problem.leanest())
+
+    lengths = [n for n in (512 * round(1.25**k) for k in range(60)) if fits(n)]
+    reference = planner.stage_problem(SequenceLayout.build(lengths[-1], p, causal=True))
     times, tp_sp_layers, previous_peak = [], [], None
     for tokens in lengths:
         problem = planner.stage_problem(SequenceLayout.build(tokens, p, causal=True))
@@ -340,3 +344,67 @@ def test_bench_refuses_a_group_the_published_figures_do_not_cover(capsys):
         "error: the published figures are for p=8 GPUs of one node, not p=4: pass --p 8, or --profile with a "
         "profile calibrated for p=4\n"
     )
+
+
+def _llama3_8b_head_planner(loss_chunk_tokens: int) -> Planner:
+    """The last stage of Llama-3-8B at TP=8 on an H100 node (published figures): 32 layers, the output
+    layer and loss of a 129,024-token vocabulary, every strategy and recompute, a 72 GB budget."""
+    import torch
+
+    from megatron_paradyse.bench.simulate import stage_static_bytes
+    from megatron_paradyse.cost import AnalyticCostModel
+    from megatron_paradyse.cost.hardware import hardware_profile
+
+    shape = planner_bench.bench_shape()
+    vocab = 129_024
+    model = AnalyticCostModel(
+        hardware_profile(HARDWARE["h100"]),
+        shape,
+        8,
+        dtype=torch.bfloat16,
+        static_bytes=stage_static_bytes(shape, 32, 8, vocab_size=vocab),
+        vocab_size=vocab,
+        rotary_dim=128,
+        bias=False,
+        normalization="RMSNorm",
+    )
+    config = PlannerConfig(loss_chunk_tokens=loss_chunk_tokens, bucket="geometric")
+    return Planner.for_model(config, model, shape=shape, p=8, num_layers=32, budget_bytes=0.9 * 80e9)
+
+
+def test_the_loss_is_chunked_only_where_memory_needs_it():
+    planner = _llama3_8b_head_planner(8192)
+    whole = _llama3_8b_head_planner(0)
+    short = planner.decide(SequenceLayout.build(4096, 8, causal=True))
+    assert (
+        short.plan.loss_chunk_tokens == 0
+        and short.plan == whole.decide(SequenceLayout.build(4096, 8, causal=True)).plan
+    )
+    longest_whole = whole.max_feasible_length(8, causal=True)
+    longest = planner.max_feasible_length(8, causal=True)
+    assert longest > 3 * longest_whole  # the full-vocabulary logits no longer bind
+    beyond = SequenceLayout.build(2 * longest_whole, 8, causal=True)
+    assert not whole.fits(beyond)
+    plan = planner.decide(beyond).plan
+    assert plan.loss_chunk_tokens == 8192 and "loss in 8192-token chunks" in plan.compact()
+    assert plan.predicted_peak_bytes <= planner.budget_bytes
+    # the chunks' recompute is in the plan's time: the same layers with the whole loss are faster
+    problem = planner.stage_problem(beyond)
+    counts = tuple(plan.layers.count(option) for option in planner.options)
+    assert problem.evaluate(counts).time_s < plan.predicted_time_s
+
+
+def test_a_resumed_planner_keeps_the_chunked_loss_of_its_previous_plan():
+    """Hysteresis keeps a previous plan with a chunked loss where a fresh planner would not chunk it; the
+    checkpointed state carries the loss option, so a resumed run keeps it too."""
+    layout = lambda tokens: SequenceLayout.build(tokens, 8, causal=True)  # noqa: E731
+    planner = _llama3_8b_head_planner(8192)
+    assert planner.decide(layout(140_000)).plan.loss_chunk_tokens == 8192
+    state = planner.state_dict()
+    assert state["previous_stage"] == {"loss_chunk_tokens": 8192, "sequence_buffer": False}
+    kept = planner.decide(layout(133_000))
+    assert kept.kept_previous and kept.plan.loss_chunk_tokens == 8192
+    assert _llama3_8b_head_planner(8192).decide(layout(133_000)).plan.loss_chunk_tokens == 0
+    resumed = _llama3_8b_head_planner(8192)
+    resumed.load_state_dict(state)
+    assert resumed.decide(layout(133_000)).plan == kept.plan

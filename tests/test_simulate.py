@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron_paradyse.bench import simulate
+from megatron_paradyse.bench.frontier import frontier, training_flops
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost import AnalyticCostModel, ProfileError
@@ -109,6 +110,24 @@ def test_benchmark_prints_tables_checks_and_the_summary_line(tmp_path, capsys):
     assert "MegatronTS" in out and "METP" in out and "ParaDySe" in out
     assert re.search(r"^(PASS|FAIL): METP reaches furthest of the static strategies", out, re.M)
     last = out.strip().splitlines()[-1]
-    assert re.fullmatch(r"adaptive_max_len_bert_grch38_a100=\d+ paper=329728 ordering_ok=[01]", last), last
+    assert re.fullmatch(
+        r"adaptive_max_len_bert_grch38_a100=\d+ llama3_8b_a100_max_len=\d+ paper=329728 ordering_ok=[01]", last
+    ), last
+    assert "Llama-3-8B on one node, the whole model" in out
     if plots:
         assert (tmp_path / "figure2_a100.png").stat().st_size > 10_000
+
+
+def test_llama3_8b_frontier_counts_the_whole_model_and_chunks_its_loss():
+    result = frontier(HARDWARE["h100"], simulate.CONFIGS)
+    # the full-vocabulary logits bind Megatron's loss; chunked, the whole model comes close to its layers
+    assert result.megatron_loss_max_len < result.max_len <= result.layers_only_max_len
+    assert result.max_len > 3 * result.megatron_loss_max_len
+    assert "loss in 8192-token chunks" in result.plan_at_1m
+    assert 0 < result.mfu_at_1m < 1
+
+
+def test_training_flops_are_six_per_parameter_and_token_plus_causal_attention():
+    shape = ModelShape(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, ffn_hidden_size=96)
+    params = 64 * (64 + 2 * 2 * 16 + 64 + 96) + 96 * 64  # q, k and v, proj, fc1, fc2 of one layer
+    assert training_flops(shape, 3, 10) == 6 * 3 * params * 10 + 3 * 3 * 2 * 10 * 10 * 64

@@ -459,9 +459,13 @@ class _CorpusBench:
 
     def _predicted_peak(self, plan, layout) -> float:
         """The cost model's peak of ``plan`` at ``layout``'s exact length (the planner prices a bucket's edge)."""
+        from megatron_paradyse.cost.base import StageOptions
+
         costs = [self.cost_model.layer_cost(option, layout, 1) for option in plan]
         saved = sum(c.saved_bytes for c in costs)
-        return self.cost_model.peak_bytes(layout, 1, saved, max(c.transient_bytes for c in costs))
+        return self.cost_model.peak_bytes(
+            layout, 1, saved, max(c.transient_bytes for c in costs), StageOptions.of(plan)
+        )
 
     def _arm_plan(self, name: str, planner, layout):
         """The plan of a micro-batch (None: Megatron's own layers); raises _Infeasible for the planner."""
@@ -591,6 +595,7 @@ class _CorpusBench:
         parameters every rank holds whole (norms, row-parallel biases), and the average over the DP ranks
         of every gradient (``grads``: the flat buffer they live in)."""
         from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
+        from megatron_paradyse.mcore.chunked_loss import output_processor
 
         keys = ("tokens", "labels", "loss_mask", "position_ids")
         if plan is None:  # Megatron's own layers: natural token order (padding last), its causal mask
@@ -599,7 +604,7 @@ class _CorpusBench:
         else:
             tokens, labels, loss_mask, positions = (batch[k] for k in keys)
             with micro_batch_scope(MicroBatch(layout=batch["layout"], plan=plan)):
-                per_token = model(tokens, positions, None, labels=labels)
+                per_token = model(tokens, positions, None, labels=labels, output_processor=output_processor(plan))
         loss = (per_token * loss_mask).sum() / loss_mask.sum()
         loss.backward()
         for param in model.parameters():

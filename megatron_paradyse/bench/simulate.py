@@ -39,10 +39,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_paradyse.bench.frontier import LLAMA3_VOCAB, FrontierResult, frontier, padded_vocab
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.analytic import AnalyticCostModel
-from megatron_paradyse.cost.base import CostModel, LayerCost
+from megatron_paradyse.cost.base import WHOLE_LOSS, CostModel, LayerCost, StageOptions
 from megatron_paradyse.cost.hardware import HARDWARE, NodeSpec, hardware_profile
 from megatron_paradyse.data.corpora import (
     GITHUBCODE_MAX_LEN,
@@ -168,8 +169,14 @@ class MemoCostModel:
             self._costs[key] = self.model.layer_cost(option, layout, micro_batch_size)
         return self._costs[key]
 
-    def peak_bytes(self, layout, micro_batch_size, saved_bytes, transient_bytes) -> float:
-        return self.model.peak_bytes(layout, micro_batch_size, saved_bytes, transient_bytes)
+    def peak_bytes(self, layout, micro_batch_size, saved_bytes, transient_bytes, stage=WHOLE_LOSS) -> float:
+        return self.model.peak_bytes(layout, micro_batch_size, saved_bytes, transient_bytes, stage)
+
+    def stage_options(self, loss_chunk_tokens: int) -> tuple[StageOptions, ...]:
+        return self.model.stage_options(loss_chunk_tokens)
+
+    def stage_time_s(self, layout, micro_batch_size, stage) -> float:
+        return self.model.stage_time_s(layout, micro_batch_size, stage)
 
 
 def stage_static_bytes(shape: ModelShape, num_layers: int, p: int, *, vocab_size: int = 0) -> float:
@@ -205,9 +212,7 @@ def longest_fitting(planner: Planner, p: int, *, causal: bool, fits: int, limit:
         return hi
 
     def fit(i: int) -> bool:
-        edge = buckets.edge_at(i, 2 * p)
-        problem = planner.stage_problem(SequenceLayout.build(edge, p, causal=causal))
-        return problem.fits(problem.leanest())
+        return planner.fits(SequenceLayout.build(buckets.edge_at(i, 2 * p), p, causal=causal))
 
     top = index(limit)
     if fit(top):
@@ -626,6 +631,9 @@ def main(argv: list[str] | None = None) -> int:
             plot_gpu(settings, path)
             print(f"\nplot: {path}")
         results += settings
+    frontiers = [frontier(HARDWARE[gpu_name], args.configs) for gpu_name in gpus]
+    print_frontier(frontiers)
+    summary.update({f"llama3_8b_{f.gpu}_max_len": f.max_len for f in frontiers})
     if args.json:
         args.json.write_text(json.dumps(_as_json(results), indent=1))
     failed = [c for c in checks if not c[4]]
@@ -637,10 +645,31 @@ def main(argv: list[str] | None = None) -> int:
         if longest is not None:
             verdict = "PASS" if longest >= PAPER_MAX_GPT_GRCH38 else "FAIL"
             print(f"{verdict}: {what}: longest GPT sequence on GRCh38 (A100) {longest:,} >= {PAPER_MAX_GPT_GRCH38:,}")
-    first = sorted(summary, key=lambda k: "_gpt_grch38_" not in k)  # the paper's headline first
+    first = sorted(summary, key=lambda k: ("_gpt_grch38_" not in k, k.startswith("llama3_8b")))  # the paper's first
     fields = [f"{k}={summary[k]}" for k in first]
     print(" ".join([*fields, f"paper={PAPER_MAX_GPT_GRCH38}", f"ordering_ok={int(not failed)}"]))
     return 0
+
+
+def print_frontier(results: list[FrontierResult]) -> None:
+    print(
+        f"\nLlama-3-8B on one node, the whole model (configs/llama3-8b.yaml, TP=8, vocabulary "
+        f"{padded_vocab(LLAMA3_VOCAB, 8):,} padded), SIMULATED; host memory unused (no activation offload yet)"
+    )
+    head = ["gpu", "layers only", "Megatron's loss", "chunked loss", "plan at 1M tokens", "step s", "MFU"]
+    rows = [
+        [
+            f.gpu,
+            f"{f.layers_only_max_len:,}",
+            f"{f.megatron_loss_max_len:,}",
+            f"{f.max_len:,}",
+            f.plan_at_1m,
+            f"{f.step_s_at_1m:.1f}",
+            f"{f.mfu_at_1m:.1%}",
+        ]
+        for f in results
+    ]
+    _print_table(head, rows)
 
 
 def _summary(setting: Setting) -> dict[str, int]:

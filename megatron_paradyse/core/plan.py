@@ -1,4 +1,5 @@
-"""What a plan is: one (attention strategy, MLP strategy, recompute) option per layer of a stage.
+"""What a plan is: one (attention strategy, MLP strategy, recompute) option per layer of a stage, and
+how the stage's output layer and loss run.
 
 A plan is data: the planner makes one per micro-batch, the Megatron layers look their entry up at
 forward time, the logs print it. It holds no tensors and no groups.
@@ -10,7 +11,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 
-__all__ = ["LayerOption", "Plan"]
+__all__ = ["LayerOption", "Plan", "loss_chunk_rows"]
 
 
 @dataclasses.dataclass(frozen=True, order=True, slots=True)
@@ -40,8 +41,12 @@ class Plan:
     """The options of every layer of a pipeline stage, with what the cost model predicted for them."""
 
     layers: tuple[LayerOption, ...]
+    loss_chunk_tokens: int = 0
+    """On the stage that holds the output layer: the output layer and loss run over chunks of this many
+    gathered tokens, recomputed in backward (:mod:`megatron_paradyse.mcore.chunked_loss`); 0: at once."""
     predicted_time_s: float | None = None
-    """Predicted forward+backward time of the stage's layers for this micro-batch."""
+    """Predicted forward+backward time of the stage's layers for this micro-batch (with a chunked loss, its
+    recompute too)."""
     predicted_peak_bytes: float | None = None
     """Predicted peak memory of the stage for this micro-batch."""
 
@@ -63,5 +68,13 @@ class Plan:
         return iter(self.layers)
 
     def compact(self) -> str:
-        """Run-length form for logs: ``"6x tp_sp/tp_sp, 2x ring/zero3+rc"``."""
-        return ", ".join(f"{len(list(run))}x {option}" for option, run in itertools.groupby(self.layers))
+        """Run-length form for logs: ``"6x tp_sp/tp_sp, 2x ring/zero3+rc"``, and ``"; loss in 8192-token
+        chunks"`` where the loss is chunked."""
+        layers = ", ".join(f"{len(list(run))}x {option}" for option, run in itertools.groupby(self.layers))
+        return f"{layers}; loss in {self.loss_chunk_tokens}-token chunks" if self.loss_chunk_tokens else layers
+
+
+def loss_chunk_rows(chunk_tokens: int, p: int, local_rows: int) -> int:
+    """Local rows in one chunk of a loss chunked by ``chunk_tokens`` gathered tokens, on ``p``
+    sequence-parallel ranks that hold ``local_rows`` each (the last chunk may be shorter)."""
+    return min(local_rows, max(1, chunk_tokens // p))

@@ -34,6 +34,7 @@ __all__ = [
     "LayerMemory",
     "SublayerMemory",
     "layer_memory",
+    "norm_peak",
     "ring_steps",
     "sublayer_memory",
 ]
@@ -1214,6 +1215,19 @@ def _norm_forward(m: _Memory, d: Dims, name: str) -> None:
         m.free("norm_x_hat")
 
 
+def norm_peak(d: Dims) -> float:
+    """High-water mark of one norm of ``[t, b, h]`` run on its own (a stage's final norm, between its
+    last layer and its output layer), above its input: its forward, and its backward from its output's
+    gradient (the output gone, the statistics kept)."""
+    m = _Memory()
+    _norm_forward(m, d, "norm")
+    forward = m.peak
+    m.free("norm_out")
+    m.alloc(output_grad=d.x)
+    _norm_backward(m, d, "norm", "output_grad")
+    return max(forward, m.peak)
+
+
 def _norm_backward(m: _Memory, d: Dims, name: str, dy: str) -> None:
     """The backward of :func:`_norm_forward` from ``dy``: leaves ``{name}_dx``; the weight's (and
     bias's) gradient is accumulated; ``dy`` and the statistics die. RMSNorm on the CPU runs
@@ -1256,15 +1270,20 @@ class LayerMemory:
     """One ``[t, b, h]`` activation: all a layer keeps with recompute (its output)."""
     saved_bytes: float
     """Kept from the layer's forward to its backward, without recompute (its output included)."""
-    peak_bytes: float
-    """High-water mark over forward and backward, above the layer's input, without recompute."""
-    recompute_peak_bytes: float
-    """The same with recompute: over the rebuilt forward and the backward."""
+    forward_peak_bytes: float
+    """High-water mark of the forward, above the layer's input, without recompute."""
+    backward_peak_bytes: float
+    """High-water mark of the backward, above the layer's input."""
+    rebuilt_peak_bytes: float
+    """High-water mark of recompute's rebuilt forward, in the backward."""
 
-    def saved_and_peak(self, *, recompute: bool) -> tuple[float, float]:
-        if recompute:
-            return self.activation_bytes, self.recompute_peak_bytes
-        return self.saved_bytes, self.peak_bytes
+    def saved_and_peak(self, *, recompute: bool, backward_held: float = 0.0) -> tuple[float, float]:
+        """(saved bytes, high-water mark) with or without recompute; ``backward_held``: bytes that exist
+        beside the layer in backward only (a tied output layer's weight gradient)."""
+        backward = max(self.backward_peak_bytes, self.rebuilt_peak_bytes if recompute else 0.0) + backward_held
+        if recompute:  # the forward keeps nothing, and works no more than the rebuilt forward
+            return self.activation_bytes, backward
+        return self.saved_bytes, max(self.forward_peak_bytes, backward)
 
 
 def layer_memory(attn: SublayerMemory, mlp: SublayerMemory, d: Dims) -> LayerMemory:
@@ -1313,4 +1332,4 @@ def layer_memory(attn: SublayerMemory, mlp: SublayerMemory, d: Dims) -> LayerMem
     backward(m, attn, "attn.")
     _norm_backward(m, d, "ln1", "attn.dx_local")
     m.alloc(dx=x)
-    return LayerMemory(x, saved, max(forward_peak, m.peak), max(rebuilt_peak, m.peak))
+    return LayerMemory(x, saved, forward_peak, m.peak, rebuilt_peak)

@@ -42,16 +42,17 @@ import numpy as np
 import torch
 
 from megatron_paradyse.core.layout import SequenceLayout
-from megatron_paradyse.core.plan import LayerOption
+from megatron_paradyse.core.plan import LayerOption, loss_chunk_rows
 from megatron_paradyse.cost.allocations import (
     RANK_DEPENDENT,
     Dims,
     LayerMemory,
     SublayerMemory,
     layer_memory,
+    norm_peak,
     sublayer_memory,
 )
-from megatron_paradyse.cost.base import LayerCost
+from megatron_paradyse.cost.base import WHOLE_LOSS, LayerCost, StageOptions
 from megatron_paradyse.cost.profile import load_profile
 from megatron_paradyse.cost.terms import AttentionCall, Collective, Gemm, RingStage, SublayerTerms, sublayer_terms
 from megatron_paradyse.strategies import ModelShape
@@ -60,6 +61,9 @@ __all__ = ["AnalyticCostModel", "TimeBreakdown"]
 
 # Memory-bound ops a layer runs whatever the strategy: two norms and two residual adds, forward.
 _NORMS_AND_RESIDUALS_PASSES = 2 * 2 + 2 * 3
+# Passes of the cross-entropy over its fp32 logits (copy, max, exp, sum, softmax in place): the chunked
+# loss's recompute runs them once more.
+_CROSS_ENTROPY_PASSES = 5
 # Rough op counts per sublayer call (forward; backward about twice), for the per-op overhead.
 _OPS_PER_SUBLAYER = 12
 
@@ -182,19 +186,51 @@ class AnalyticCostModel:
         return LayerCost(max(time.total_s for time in times), max(saved), max(transient))
 
     def peak_bytes(
-        self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, transient_bytes: float
+        self,
+        layout: SequenceLayout,
+        micro_batch_size: int,
+        saved_bytes: float,
+        transient_bytes: float,
+        stage: StageOptions = WHOLE_LOSS,
     ) -> float:
         """Static bytes, the stage's own activations (:meth:`stage_bytes`), every layer's saved
-        activations, and the larger of the largest layer working set (with a tied, unfused output
-        layer's weight gradient beside it) and the output layer's (it runs between the last layer's
-        forward and its backward, with every layer's activations kept and no layer working), with the
-        allocator's slack."""
-        held = self._output_weight_grad_bytes() if self.tied_unfused_output else 0
-        working = max(transient_bytes + held, self.loss_bytes(layout, micro_batch_size))
-        resident = self.static_bytes + self.stage_bytes(layout, micro_batch_size) + saved_bytes
+        activations, and the larger of the largest layer working set (a tied, unfused output layer's
+        weight gradient beside its backward included: :meth:`layer_cost`) and the output layer's (it runs
+        between the last layer's forward and its backward, with every layer's activations kept and no
+        layer working), with the allocator's slack."""
+        working = max(transient_bytes, self.loss_bytes(layout, micro_batch_size, stage.loss_chunk_tokens))
+        resident = self.static_bytes + self.stage_bytes(layout, micro_batch_size, stage) + saved_bytes
         return resident + working * (1.0 + self.profile["allocator_slack"])
 
-    def stage_bytes(self, layout: SequenceLayout, micro_batch_size: int) -> float:
+    def stage_options(self, loss_chunk_tokens: int) -> tuple[StageOptions, ...]:
+        """:data:`WHOLE_LOSS`; on a stage that holds the output layer and with ``loss_chunk_tokens``, the
+        loss in chunks; with p > 1 and no output layer gathering the whole sequence (none, or a chunked
+        one), the layers without ``tp_sp`` and Megatron's whole-sequence buffer."""
+        chunk = loss_chunk_tokens if self.vocab_size else 0
+        options = [WHOLE_LOSS]
+        if chunk:
+            options.append(StageOptions(chunk))
+        if self.p > 1 and (chunk or not self.vocab_size):
+            options.append(StageOptions(chunk, sequence_buffer=False))
+        return tuple(options)
+
+    def stage_time_s(self, layout: SequenceLayout, micro_batch_size: int, stage: StageOptions) -> float:
+        """A chunked loss's recompute: each chunk's output-layer GEMM, its gather (p > 1) and the
+        cross-entropy's passes over its fp32 logits, once more in backward."""
+        if not stage.loss_chunk_tokens:
+            return 0.0
+        d = self._memo(layout, micro_batch_size).dims
+        rows = loss_chunk_rows(stage.loss_chunk_tokens, self.p, d.t)
+        chunks = -(-d.t // rows)
+        tokens = rows * self.p * d.b
+        logits = tokens * (self.vocab_size // self.p)
+        ew = self.profile["elementwise"]
+        compute = self._gemm(Gemm(tokens, self.vocab_size // self.p, d.h), "forward")
+        compute += _CROSS_ENTROPY_PASSES * 4 * logits * ew["per_byte_s"] + _CROSS_ENTROPY_PASSES * ew["per_op_s"]
+        comm = self._comms((Collective("all_gather", tokens * d.h * d.e),))
+        return chunks * (self._k_compute * compute + self._k_comm * comm)
+
+    def stage_bytes(self, layout: SequenceLayout, micro_batch_size: int, stage: StageOptions = WHOLE_LOSS) -> float:
         """What the stage keeps outside its layers for the whole step: the micro-batch's inputs on the
         device (tokens, labels and position ids in int64, the loss mask in fp32: ``[b, s]`` each) and the
         layout's index tensors (:meth:`SequenceLayout.indices`: three int64 ``[s]``); its input
@@ -202,20 +238,27 @@ class AnalyticCostModel:
         keeps it) and, with p > 1, what Megatron's vocab-parallel embedding keeps for its backward (its
         out-of-range mask, bool, and masked token ids, int64, ``[b, s]``; counted on every stage);
         GPTModel's rotary table ``[s, 1, 1, rotary_dim]`` (fp32); with sequence parallelism, Megatron's
-        global all-gather buffer ``[s, b, h]``: Megatron's sequence-parallel column linears (``tp_sp``'s,
-        the output layer's) gather their input into it and keep it, so the layers' memory
-        (:mod:`cost.allocations`) has no gathered input. The training entry point releases the buffer and
-        the rotary tables before each micro-batch (:mod:`megatron_paradyse.mcore.step_buffers`): they are
-        the micro-batch's own."""
+        global all-gather buffer: Megatron's sequence-parallel column linears (``tp_sp``'s, the output
+        layer's) gather their input into it and keep it, so the layers' memory (:mod:`cost.allocations`)
+        has no gathered input. It holds ``[s, b, h]``; where no layer runs ``tp_sp``
+        (``stage.sequence_buffer`` False), what the output layer gathers: ``[s, b, h]``, one chunk of a
+        chunked loss, or nothing on a stage without it. The training entry point
+        releases the buffer and the rotary tables before each micro-batch
+        (:mod:`megatron_paradyse.mcore.step_buffers`): they are the micro-batch's own."""
         tokens = layout.padded_len * micro_batch_size
         inputs = tokens * (3 * 8 + 4) + 3 * layout.padded_len * 8
         embedding_saved = tokens * (1 + 8) if self.p > 1 else 0
         activation = tokens * self.shape.hidden_size * self.element_size
-        gather_buffer = activation if self.p > 1 else 0
+        gathered_rows = 0  # by the layers (tp_sp) or the output layer, whichever gathers more
+        if self.p > 1 and (stage.sequence_buffer or (self.vocab_size and not stage.loss_chunk_tokens)):
+            gathered_rows = layout.padded_len
+        elif self.p > 1 and self.vocab_size:
+            gathered_rows = self.p * loss_chunk_rows(stage.loss_chunk_tokens, self.p, layout.padded_len // self.p)
+        gather_buffer = gathered_rows * micro_batch_size * self.shape.hidden_size * self.element_size
         rotary = layout.padded_len * self.rotary_dim * 4
         return inputs + activation // self.p + embedding_saved + rotary + gather_buffer
 
-    def loss_bytes(self, layout: SequenceLayout, micro_batch_size: int) -> float:
+    def loss_bytes(self, layout: SequenceLayout, micro_batch_size: int, chunk_tokens: int = 0) -> float:
         """The output layer's working set on a stage that holds it, as Megatron computes it with
         sequence parallelism and its (unfused) vocab-parallel cross-entropy. Kept from forward to
         backward: the final norm's output ``[t, b, h]`` (the projection's input) and statistics, and the
@@ -225,21 +268,37 @@ class AnalyticCostModel:
         gradient (fp32 logits are used in place). Peak: the logits beside the fp32 copy, or, in
         backward, the logits' gradient beside the projection's input gradient ``[s, b, h]``, its
         reduce-scatter to ``[t, b, h]`` (p > 1) and the weight's gradient ``[V/p, h]`` (accumulated into
-        ``.grad``, unfused as :mod:`cost.allocations` counts every linear's)."""
+        ``.grad``, unfused as :mod:`cost.allocations` counts every linear's).
+
+        With ``chunk_tokens`` (:mod:`megatron_paradyse.mcore.chunked_loss`) and more than one chunk, the
+        same working set is one chunk's (``chunk_tokens / p`` rows of every rank). Autograd holds two more
+        things until every chunk's backward has run: the chunks' input gradients (they add up to one
+        ``[t, b, h]``, joined at the end into another) and the weight gradients of the chunks so far,
+        summed out of place into a buffer (so three ``[V/p, h]`` at each sum)."""
         if not self.vocab_size:
             return 0.0
         d = self._memo(layout, micro_batch_size).dims
         tokens = d.s * d.b
-        logits = tokens * (self.vocab_size // self.p)
+        rows = loss_chunk_rows(chunk_tokens, self.p, d.t) if chunk_tokens else d.t
+        gathered = rows * self.p * d.b
+        logits = gathered * (self.vocab_size // self.p)
         fp32_copy = 4 * logits if d.e < 4 else 0
-        input_grad = tokens * d.h * d.e + (d.x if self.p > 1 else 0)
+        row_grads = rows * d.b * d.h * d.e
         weight_grad = self._output_weight_grad_bytes()
-        final_norm = d.x + d.norm_stats
-        return logits * d.e + max(fp32_copy, input_grad + weight_grad) + final_norm + 4 * tokens
+        working = logits * d.e + max(fp32_copy, gathered * d.h * d.e + (row_grads if self.p > 1 else 0) + weight_grad)
+        if rows < d.t:
+            working = max(d.x - row_grads + working + weight_grad, d.x + 3 * weight_grad, 2 * d.x + weight_grad)
+        # beside the final norm's output and statistics and the loss; or the final norm's own working set
+        return max(working + d.x + d.norm_stats, norm_peak(d) + self._backward_held_bytes()) + 4 * tokens
 
     def _output_weight_grad_bytes(self) -> float:
         """The output layer's weight gradient ``[V/p, h]``."""
         return self.vocab_size // self.p * self.shape.hidden_size * self.element_size
+
+    def _backward_held_bytes(self) -> float:
+        """What exists beside every layer's backward but not its forward: a tied, unfused output layer's
+        weight gradient, which autograd holds until the embedding's backward adds its own."""
+        return self._output_weight_grad_bytes() if self.tied_unfused_output else 0.0
 
     # -- details ---------------------------------------------------------------------------------
     def time_breakdown(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> TimeBreakdown:
@@ -260,7 +319,9 @@ class AnalyticCostModel:
             key = (attn.memory_key, mlp.memory_key)
             if key not in memo.layer_memory:
                 memo.layer_memory[key] = layer_memory(attn.memory, mlp.memory, memo.dims)
-            saved, peak = memo.layer_memory[key].saved_and_peak(recompute=option.recompute)
+            saved, peak = memo.layer_memory[key].saved_and_peak(
+                recompute=option.recompute, backward_held=self._backward_held_bytes()
+            )
             per_rank.append((self._time((attn, mlp), option.recompute, memo.dims.x), saved, peak - saved))
         return per_rank
 

@@ -5,7 +5,8 @@ predicted peak is ``peak_bytes(saved = sum of saved_bytes over layers, transient
 transient_bytes over layers)``: activations saved for backward accumulate layer after layer, while
 only one layer's working set is alive at a time. ``peak_bytes`` adds what every plan shares (weights,
 gradients, optimizer state, embedding and loss working set) and the allocator's slack, and must not
-decrease in either argument.
+decrease in either argument. Around its layers a stage has a choice that changes both (a
+:class:`StageOptions`): its output layer and loss at once or in chunks.
 """
 
 from __future__ import annotations
@@ -14,9 +15,45 @@ import dataclasses
 from typing import Protocol
 
 from megatron_paradyse.core.layout import SequenceLayout
-from megatron_paradyse.core.plan import LayerOption
+from megatron_paradyse.core.plan import LayerOption, Plan
 
-__all__ = ["CostModel", "LayerCost"]
+__all__ = ["WHOLE_LOSS", "CostModel", "LayerCost", "StageOptions"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageOptions:
+    """How a stage runs around its layers, where that changes its cost.
+
+    With ``loss_chunk_tokens`` the output layer and loss run over chunks of that many gathered tokens
+    and are recomputed in backward (:mod:`megatron_paradyse.mcore.chunked_loss`): their working set is
+    one chunk's, for one more output-layer forward. Megatron's sequence-parallel linears (``tp_sp``'s,
+    and an unchunked output layer's) gather the whole sequence into one buffer that the step keeps;
+    ``sequence_buffer=False`` prices a stage none of whose layers runs ``tp_sp`` (it rules those options
+    out): its buffer then holds what its output layer gathers, the whole sequence, one chunk, or nothing.
+    """
+
+    loss_chunk_tokens: int = 0
+    sequence_buffer: bool = True
+
+    @classmethod
+    def of(cls, plan: Plan) -> StageOptions:
+        """The stage options ``plan`` runs with."""
+        if not plan.loss_chunk_tokens:
+            return WHOLE_LOSS
+        return cls(plan.loss_chunk_tokens, any(map(_gathers_sequence, plan)))
+
+    def rules_out(self, option: LayerOption) -> bool:
+        """The option gathers the whole sequence, which this stage has no buffer for."""
+        return not self.sequence_buffer and _gathers_sequence(option)
+
+
+def _gathers_sequence(option: LayerOption) -> bool:
+    """``tp_sp``'s Megatron linears gather the whole sequence into Megatron's buffer."""
+    return "tp_sp" in (option.attention, option.mlp)
+
+
+WHOLE_LOSS = StageOptions()
+"""Megatron's own output layer and loss, over the whole sequence at once."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -37,7 +74,21 @@ class CostModel(Protocol):
         ...
 
     def peak_bytes(
-        self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, transient_bytes: float
+        self,
+        layout: SequenceLayout,
+        micro_batch_size: int,
+        saved_bytes: float,
+        transient_bytes: float,
+        stage: StageOptions = WHOLE_LOSS,
     ) -> float:
         """Stage peak given the layers' summed saved bytes and largest transient."""
+        ...
+
+    def stage_options(self, loss_chunk_tokens: int) -> tuple[StageOptions, ...]:
+        """The stage options worth pricing when the loss may run in chunks of ``loss_chunk_tokens``
+        (0: never), :data:`WHOLE_LOSS` first."""
+        ...
+
+    def stage_time_s(self, layout: SequenceLayout, micro_batch_size: int, stage: StageOptions) -> float:
+        """What ``stage`` adds to the step's time beyond :data:`WHOLE_LOSS`."""
         ...

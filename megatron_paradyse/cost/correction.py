@@ -30,7 +30,7 @@ from collections.abc import Iterable
 
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption, Plan
-from megatron_paradyse.cost.base import CostModel, LayerCost
+from megatron_paradyse.cost.base import WHOLE_LOSS, CostModel, LayerCost, StageOptions
 
 __all__ = ["CorrectedCostModel", "TimeCorrections"]
 
@@ -180,9 +180,14 @@ class CorrectedCostModel:
         return dataclasses.replace(cost, time_s=cost.time_s * factor)
 
     def peak_bytes(
-        self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, transient_bytes: float
+        self,
+        layout: SequenceLayout,
+        micro_batch_size: int,
+        saved_bytes: float,
+        transient_bytes: float,
+        stage: StageOptions = WHOLE_LOSS,
     ) -> float:
-        return self.base.peak_bytes(layout, micro_batch_size, saved_bytes, transient_bytes)
+        return self.base.peak_bytes(layout, micro_batch_size, saved_bytes, transient_bytes, stage)
 
     def option_times(self, plan: Plan, layout: SequenceLayout, micro_batch_size: int) -> dict[str, float]:
         """The uncorrected time of one layer of each option of ``plan`` (``layout``: the bucket's)."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
-from megatron_paradyse.cost.base import LayerCost
+from megatron_paradyse.cost.base import WHOLE_LOSS, LayerCost, StageOptions
 
 __all__ = ["EmpiricalCostModel", "HybridRegressor", "Sample", "aic_polynomial"]
 
@@ -97,6 +97,18 @@ class EmpiricalCostModel:
         return LayerCost(time_fit(s), saved, max(peak_fit(s) - saved, 0.0))
 
     def peak_bytes(
-        self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, transient_bytes: float
+        self,
+        layout: SequenceLayout,
+        micro_batch_size: int,
+        saved_bytes: float,
+        transient_bytes: float,
+        stage: StageOptions = WHOLE_LOSS,
     ) -> float:
         return self.static_bytes + saved_bytes + transient_bytes
+
+    def stage_options(self, loss_chunk_tokens: int) -> tuple[StageOptions, ...]:
+        """Only Megatron's own loss: the fitted whole-step measurements price nothing else."""
+        return (WHOLE_LOSS,)
+
+    def stage_time_s(self, layout: SequenceLayout, micro_batch_size: int, stage: StageOptions) -> float:
+        return 0.0

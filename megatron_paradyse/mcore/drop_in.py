@@ -19,6 +19,7 @@ The helpers that turn a Megatron job's arguments into the planner's inputs (:fun
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import weakref
@@ -140,7 +141,10 @@ class _Stage:
         profile = _profile(config, p, transformer.params_dtype, device, layer.tp_group)
         pp_rank = get_pg_rank(layer.pg_collection.pp)
         cost = stage_cost_models(args, transformer, profile)[pp_rank]
-        planner_config = config.planner if p > 1 else _recompute_only(config.planner)
+        # Megatron's own forward step computes the loss: whole, never in chunks
+        planner_config = dataclasses.replace(config.planner, loss_chunk_tokens=0)
+        if p == 1:
+            planner_config = _recompute_only(planner_config)
         self.planner = Planner.for_model(
             planner_config,
             cost,
@@ -178,8 +182,6 @@ class _Stage:
 def _recompute_only(planner_config):
     """At TP=1 one rank holds the whole sequence and every strategy runs the same computation: plans
     choose recompute per layer only."""
-    import dataclasses
-
     return dataclasses.replace(planner_config, pairs=("tp_sp/tp_sp",), attention=None, mlp=None)
 
 

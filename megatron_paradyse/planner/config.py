@@ -58,6 +58,10 @@ class PlannerConfig:
     an option not yet measured at that length whose predicted time is within ``explore_margin`` of it;
     0: never."""
     explore_margin: float = 0.10
+    loss_chunk_tokens: int = 8192
+    """On the stage that holds the output layer: where it saves memory a plan needs, run the output layer
+    and loss over chunks of this many gathered tokens, recomputed in backward
+    (:mod:`megatron_paradyse.mcore.chunked_loss`); 0: never."""
 
     def __post_init__(self) -> None:
         for name in ("attention", "mlp", "pairs"):
@@ -88,6 +92,10 @@ class PlannerConfig:
             raise ValueError(f"planner.bucket_tokens must be a positive int, got {self.bucket_tokens!r}")
         if not 1.0 < self.bucket_ratio < math.inf:
             raise ValueError(f"planner.bucket_ratio must be a finite number > 1, got {self.bucket_ratio}")
+        if not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 0:
+            raise ValueError(
+                f"planner.loss_chunk_tokens must be a non-negative int (0: never chunk), got {self.loss_chunk_tokens!r}"
+            )
         if not isinstance(self.cache_size, int) or self.cache_size < 1:
             raise ValueError(f"planner.cache_size must be a positive int, got {self.cache_size!r}")
         for name in ("explore_share", "explore_margin"):

@@ -102,7 +102,7 @@ def solve_exact(problem: StageProblem) -> Solution | None:
                 MAX_CANDIDATES,
                 num_layers,
                 len(problem.options),
-                100 * (best.solution.time_s / bound - 1) if best.solution else math.inf,
+                100 * ((best.solution.time_s - problem.stage_time_s) / bound - 1) if best.solution else math.inf,
             )
             break
     return best.solution
@@ -190,14 +190,15 @@ class _Search:
         self.candidates_left = MAX_CANDIDATES
 
     def limit(self) -> float:
-        """Times above this cannot beat (or tie) the incumbent."""
-        return self._limit
+        """Layer times (the problem's constant ``stage_time_s`` left out) above this cannot beat (or tie)
+        the incumbent."""
+        return self._limit - self.problem.stage_time_s
 
     def offer(self, counts: tuple[int, ...]) -> bool | None:
         """Keep ``counts`` if it fits and beats the incumbent. None: too slow to matter; else: whether it fits."""
         problem = self.problem
         time_s = sum(n * c.time_s for n, c in zip(counts, problem.costs) if n)
-        if time_s > self._limit:
+        if time_s > self.limit():
             return None
         candidate = problem.evaluate(counts)
         if not problem.fits(candidate):

@@ -1,8 +1,10 @@
 """The per-micro-batch planner of one pipeline stage.
 
 ``Planner.decide(layout, micro_batch_size)`` returns the plan a micro-batch runs: one
-``(attention, MLP, recompute)`` option per layer, of least predicted time whose predicted peak fits
-the memory budget. It is a pure function of the micro-batch's lengths, the configuration, the cost
+``(attention, MLP, recompute)`` option per layer, and on the stage that holds the output layer whether
+its loss runs in chunks, of least predicted time whose predicted peak fits the memory budget. A chunked
+loss only adds time, so it is priced (:meth:`CostModel.stage_options`) only where memory keeps the
+layers from their fastest options. It is a pure function of the micro-batch's lengths, the configuration, the cost
 model and the previous plan (hysteresis), so every rank of a group computes the same plan without
 talking (the start-up check of :mod:`megatron_paradyse.run.agreement` makes sure their inputs agree).
 
@@ -23,7 +25,7 @@ from collections.abc import Sequence
 
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption, Plan
-from megatron_paradyse.cost.base import CostModel, LayerCost
+from megatron_paradyse.cost.base import WHOLE_LOSS, CostModel, LayerCost, StageOptions
 from megatron_paradyse.planner.buckets import LengthBuckets
 from megatron_paradyse.planner.config import PlannerConfig, layer_options
 from megatron_paradyse.planner.exact import solve_exact
@@ -115,7 +117,10 @@ class InfeasibleSequenceError(ValueError):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Bucket:
+    problems: dict[StageOptions, StageProblem]
+    """The problems posed, one per stage option priced."""
     problem: StageProblem
+    """The chosen stage option's (the leanest one's when no plan fits)."""
     solution: Solution | None
     plan: Plan | None
 
@@ -155,7 +160,8 @@ class Planner:
         self._buckets = LengthBuckets(config.bucket, config.bucket_tokens, config.bucket_ratio)
         self._cache: collections.OrderedDict[tuple, _Bucket] = collections.OrderedDict()
         self._longest: dict[tuple[int, bool, int], int] = {}
-        self._previous: tuple[int, ...] | None = None
+        self._stage_options = cost_model.stage_options(config.loss_chunk_tokens)
+        self._previous: tuple[StageOptions, tuple[int, ...]] | None = None
         self.exploration: Exploration | None = None
         """Set where the time model learns: now and then a plan it cannot tell from the optimum."""
         self.set_budget(budget_bytes)
@@ -205,7 +211,11 @@ class Planner:
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the planner: the previous plan (hysteresis), so that a resumed run
         plans its first micro-batch as the uninterrupted run would."""
-        state: dict = {"previous": None if self._previous is None else list(self._previous)}
+        state: dict = {"previous": None}
+        if self._previous is not None:
+            stage, counts = self._previous
+            state["previous"] = list(counts)
+            state["previous_stage"] = dataclasses.asdict(stage)
         if self.exploration is not None:
             state["exploration"] = self.exploration.state_dict()
         return state
@@ -216,7 +226,8 @@ class Planner:
             raise ValueError(
                 f"the saved previous plan counts {len(previous)} layer options, this planner has {len(self.options)}"
             )
-        self._previous = None if previous is None else tuple(int(n) for n in previous)
+        stage = StageOptions(**state.get("previous_stage", {}))
+        self._previous = None if previous is None else (stage, tuple(int(n) for n in previous))
         if self.exploration is not None and "exploration" in state:
             self.exploration.load_state_dict(state["exploration"])
 
@@ -244,23 +255,33 @@ class Planner:
                 self._cache.popitem(last=False)
         if bucket.solution is None:
             return self._infeasible(layout, micro_batch_size, key[0], bucket.problem)
-        solution, plan, kept = bucket.solution, bucket.plan, False
-        previous = self._previous
-        if previous is not None and previous != solution.counts:
-            old = bucket.problem.evaluate(previous)
-            if bucket.problem.fits(old) and old.time_s <= (1 + self.config.hysteresis) * solution.time_s:
-                solution, plan, kept = old, bucket.problem.to_plan(old), True
-        self._previous = solution.counts  # hysteresis follows the planner's choice, not a trial
+        problem, solution, plan, kept = bucket.problem, bucket.solution, bucket.plan, False
+        if self._previous is not None and self._previous != (problem.stage, solution.counts):
+            stage, counts = self._previous
+            before = bucket.problems.get(stage)
+            old = None if before is None else before.evaluate(counts)
+            if old is not None and before.fits(old) and old.time_s <= (1 + self.config.hysteresis) * solution.time_s:
+                problem, solution, plan, kept = before, old, before.to_plan(old), True
+        self._previous = (problem.stage, solution.counts)  # hysteresis follows the planner's choice, not a trial
         if self.exploration is not None:
-            trial = self.exploration.alternative(bucket.problem, solution, key[0])
+            trial = self.exploration.alternative(problem, solution, key[0])
             if trial is not None:
-                return Decision(bucket.problem.to_plan(trial), cached, False, key[0], bucket.solution.time_s, True)
+                return Decision(problem.to_plan(trial), cached, False, key[0], bucket.solution.time_s, True)
         return Decision(plan, cached, kept, key[0], bucket.solution.time_s)
 
-    def stage_problem(self, layout: SequenceLayout, micro_batch_size: int = 1) -> StageProblem:
-        """The problem :meth:`decide` solves for ``layout``: option costs at its bucket's upper edge."""
+    def stage_problem(
+        self, layout: SequenceLayout, micro_batch_size: int = 1, stage: StageOptions = WHOLE_LOSS
+    ) -> StageProblem:
+        """The problem :meth:`decide` solves for ``layout`` and ``stage``: option costs at its bucket's
+        upper edge."""
         key = self._key(layout, micro_batch_size)
-        return self._problem(self._bucket_layout(key), micro_batch_size)
+        layout = self._bucket_layout(key)
+        return self._problem(layout, micro_batch_size, self._costs(layout, micro_batch_size), stage)
+
+    def fits(self, layout: SequenceLayout, micro_batch_size: int = 1) -> bool:
+        """Whether some plan fits ``layout`` (costed as it is, not at its bucket's edge)."""
+        problems = self._problems(layout, micro_batch_size, stop_when_fastest=False)
+        return any(problem.fits(problem.leanest()) for problem in problems.values())
 
     def max_feasible_length(self, p: int, *, causal: bool, micro_batch_size: int = 1) -> int:
         """Longest padded length of one document some plan fits (a bucket edge); 0 if none does.
@@ -286,21 +307,43 @@ class Planner:
 
     def _plan_bucket(self, key: tuple) -> _Bucket:
         edge, micro_batch_size = key[:2]
-        problem = self._problem(self._bucket_layout(key), micro_batch_size)
-        solution = self._solve(problem)
-        plan = None if solution is None else problem.to_plan(solution)
-        if plan is not None:
-            logger.debug(
-                "planner: bucket %d x %d: %s (%.4g s, %.2f GiB)",
-                edge,
-                micro_batch_size,
-                plan.compact(),
-                plan.predicted_time_s,
-                plan.predicted_peak_bytes / _GIB,
-            )
-        return _Bucket(problem, solution, plan)
+        layout = self._bucket_layout(key)
+        problems = self._problems(layout, micro_batch_size, stop_when_fastest=True)
+        solutions = {stage: self._solve(problem) for stage, problem in problems.items()}
+        feasible = [stage for stage in problems if solutions[stage] is not None]
+        if not feasible:
+            lean = min(problems.values(), key=lambda problem: problem.leanest().peak_bytes)
+            return _Bucket(problems, lean, None, None)
+        # ties go to the first stage option (the whole loss)
+        stage = min(feasible, key=lambda stage: solutions[stage].time_s)
+        problem, solution = problems[stage], solutions[stage]
+        plan = problem.to_plan(solution)
+        logger.debug(
+            "planner: bucket %d x %d: %s (%.4g s, %.2f GiB)",
+            edge,
+            micro_batch_size,
+            plan.compact(),
+            plan.predicted_time_s,
+            plan.predicted_peak_bytes / _GIB,
+        )
+        return _Bucket(problems, problem, solution, plan)
 
-    def _problem(self, layout: SequenceLayout, micro_batch_size: int) -> StageProblem:
+    def _problems(
+        self, layout: SequenceLayout, micro_batch_size: int, *, stop_when_fastest: bool
+    ) -> dict[StageOptions, StageProblem]:
+        """The problem of each stage option, in the cost model's order (the whole loss first). With
+        ``stop_when_fastest``, none after a problem whose fastest plan fits: every further option adds
+        time to the same layers, so none can beat it."""
+        costs = self._costs(layout, micro_batch_size)
+        problems = {}
+        for stage in self._stage_options:
+            problem = problems[stage] = self._problem(layout, micro_batch_size, costs, stage)
+            fastest = min(range(len(costs)), key=lambda o: (costs[o].time_s, costs[o].saved_bytes))
+            if stop_when_fastest and problem.fits(problem.evaluate(problem.uniform(fastest))):
+                break
+        return problems
+
+    def _costs(self, layout: SequenceLayout, micro_batch_size: int) -> tuple[LayerCost, ...]:
         costs = tuple(self.cost_model.layer_cost(o, layout, micro_batch_size) for o in self.options)
         for option, cost in zip(self.options, costs):
             values = (cost.time_s, cost.saved_bytes, cost.transient_bytes)
@@ -309,8 +352,19 @@ class Planner:
                     f"the cost model returned {cost} for {option} at {layout.padded_len} tokens; "
                     f"costs must be finite and non-negative"
                 )
-        peak = functools.partial(self.cost_model.peak_bytes, layout, micro_batch_size)
-        return StageProblem(self.options, costs, self.num_layers, self._budget, peak)
+        return costs
+
+    def _problem(
+        self, layout: SequenceLayout, micro_batch_size: int, costs: tuple[LayerCost, ...], stage: StageOptions
+    ) -> StageProblem:
+        # an option the stage option rules out needs infinite working memory: no plan with it fits
+        costs = tuple(
+            dataclasses.replace(cost, transient_bytes=math.inf) if stage.rules_out(option) else cost
+            for option, cost in zip(self.options, costs)
+        )
+        peak = functools.partial(self.cost_model.peak_bytes, layout, micro_batch_size, stage=stage)
+        stage_time = self.cost_model.stage_time_s(layout, micro_batch_size, stage)
+        return StageProblem(self.options, costs, self.num_layers, self._budget, peak, stage, stage_time)
 
     def _infeasible(self, layout: SequenceLayout, micro_batch_size: int, edge: int, problem: StageProblem) -> None:
         leanest = problem.leanest()
@@ -334,8 +388,7 @@ class Planner:
     def _search_longest(self, p: int, causal: bool, micro_batch_size: int) -> int:
         def fits(index: int) -> bool:
             edge = self._buckets.edge_at(index, 2 * p)
-            problem = self._problem(SequenceLayout((edge,), p, causal, edge), micro_batch_size)
-            return problem.fits(problem.leanest())
+            return self.fits(SequenceLayout((edge,), p, causal, edge), micro_batch_size)
 
         if not fits(0):
             return 0
@@ -381,8 +434,19 @@ class ForwardOnlyCost:
         return LayerCost(cost.time_s, saved_bytes=0.0, transient_bytes=cost.saved_bytes + cost.transient_bytes)
 
     def peak_bytes(
-        self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, transient_bytes: float
+        self,
+        layout: SequenceLayout,
+        micro_batch_size: int,
+        saved_bytes: float,
+        transient_bytes: float,
+        stage: StageOptions = WHOLE_LOSS,
     ) -> float:
         """``saved_bytes`` is 0 (no layer keeps anything); one activation stands in for it."""
         held = self.activation_bytes(layout, micro_batch_size)
-        return self.training.peak_bytes(layout, micro_batch_size, held, transient_bytes)
+        return self.training.peak_bytes(layout, micro_batch_size, held, transient_bytes, stage)
+
+    def stage_options(self, loss_chunk_tokens: int) -> tuple[StageOptions, ...]:
+        return self.training.stage_options(loss_chunk_tokens)
+
+    def stage_time_s(self, layout: SequenceLayout, micro_batch_size: int, stage: StageOptions) -> float:
+        return self.training.stage_time_s(layout, micro_batch_size, stage)

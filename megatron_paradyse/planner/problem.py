@@ -9,7 +9,10 @@ layers take each option matters, not which ones. A solution is a count vector ``
     subject to  sum_o n_o = L,   n_o >= 0 integer,
                 peak(sum_o n_o m_o, max_{o: n_o > 0} r_o) <= budget
 
-where ``peak`` is the cost model's stage peak, non-decreasing in both arguments.
+where ``peak`` is the cost model's stage peak, non-decreasing in both arguments. A problem is posed for
+one choice of how the stage runs around its layers (:class:`~megatron_paradyse.cost.base.StageOptions`):
+it sets ``peak`` and adds a constant to ``T``; an option it rules out costs infinite working memory, so
+no plan that uses it fits.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from megatron_paradyse.core.plan import LayerOption, Plan
-from megatron_paradyse.cost.base import LayerCost
+from megatron_paradyse.cost.base import WHOLE_LOSS, LayerCost, StageOptions
 
 __all__ = ["Solution", "StageProblem"]
 
@@ -47,6 +50,9 @@ class StageProblem:
     num_layers: int
     budget_bytes: float
     peak: PeakFn
+    stage: StageOptions = WHOLE_LOSS
+    stage_time_s: float = 0.0
+    """What ``stage`` adds to every plan's time."""
 
     def __post_init__(self) -> None:
         if len(self.options) != len(self.costs) or not self.options:
@@ -56,7 +62,7 @@ class StageProblem:
 
     def evaluate(self, counts: Sequence[int]) -> Solution:
         """Predicted time and peak of a count vector (sums in option order, so every rank gets the same bits)."""
-        time_s = saved = 0.0
+        time_s, saved = self.stage_time_s, 0.0
         transient = -float("inf")
         for n, cost in zip(counts, self.costs):
             if n:
@@ -104,4 +110,9 @@ class StageProblem:
             key=lambda o: (-self.costs[o].transient_bytes, -self.costs[o].saved_bytes, o),
         )
         layers = tuple(option for o in used for option in (self.options[o],) * solution.counts[o])
-        return Plan(layers, predicted_time_s=solution.time_s, predicted_peak_bytes=solution.peak_bytes)
+        return Plan(
+            layers,
+            loss_chunk_tokens=self.stage.loss_chunk_tokens,
+            predicted_time_s=solution.time_s,
+            predicted_peak_bytes=solution.peak_bytes,
+        )

@@ -154,6 +154,7 @@ class _Job:
                 mlp=None,
                 recompute=option.recompute,
                 hysteresis=0.0,
+                loss_chunk_tokens=0,  # Megatron's own loss, as a static run has it
             )
         costs = stage_cost_models(self.args, self.transformer, self.profile)
         footprints = stage_footprints(self.args, self.transformer)

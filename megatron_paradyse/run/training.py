@@ -33,6 +33,7 @@ from typing import NoReturn
 import torch
 
 from megatron_paradyse.config import ParadyseConfig
+from megatron_paradyse.mcore.chunked_loss import output_processor
 from megatron_paradyse.mcore.step_buffers import release_step_buffers
 from megatron_paradyse.run.fault import STATE_FILE, FaultWatch
 from megatron_paradyse.run.job import Job
@@ -334,7 +335,7 @@ class TrainingRun:
             layout=planned.layout, plan=planned.decision.plan, attention_kernel=self.job.config.attention_kernel
         )
         with micro_batch_scope(step):
-            output = model(tokens, position_ids, None, labels=labels)
+            output = model(tokens, position_ids, None, labels=labels, output_processor=output_processor(step.plan))
         return output, functools.partial(self._loss, loss_mask, index)
 
     def _record(self, planned, model) -> None:

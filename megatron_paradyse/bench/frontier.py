@@ -1,0 +1,121 @@
+"""The long-context frontier, simulated: Llama-3-8B on one 8-GPU node, the whole model.
+
+**Nothing here is measured.** ``bench simulate`` runs this beside the paper's experiment: the planner and
+the analytic cost model on published-figure profiles (:mod:`megatron_paradyse.cost.hardware`), for
+``configs/llama3-8b.yaml`` (32 layers, h=4096, GQA 8, SwiGLU 14336, RMSNorm, RoPE, no biases, untied)
+at TP=8 with Llama 3's vocabulary (128,256 tokens, padded as Megatron pads it at TP=8), the embedding,
+output layer and loss on the node, every strategy pair and per-layer recompute, one sequence per step.
+
+Per GPU kind it prints the longest sequence each way of running the stage fits: the transformer layers
+alone (no vocabulary), the whole model with Megatron's own loss, and the whole model with the planner
+free to chunk the loss (:mod:`megatron_paradyse.mcore.chunked_loss`); then the plan, predicted step
+time and the model FLOP utilisation it implies at 1M tokens. Activation offload to host memory and tiled
+MLPs are not built yet: host memory is unused.
+
+Assumptions: as the paper's setting (:mod:`megatron_paradyse.bench.simulate`): bf16 weights, fp32 main
+gradients, fp32 master weights and Adam moments on the GPUs, not sharded (18 bytes per parameter, no data
+parallelism), 10% of each GPU's memory kept out of the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.cost.analytic import AnalyticCostModel
+from megatron_paradyse.cost.hardware import NodeSpec, hardware_profile
+from megatron_paradyse.planner import Planner
+from megatron_paradyse.strategies import ModelShape
+
+__all__ = ["FrontierResult", "frontier", "training_flops"]
+
+LLAMA3_VOCAB = 128_256
+"""Llama 3's tokenizer (Llama Team 2024)."""
+REPORT_TOKENS = 1_048_576
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FrontierResult:
+    gpu: str
+    layers_only_max_len: int
+    """The transformer layers alone on the node (no embedding, output layer or loss)."""
+    megatron_loss_max_len: int
+    """The whole model, the output layer and loss as Megatron computes them."""
+    max_len: int
+    """The whole model, the planner free to chunk the loss."""
+    plan_at_1m: str
+    step_s_at_1m: float
+    """Predicted forward and backward time of the layers (and a chunked loss's recompute) at 1M tokens."""
+    mfu_at_1m: float
+    """:func:`training_flops` over that time and the node's peak."""
+
+
+def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's padded vocabulary (``--make-vocab-size-divisible-by`` times the TP size)."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+def training_flops(shape: ModelShape, num_layers: int, tokens: int) -> float:
+    """Model FLOPs of the transformer layers in one training step on one causal sequence (forward and
+    backward, no recompute): three times the forward's GEMMs and its attention (``2 s^2 h`` per layer,
+    halved by the causal mask, for scores and values). The embedding and output layer are left out, as
+    the plan's predicted time leaves their time out (at 1M tokens the output layer's GEMMs are under 0.5%
+    of the layers' FLOPs)."""
+    h = shape.hidden_size
+    q = shape.num_attention_heads * shape.kv_channels
+    kv = 2 * shape.num_query_groups * shape.kv_channels
+    fc1 = (2 if shape.gated_mlp else 1) * shape.ffn_hidden_size
+    per_token = num_layers * 2 * h * (q + kv + q + fc1 + shape.ffn_hidden_size)
+    attention = num_layers * 2 * tokens * tokens * q  # QK^T and PV, 2 FLOPs each, causal half
+    return 3 * (per_token * tokens + attention)
+
+
+def frontier(gpu: NodeSpec, configs: Path) -> FrontierResult:
+    from megatron_paradyse.bench.simulate import stage_static_bytes
+    from megatron_paradyse.config import load_config
+    from megatron_paradyse.run.config_cli import model_shape_from_args, parse_megatron_args
+
+    config = load_config(configs / "llama3-8b.yaml")
+    args = parse_megatron_args(config.megatron_args)
+    shape = model_shape_from_args(args)
+    p, layers = args.tensor_model_parallel_size, args.num_layers
+    if p != gpu.p:
+        raise ValueError(f"llama3-8b.yaml runs TP={p}, the {gpu.name} node has {gpu.p} GPUs")
+    vocab = padded_vocab(LLAMA3_VOCAB, p)
+    budget = gpu.memory_bytes * (1 - config.memory.margin)
+
+    def planner(vocab_size: int, loss_chunk_tokens: int) -> Planner:
+        cost = AnalyticCostModel(
+            hardware_profile(gpu),
+            shape,
+            p,
+            dtype=torch.bfloat16,
+            static_bytes=stage_static_bytes(shape, layers, p, vocab_size=vocab_size),
+            vocab_size=vocab_size,
+            rotary_dim=shape.kv_channels,
+            bias=False,
+            normalization="RMSNorm",
+        )
+        planner_config = dataclasses.replace(
+            config.planner, loss_chunk_tokens=loss_chunk_tokens, bucket="geometric", on_infeasible="stop"
+        )
+        return Planner.for_model(planner_config, cost, shape=shape, p=p, num_layers=layers, budget_bytes=budget)
+
+    chunking = config.planner.loss_chunk_tokens
+    adaptive = planner(vocab, chunking)
+    decision = adaptive.decide(SequenceLayout.build(REPORT_TOKENS, p, causal=True))
+    step_s = decision.plan.predicted_time_s
+    flops = training_flops(shape, layers, REPORT_TOKENS)
+    return FrontierResult(
+        gpu=gpu.name,
+        layers_only_max_len=planner(0, 0).max_feasible_length(p, causal=True),
+        megatron_loss_max_len=planner(vocab, 0).max_feasible_length(p, causal=True),
+        max_len=adaptive.max_feasible_length(p, causal=True),
+        plan_at_1m=decision.plan.compact(),
+        step_s_at_1m=step_s,
+        mfu_at_1m=flops / (step_s * p * gpu.peak_bf16_flops),
+    )
