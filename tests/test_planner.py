@@ -113,6 +113,7 @@ def test_no_option_left_is_an_error():
         ({"bucket_tokens": 0}, r"planner.bucket_tokens must be a positive int, got 0"),
         ({"bucket_ratio": 1.0}, r"planner.bucket_ratio must be a finite number > 1, got 1.0"),
         ({"on_infeasible": "split"}, r"planner.on_infeasible must be one of skip, stop; got 'split'"),
+        ({"loss_chunk_tokens": -1}, r"planner.loss_chunk_tokens must be a non-negative int \(0: never chunk\), got -1"),
     ],
 )
 def test_config_errors(fields, message):

@@ -1,6 +1,8 @@
 """The long-context frontier, simulated: Llama-3-8B on one 8-GPU node, the whole model.
 
-**Nothing here is measured.** ``bench simulate`` runs this beside the paper's experiment: the planner and
+    python -m megatron_paradyse.bench frontier [--gpus a100,h100,h200]
+
+**Nothing here is measured.** ``bench simulate`` also runs it, beside the paper's experiment: the planner and
 the analytic cost model on published-figure profiles (:mod:`megatron_paradyse.cost.hardware`), for
 ``configs/llama3-8b.yaml`` (32 layers, h=4096, GQA 8, SwiGLU 14336, RMSNorm, RoPE, no biases, untied)
 at TP=8 with Llama 3's vocabulary (128,256 tokens, padded as Megatron pads it at TP=8), the embedding,
@@ -19,6 +21,7 @@ parallelism), 10% of each GPU's memory kept out of the budget.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 
@@ -26,11 +29,13 @@ import torch
 
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.cost.analytic import AnalyticCostModel
-from megatron_paradyse.cost.hardware import NodeSpec, hardware_profile
+from megatron_paradyse.cost.hardware import HARDWARE, NodeSpec, hardware_profile
 from megatron_paradyse.planner import Planner
 from megatron_paradyse.strategies import ModelShape
 
-__all__ = ["FrontierResult", "frontier", "training_flops"]
+__all__ = ["FrontierResult", "frontier", "main", "print_frontier", "training_flops"]
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 LLAMA3_VOCAB = 128_256
 """Llama 3's tokenizer (Llama Team 2024)."""
@@ -119,3 +124,43 @@ def frontier(gpu: NodeSpec, configs: Path) -> FrontierResult:
         step_s_at_1m=step_s,
         mfu_at_1m=flops / (step_s * p * gpu.peak_bf16_flops),
     )
+
+
+def print_frontier(results: list[FrontierResult]) -> None:
+    print(
+        f"\nLlama-3-8B on one node, the whole model (configs/llama3-8b.yaml, TP=8, vocabulary "
+        f"{padded_vocab(LLAMA3_VOCAB, 8):,} padded), SIMULATED; host memory unused (no activation offload yet)"
+    )
+    head = ["gpu", "layers only", "Megatron's loss", "chunked loss", "plan at 1M tokens", "step s", "MFU"]
+    rows = [
+        [
+            f.gpu,
+            f"{f.layers_only_max_len:,}",
+            f"{f.megatron_loss_max_len:,}",
+            f"{f.max_len:,}",
+            f.plan_at_1m,
+            f"{f.step_s_at_1m:.1f}",
+            f"{f.mfu_at_1m:.1%}",
+        ]
+        for f in results
+    ]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        print("  " + "  ".join(v.ljust(w) if i in (0, 4) else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_paradyse.bench frontier", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--gpus", default="a100,h100,h200", help=f"of {','.join(HARDWARE)}")
+    parser.add_argument("--configs", type=Path, default=CONFIGS, help="folder of llama3-8b.yaml")
+    args = parser.parse_args(argv)
+    gpus = [g for g in args.gpus.split(",") if g]
+    unknown = [g for g in gpus if g not in HARDWARE]
+    if unknown or not gpus:
+        raise SystemExit(f"--gpus: unknown {', '.join(unknown) or '(empty)'}; known: {', '.join(HARDWARE)}")
+    results = [frontier(HARDWARE[g], args.configs) for g in gpus]
+    print_frontier(results)
+    print(" ".join(f"llama3_8b_{r.gpu}_max_len={r.max_len}" for r in results))
+    return 0

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_paradyse.bench.frontier import LLAMA3_VOCAB, FrontierResult, frontier, padded_vocab
+from megatron_paradyse.bench.frontier import frontier, print_frontier
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.analytic import AnalyticCostModel
@@ -649,27 +649,6 @@ def main(argv: list[str] | None = None) -> int:
     fields = [f"{k}={summary[k]}" for k in first]
     print(" ".join([*fields, f"paper={PAPER_MAX_GPT_GRCH38}", f"ordering_ok={int(not failed)}"]))
     return 0
-
-
-def print_frontier(results: list[FrontierResult]) -> None:
-    print(
-        f"\nLlama-3-8B on one node, the whole model (configs/llama3-8b.yaml, TP=8, vocabulary "
-        f"{padded_vocab(LLAMA3_VOCAB, 8):,} padded), SIMULATED; host memory unused (no activation offload yet)"
-    )
-    head = ["gpu", "layers only", "Megatron's loss", "chunked loss", "plan at 1M tokens", "step s", "MFU"]
-    rows = [
-        [
-            f.gpu,
-            f"{f.layers_only_max_len:,}",
-            f"{f.megatron_loss_max_len:,}",
-            f"{f.max_len:,}",
-            f.plan_at_1m,
-            f"{f.step_s_at_1m:.1f}",
-            f"{f.mfu_at_1m:.1%}",
-        ]
-        for f in results
-    ]
-    _print_table(head, rows)
 
 
 def _summary(setting: Setting) -> dict[str, int]:

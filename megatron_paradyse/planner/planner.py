@@ -280,8 +280,12 @@ class Planner:
 
     def fits(self, layout: SequenceLayout, micro_batch_size: int = 1) -> bool:
         """Whether some plan fits ``layout`` (costed as it is, not at its bucket's edge)."""
+        return self.leanest_peak_bytes(layout, micro_batch_size) <= self._budget
+
+    def leanest_peak_bytes(self, layout: SequenceLayout, micro_batch_size: int = 1) -> float:
+        """The least predicted peak of any plan for ``layout`` (costed as it is)."""
         problems = self._problems(layout, micro_batch_size, stop_when_fastest=False)
-        return any(problem.fits(problem.leanest()) for problem in problems.values())
+        return min(problem.leanest().peak_bytes for problem in problems.values())
 
     def max_feasible_length(self, p: int, *, causal: bool, micro_batch_size: int = 1) -> int:
         """Longest padded length of one document some plan fits (a bucket edge); 0 if none does.

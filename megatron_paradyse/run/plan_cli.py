@@ -224,18 +224,20 @@ def _lengths(args: argparse.Namespace, config, job: _Job) -> list[int]:
 
 def _format(answer: dict) -> str:
     stages = answer["pp"]
+    plans = [row[f"stage{stage}"]["plan"] or "" for row in answer["lengths"] for stage in range(stages)]
+    width = max([44, *map(len, plans)])
     lines = [
         f"cost model: {answer['cost_model']}",
         f"TP={answer['tp']} PP={stages}; budget {answer['budget_gib']:.2f} GiB per rank",
-        f"{'tokens':>9}  {'stage':>5}  {'plan':<44} {'time s':>9} {'peak GiB':>9}",
+        f"{'tokens':>9}  {'stage':>5}  {'plan':<{width}} {'time s':>9} {'peak GiB':>9}",
     ]
     for row in answer["lengths"]:
         for stage in range(stages):
             d = row[f"stage{stage}"]
             if d["plan"] is None:
-                text = f"{'does not fit':<44} {'':>9} {d['leanest_peak_gib']:>9.2f}  (the leanest plan)"
+                text = f"{'does not fit':<{width}} {'':>9} {d['leanest_peak_gib']:>9.2f}  (the leanest plan)"
             else:
-                text = f"{d['plan']:<44} {d['time_s']:>9.4g} {d['peak_gib']:>9.2f}"
+                text = f"{d['plan']:<{width}} {d['time_s']:>9.4g} {d['peak_gib']:>9.2f}"
             lines.append(f"{row['tokens']:>9}  {stage:>5}  {text}")
     lines.append("longest sequence that fits, per static strategy (every layer alike):")
     for pair, longest in answer["static_longest"].items():
