@@ -154,7 +154,7 @@ def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_s
     )
     message = re.search(
         rf"paradyse: error: a sequence of {files[4]} tokens \(padded to \d+, planned at \d+\) with micro-batch "
-        r"size 1 fits no plan: the leanest \(2x \S+\) is predicted to peak at [\d.]+ GiB, over the budget of "
+        r"size 1 fits no plan: the leanest \(2x [^)]+\) is predicted to peak at [\d.]+ GiB, over the budget of "
         r"0\.02 GiB; the longest that fits is (\d+) tokens with this micro-batch size\. Shorten or split",
         second.stderr,
     )

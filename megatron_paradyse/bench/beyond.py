@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import sys
 
 import numpy as np
@@ -49,10 +48,9 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
 
-    from megatron_paradyse.bench.e2e import MODEL
-    from megatron_paradyse.core.memory import PeakMemory
+    from megatron_paradyse.bench.e2e import demo_config
+    from megatron_paradyse.core.memory import peak_bytes_of, storage_bytes
     from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
     from megatron_paradyse.cost import AnalyticCostModel
     from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
@@ -66,16 +64,7 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
     p = settings.tp
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=p)
     model_parallel_cuda_manual_seed(SEED)
-    config = TransformerConfig(
-        **MODEL,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=p,
-        sequence_parallel=p > 1,
-    )
+    config = demo_config(p)
     torch.manual_seed(SEED)
     model = GPTModel(
         config,
@@ -86,7 +75,7 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
     )
     for param in model.parameters():
         param.grad = torch.zeros_like(param)  # Megatron's gradient buffer: there before any step
-    static = _storage_bytes(t for param in model.parameters() for t in (param, param.grad))
+    static = storage_bytes(t for param in model.parameters() for t in (param, param.grad))
     profile = hardware_profile(dataclasses.replace(HARDWARE["a100"], p=p))
     profile["fingerprint"]["device"] = "cpu"  # memory as tensors take it on this machine
     profile["allocator_slack"] = 0.0  # no caching allocator on the CPU
@@ -108,7 +97,9 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
 
     def planner(loss_chunk_tokens: int, budget: float) -> Planner:
         planner_config = PlannerConfig(loss_chunk_tokens=loss_chunk_tokens, bucket_tokens=2 * p)
-        return Planner.for_model(planner_config, cost, shape=cost.shape, p=p, num_layers=4, budget_bytes=budget)
+        return Planner.for_model(
+            planner_config, cost, shape=cost.shape, p=p, num_layers=config.num_layers, budget_bytes=budget
+        )
 
     whole_least = planner(0, 1.0).leanest_peak_bytes(layout)
     chunked_least = planner(settings.loss_chunk_tokens, 1.0).leanest_peak_bytes(layout)
@@ -135,15 +126,8 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
     step()
     release_step_buffers()  # as the training entry point does before each micro-batch
     inputs = [batch[k] for k in ("tokens", "labels", "loss_mask", "position_ids")] + list(layout.indices("cpu"))
-    gc.collect()
-    gc.disable()  # tensors freed only with a reference cycle stay counted until the window ends
-    try:
-        with PeakMemory() as window:
-            step()
-    finally:
-        gc.enable()
     measured = [None] * p
-    dist.all_gather_object(measured, static + _storage_bytes(inputs) + window.peak_bytes)
+    dist.all_gather_object(measured, static + storage_bytes(inputs) + peak_bytes_of(step))
     parallel_state.destroy_model_parallel()
     return {
         "budget": budget,
@@ -153,26 +137,10 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
         "chunked_max_len": chunked.max_feasible_length(p, causal=True),
         "plan": plan.compact(),
         "predicted": plan.predicted_peak_bytes,
-        "predicted_here": cost.peak_bytes(layout, 1, *_layers(cost, plan, layout), _stage(plan)),
+        "predicted_here": cost.plan_peak_bytes(plan, layout, 1),
         "measured": measured,
         "padded": layout.padded_len,
     }
-
-
-def _layers(cost, plan, layout) -> tuple[float, float]:
-    costs = [cost.layer_cost(option, layout, 1) for option in plan]
-    return sum(c.saved_bytes for c in costs), max(c.transient_bytes for c in costs)
-
-
-def _stage(plan):
-    from megatron_paradyse.cost.base import StageOptions
-
-    return StageOptions.of(plan)
-
-
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages of ``tensors`` (views and aliases counted once)."""
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def main(argv: list[str] | None = None) -> int:

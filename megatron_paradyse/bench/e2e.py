@@ -90,7 +90,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
+import functools
 import json
 import math
 import statistics
@@ -103,6 +103,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_paradyse.bench.memory import PAIRINGS
+from megatron_paradyse.core.memory import storage_bytes
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.mcore.step_buffers import release_step_buffers
 
@@ -122,6 +123,23 @@ MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=8, ffn_hidden_si
 """The CPU demo's GPT (``configs/tiny-cpu.yaml``)."""
 LEARNING_RATE = 1e-3
 SEED = 1234
+
+
+def demo_config(p: int):
+    """The demo GPT's :data:`MODEL` as a Megatron ``TransformerConfig`` for TP=``p`` with sequence
+    parallelism, fp32 on the CPU, no dropout."""
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        **MODEL,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=p,
+        sequence_parallel=p > 1,
+    )
 
 
 # -- results ------------------------------------------------------------------------------------------
@@ -326,7 +344,6 @@ class _CorpusBench:
     def __init__(self, corpus: Corpus, settings: Settings) -> None:
         from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.transformer import TransformerConfig
 
         from megatron_paradyse.cost import AnalyticCostModel
         from megatron_paradyse.data import make_micro_batch
@@ -340,16 +357,7 @@ class _CorpusBench:
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.config = TransformerConfig(
-            **MODEL,
-            use_cpu_initialization=True,
-            params_dtype=torch.float32,
-            pipeline_dtype=torch.float32,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            tensor_model_parallel_size=p,
-            sequence_parallel=p > 1,
-        )
+        self.config = demo_config(p)
         multiple = 128 * p  # Megatron's --make-vocab-size-divisible-by 128, times TP
         self.vocab_size = -(-corpus.vocab_size // multiple) * multiple
         longest = max(sum(corpus.micro_batch_tokens(m)) for m in corpus.micro_batches)
@@ -457,16 +465,6 @@ class _CorpusBench:
             budget_bytes=budget * (1.0 - self.settings.plan_margin),
         )
 
-    def _predicted_peak(self, plan, layout) -> float:
-        """The cost model's peak of ``plan`` at ``layout``'s exact length (the planner prices a bucket's edge)."""
-        from megatron_paradyse.cost.base import StageOptions
-
-        costs = [self.cost_model.layer_cost(option, layout, 1) for option in plan]
-        saved = sum(c.saved_bytes for c in costs)
-        return self.cost_model.peak_bytes(
-            layout, 1, saved, max(c.transient_bytes for c in costs), StageOptions.of(plan)
-        )
-
     def _arm_plan(self, name: str, planner, layout):
         """The plan of a micro-batch (None: Megatron's own layers); raises _Infeasible for the planner."""
         from megatron_paradyse.core.plan import LayerOption, Plan
@@ -511,7 +509,7 @@ class _CorpusBench:
     # -- passes -----------------------------------------------------------------------------------
     def _memory_pass(self, name: str, budget: float | None = None) -> ArmResult:
         """Every sequence once, untimed, under the storage tracker: the peak of each rank."""
-        from megatron_paradyse.core.memory import PeakMemory
+        from megatron_paradyse.core.memory import peak_bytes_of
 
         model, optimizer, grads = self._reset(name)
         planner = self._planner(budget) if name == ADAPTIVE else None
@@ -527,7 +525,9 @@ class _CorpusBench:
                 finally:
                     deciding += time.perf_counter() - start
                 planned = (
-                    (MEGATRON_PLAN, None) if plan is None else (plan.compact(), self._predicted_peak(plan, layout))
+                    (MEGATRON_PLAN, None)
+                    if plan is None
+                    else (plan.compact(), self.cost_model.plan_peak_bytes(plan, layout, 1))
                 )
             except _Infeasible:
                 planned = None
@@ -538,17 +538,9 @@ class _CorpusBench:
             creates_optimizer_state = not optimizer.state
             release_step_buffers()  # Megatron's all-gather buffer and rotary tables: the step's own
             resident = _resident_bytes(model, optimizer) + _input_bytes(batch, plan)
-            gc.collect()
-            gc.disable()  # tensors freed only with a reference cycle stay counted until the window ends
-            try:
-                with PeakMemory() as forward_backward:
-                    self._forward_backward(model, grads, batch, plan)
-                with PeakMemory() as step:
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=False)
-            finally:
-                gc.enable()
-            peaks = self._gather(resident + max(forward_backward.peak_bytes, step.peak_bytes))
+            forward_backward = peak_bytes_of(functools.partial(self._forward_backward, model, grads, batch, plan))
+            step = peak_bytes_of(lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=False)))
+            peaks = self._gather(resident + max(forward_backward, step))
             results.append(
                 SequenceResult(
                     document_tokens,
@@ -628,19 +620,14 @@ def _input_bytes(batch: dict, plan) -> int:
     else:
         tensors = [batch[k] for k in ("tokens", "labels", "loss_mask", "position_ids")]
         tensors += list(batch["layout"].indices("cpu"))
-    return _storage_bytes(tensors)
+    return storage_bytes(tensors)
 
 
 def _resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the distinct storages of ``model``'s parameters and gradients and ``optimizer``'s state."""
     tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
     tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
-    return _storage_bytes(tensors)
-
-
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages of ``tensors`` (views and aliases counted once)."""
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    return storage_bytes(tensors)
 
 
 # -- the command --------------------------------------------------------------------------------------

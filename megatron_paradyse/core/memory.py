@@ -11,13 +11,15 @@ it.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import weakref
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["MemoryEvent", "PeakMemory"]
+__all__ = ["MemoryEvent", "PeakMemory", "peak_bytes_of", "storage_bytes"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -122,3 +124,22 @@ class PeakMemory:
         else:
             self._tracker.__exit__(*exc)
             self.peak_bytes = self._tracker.peak
+
+
+def peak_bytes_of(work: Callable[[], object], device: torch.device | str = "cpu") -> int:
+    """High-water mark of ``work()`` above what was allocated when it started, with Python's cycle
+    collector held off: a tensor freed only with a reference cycle stays counted until the end, as it
+    stays allocated until a collection runs."""
+    gc.collect()
+    gc.disable()
+    try:
+        with PeakMemory(device) as window:
+            work()
+    finally:
+        gc.enable()
+    return window.peak_bytes
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages of ``tensors`` (views and aliases counted once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())

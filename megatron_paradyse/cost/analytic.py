@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from megatron_paradyse.core.layout import SequenceLayout
-from megatron_paradyse.core.plan import LayerOption, loss_chunk_rows
+from megatron_paradyse.core.plan import LayerOption, Plan, loss_chunk_rows
 from megatron_paradyse.cost.allocations import (
     RANK_DEPENDENT,
     Dims,
@@ -201,6 +201,13 @@ class AnalyticCostModel:
         working = max(transient_bytes, self.loss_bytes(layout, micro_batch_size, stage.loss_chunk_tokens))
         resident = self.static_bytes + self.stage_bytes(layout, micro_batch_size, stage) + saved_bytes
         return resident + working * (1.0 + self.profile["allocator_slack"])
+
+    def plan_peak_bytes(self, plan: Plan, layout: SequenceLayout, micro_batch_size: int) -> float:
+        """:meth:`peak_bytes` of ``plan``'s layers and stage options at ``layout`` (as it is: the planner
+        prices a bucket's edge)."""
+        costs = [self.layer_cost(option, layout, micro_batch_size) for option in plan]
+        saved, transient = sum(c.saved_bytes for c in costs), max(c.transient_bytes for c in costs)
+        return self.peak_bytes(layout, micro_batch_size, saved, transient, StageOptions.of(plan))
 
     def stage_options(self, loss_chunk_tokens: int) -> tuple[StageOptions, ...]:
         """:data:`WHOLE_LOSS`; on a stage that holds the output layer and with ``loss_chunk_tokens``, the
