@@ -479,7 +479,8 @@ def _print_traces(cfg: TraceConfig, rows: list[dict], seconds: float) -> dict[st
         f"{str(cfg.dtype)[6:]}, one causal document, traced on a fake process group under FakeTensorMode "
         f"(megatron_paradyse.mcore.trace), {ranks}.\n"
         "# saved: alive when the forward returns (output included); peak: high-water mark over forward and "
-        "backward; both above the layer's input, weights, gradient buffers and rotary table.\n"
+        "backward (the output's gradient in the output's place, freed once used); both above the layer's "
+        "input, weights, gradient buffers and rotary table.\n"
         "# predicted: megatron_paradyse.cost.terms.layer_terms; err = (predicted - traced) / traced."
     )
     print(

@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["MemoryEvent", "PeakMemory", "peak_bytes_of", "storage_bytes"]
+__all__ = ["GradientRoot", "MemoryEvent", "PeakMemory", "peak_bytes_of", "storage_bytes"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -143,3 +143,29 @@ def peak_bytes_of(work: Callable[[], object], device: torch.device | str = "cpu"
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages of ``tensors`` (views and aliases counted once)."""
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+class _GradientRoot(torch.autograd.Function):
+    """An empty output (no bytes to count) whose backward gives ``y`` a copy of ``dy``."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(dy)
+        return y.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (dy,) = ctx.saved_tensors
+        return dy.clone(), None
+
+
+class GradientRoot:
+    """``GradientRoot(y, dy).backward()`` runs ``y``'s backward from the gradient ``dy`` as a training step
+    gives a layer's output its gradient: made inside the backward (a copy of ``dy``) and freed once used,
+    with ``y`` itself not kept (drop the caller's reference to ``y`` before calling ``backward``)."""
+
+    def __init__(self, y: torch.Tensor, dy: torch.Tensor) -> None:
+        self._root = _GradientRoot.apply(y, dy)
+
+    def backward(self) -> None:
+        self._root.backward(torch.empty_like(self._root))

@@ -1291,8 +1291,9 @@ def layer_memory(attn: SublayerMemory, mlp: SublayerMemory, d: Dims) -> LayerMem
 
     Forward: norm 1 (output and statistics; it keeps the layer's input), the attention, the residual
     ``x1``, norm 2 (keeping ``x1``), the MLP, the output. Backward from the output's gradient (the
-    next layer's or the loss's: not counted here): the MLP, norm 2's backward, the residual's summed
-    gradient, the attention, norm 1's. Recompute keeps only the output; its forward keeps nothing,
+    next layer's or the loss's), which takes the output's place (by then the output's consumer has freed
+    it) and dies into the residual's summed gradient: the MLP, norm 2's backward, that sum, the attention,
+    norm 1's. Recompute keeps only the output; its forward keeps nothing,
     and the backward first reruns the whole layer, then runs as without recompute.
     """
     x = d.x
@@ -1328,7 +1329,7 @@ def layer_memory(attn: SublayerMemory, mlp: SublayerMemory, d: Dims) -> LayerMem
     _norm_backward(m, d, "ln2", "mlp.dx_local")
     m.free("x1")
     m.alloc(attn_dy=x)  # the output's gradient plus norm 2's
-    m.free("ln2_dx")
+    m.free("ln2_dx", "output")  # "output" stands for the output's gradient, which dies here
     backward(m, attn, "attn.")
     _norm_backward(m, d, "ln1", "attn.dx_local")
     m.alloc(dx=x)

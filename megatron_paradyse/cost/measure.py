@@ -7,7 +7,8 @@ repeats after warm-up. Its *memory*, from :class:`PeakMemory` above the layer's 
 gradient buffers (the plan-independent static part):
 
 - ``saved_bytes``: still allocated when the forward returns (kept for backward, output included);
-- ``peak_bytes``: the high-water mark over forward and backward;
+- ``peak_bytes``: the high-water mark over forward and backward, the backward run as in a training step
+  (the output gone, its gradient made inside the backward and freed once used);
 - ``transient_bytes = peak_bytes - saved_bytes``.
 
 A stage of ``L`` alike layers then peaks at ``static + L * saved + transient`` (the last layer's
@@ -30,7 +31,7 @@ from torch.distributed import ProcessGroup
 
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.core.layout import SequenceLayout
-from megatron_paradyse.core.memory import PeakMemory
+from megatron_paradyse.core.memory import GradientRoot, PeakMemory
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.strategies import (
     AttentionContext,
@@ -192,8 +193,9 @@ def measure_layer(
                 y_local = run_layer(x_local, params, option, actx, mctx)
                 time.sleep(0.001)  # the GIL for gloo's worker thread to release the last collective's buffers
                 saved.append(memory.current_bytes())
-                y_local.backward(dy_local)
+                root = GradientRoot(y_local, dy_local)  # the output gone, its gradient made in backward
                 del y_local
+                root.backward()
                 x_local.grad = None
             peak.append(memory.peak_bytes)
     finally:

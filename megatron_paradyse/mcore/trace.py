@@ -14,7 +14,9 @@ and their gradient buffers (allocated before the window, as Megatron's are) and 
 (GPTModel builds it once per forward, for every layer):
 
 - ``saved_bytes``: alive when the forward returns (kept for backward, the output included);
-- ``peak_bytes``: the high-water mark over forward and backward (the input's gradient included).
+- ``peak_bytes``: the high-water mark over forward and backward (the input's gradient included), the
+  backward run as in a training step: the output gone, its gradient made inside the backward and freed
+  once used (:class:`~megatron_paradyse.core.memory.GradientRoot`).
 
 Two layers can be traced (:data:`LayerKind`):
 
@@ -52,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.core import compat
 from megatron_paradyse.core.layout import SequenceLayout
-from megatron_paradyse.core.memory import MemoryEvent, _StorageTracker
+from megatron_paradyse.core.memory import GradientRoot, MemoryEvent, _StorageTracker
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.allocations import Dims
 from megatron_paradyse.cost.measure import make_layer_params, run_layer
@@ -300,8 +302,9 @@ class RankTracer:
                             time.sleep(0.001)  # gloo's thread: its last sent buffer (see above)
                         saved, forward_events = tracker.live, len(tracker.events or ())
                         allocator.forward_done()
-                        y_local.backward(dy_local)
+                        root = GradientRoot(y_local, dy_local)  # the output gone, its gradient made in backward
                         del y_local
+                        root.backward()
                         x_local.grad = None
                     seconds = time.perf_counter() - start
             finally:
