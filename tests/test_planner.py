@@ -352,9 +352,8 @@ def _llama3_8b_head_planner(loss_chunk_tokens: int) -> Planner:
     layer and loss of a 129,024-token vocabulary, every strategy and recompute, a 72 GB budget."""
     import torch
 
-    from megatron_paradyse.bench.simulate import stage_static_bytes
     from megatron_paradyse.cost import AnalyticCostModel
-    from megatron_paradyse.cost.hardware import hardware_profile
+    from megatron_paradyse.cost.hardware import hardware_profile, stage_static_bytes
 
     shape = planner_bench.bench_shape()
     vocab = 129_024

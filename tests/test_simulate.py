@@ -16,7 +16,7 @@ from megatron_paradyse.bench.frontier import frontier, training_flops
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost import AnalyticCostModel, ProfileError
-from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
+from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile, stage_static_bytes
 from megatron_paradyse.cost.profile import load_profile, save_profile
 from megatron_paradyse.planner import Planner, PlannerConfig
 from megatron_paradyse.strategies import ModelShape
@@ -97,8 +97,8 @@ def test_a_curve_ends_at_the_first_sequence_no_plan_fits(pairs):
 
 def test_stage_static_bytes_counts_18_bytes_per_parameter():
     params_per_rank = 8 * 12 * 12288**2 / 8 + 8 * 4 * 12288  # TP-sharded linears, replicated LayerNorms
-    assert simulate.stage_static_bytes(GPT, 8, 8) == 18 * params_per_rank
-    assert simulate.stage_static_bytes(GPT, 8, 8, vocab_size=100) == 18 * (params_per_rank + 2 * 100 * 12288 / 8)
+    assert stage_static_bytes(GPT, 8, 8) == 18 * params_per_rank
+    assert stage_static_bytes(GPT, 8, 8, vocab_size=100) == 18 * (params_per_rank + 2 * 100 * 12288 / 8)
 
 
 def test_benchmark_prints_tables_checks_and_the_summary_line(tmp_path, capsys):

@@ -29,7 +29,7 @@ import torch
 
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.cost.analytic import AnalyticCostModel
-from megatron_paradyse.cost.hardware import HARDWARE, NodeSpec, hardware_profile
+from megatron_paradyse.cost.hardware import HARDWARE, NodeSpec, hardware_profile, stage_static_bytes
 from megatron_paradyse.planner import Planner
 from megatron_paradyse.strategies import ModelShape
 
@@ -80,7 +80,6 @@ def training_flops(shape: ModelShape, num_layers: int, tokens: int) -> float:
 
 
 def frontier(gpu: NodeSpec, configs: Path) -> FrontierResult:
-    from megatron_paradyse.bench.simulate import stage_static_bytes
     from megatron_paradyse.config import load_config
     from megatron_paradyse.run.config_cli import model_shape_from_args, parse_megatron_args
 

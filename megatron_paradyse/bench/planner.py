@@ -12,7 +12,7 @@ The planner prices options with the analytic cost model training uses
 :func:`~megatron_paradyse.cost.hardware.hardware_profile` builds from the published figures of an
 8-GPU node (``--gpu``; simulated, nothing measured), or a profile ``paradyse calibrate`` measured
 (``--profile``). The stage holds the transformer layers' weights, gradients and Adam state
-(:func:`~megatron_paradyse.bench.simulate.stage_static_bytes`); the budget is 90% of the GPU's memory
+(:func:`~megatron_paradyse.cost.hardware.stage_static_bytes`); the budget is 90% of the GPU's memory
 (``--budget-gib``). Timings are wall clock on whatever machine runs this; on a shared machine they
 are noisy.
 """
@@ -28,10 +28,9 @@ import time
 
 import torch
 
-from megatron_paradyse.bench.simulate import stage_static_bytes
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.cost import AnalyticCostModel, load_profile
-from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
+from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile, stage_static_bytes
 from megatron_paradyse.planner import Planner, PlannerConfig, solve_exact, solve_heuristic
 from megatron_paradyse.strategies import ModelShape
 

@@ -44,7 +44,7 @@ from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.analytic import AnalyticCostModel
 from megatron_paradyse.cost.base import WHOLE_LOSS, CostModel, LayerCost, StageOptions
-from megatron_paradyse.cost.hardware import HARDWARE, NodeSpec, hardware_profile
+from megatron_paradyse.cost.hardware import BYTES_PER_PARAM, HARDWARE, NodeSpec, hardware_profile, stage_static_bytes
 from megatron_paradyse.data.corpora import (
     GITHUBCODE_MAX_LEN,
     GITHUBCODE_SHARES,
@@ -56,13 +56,10 @@ from megatron_paradyse.planner import InfeasibleSequenceError, Planner, PlannerC
 from megatron_paradyse.planner.buckets import LengthBuckets
 from megatron_paradyse.strategies import ModelShape
 
-__all__ = ["Curve", "DatasetSpec", "ModelSpec", "Run", "main", "simulate_curve", "stage_static_bytes"]
+__all__ = ["Curve", "DatasetSpec", "ModelSpec", "Run", "main", "simulate_curve"]
 
 _GIB = 2**30
 _K = 1024
-BYTES_PER_PARAM = 18
-"""bf16 weight (2) + fp32 main gradient (4) + fp32 master weight (4) + Adam's two fp32 moments (8):
-Megatron's default bf16 recipe, without a distributed optimizer (the paper's node has no data parallelism)."""
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
@@ -177,18 +174,6 @@ class MemoCostModel:
 
     def stage_time_s(self, layout, micro_batch_size, stage) -> float:
         return self.model.stage_time_s(layout, micro_batch_size, stage)
-
-
-def stage_static_bytes(shape: ModelShape, num_layers: int, p: int, *, vocab_size: int = 0) -> float:
-    """Weights, gradients and optimizer state of the node's layers (:data:`BYTES_PER_PARAM` per
-    parameter): TP-sharded linear weights, replicated LayerNorm weights and biases (no linear biases, as
-    the presets); with ``vocab_size``, a vocab-parallel embedding and output layer (untied)."""
-    h = shape.hidden_size
-    qkv = (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.kv_channels
-    fc1 = (2 if shape.gated_mlp else 1) * shape.ffn_hidden_size
-    sharded = h * (qkv + shape.num_attention_heads * shape.kv_channels + fc1 + shape.ffn_hidden_size)
-    per_rank = num_layers * (sharded / p + 4 * h) + 2 * vocab_size * h / p
-    return per_rank * BYTES_PER_PARAM
 
 
 def longest_fitting(planner: Planner, p: int, *, causal: bool, fits: int, limit: int) -> int | None:

@@ -46,8 +46,9 @@ from typing import Any
 
 from megatron_paradyse.cost.profile import PROFILE_SCHEMA, PROFILE_VERSION
 from megatron_paradyse.cost.terms import COLLECTIVE_KINDS
+from megatron_paradyse.strategies import ModelShape
 
-__all__ = ["HARDWARE", "Link", "NodeSpec", "hardware_profile"]
+__all__ = ["BYTES_PER_PARAM", "HARDWARE", "Link", "NodeSpec", "hardware_profile", "stage_static_bytes"]
 
 _MIB = 2**20
 
@@ -243,3 +244,20 @@ def hardware_profile(spec: NodeSpec) -> dict[str, Any]:
         "correction": None,
         "samples": {"sources": list(spec.sources), "see": "megatron_paradyse/cost/hardware.py"},
     }
+
+
+BYTES_PER_PARAM = 18
+"""bf16 weight (2) + fp32 main gradient (4) + fp32 master weight (4) + Adam's two fp32 moments (8):
+Megatron's default bf16 recipe, without a distributed optimizer (the paper's node has no data parallelism)."""
+
+
+def stage_static_bytes(shape: ModelShape, num_layers: int, p: int, *, vocab_size: int = 0) -> float:
+    """Weights, gradients and optimizer state of the node's layers (:data:`BYTES_PER_PARAM` per
+    parameter): TP-sharded linear weights, replicated LayerNorm weights and biases (no linear biases, as
+    the presets); with ``vocab_size``, a vocab-parallel embedding and output layer (untied)."""
+    h = shape.hidden_size
+    qkv = (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.kv_channels
+    fc1 = (2 if shape.gated_mlp else 1) * shape.ffn_hidden_size
+    sharded = h * (qkv + shape.num_attention_heads * shape.kv_channels + fc1 + shape.ffn_hidden_size)
+    per_rank = num_layers * (sharded / p + 4 * h) + 2 * vocab_size * h / p
+    return per_rank * BYTES_PER_PARAM
