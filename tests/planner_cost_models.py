@@ -37,6 +37,32 @@ def physical_planner(num_layers: int, budget_bytes: float, p: int = 8, **config)
     return Planner(PlannerConfig(**config), model, options=options, num_layers=num_layers, budget_bytes=budget_bytes)
 
 
+def llama3_8b_head_planner(loss_chunk_tokens: int = 8192, host_memory_gib: float = 0.0) -> Planner:
+    """The last stage of Llama-3-8B at TP=8 on an H100 node (published figures): 32 layers, the output
+    layer and loss of a 129,024-token vocabulary, every strategy and recompute (offloaded too, with host
+    memory), a 72 GB budget."""
+    import torch
+
+    from megatron_paradyse.cost import AnalyticCostModel
+    from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile, stage_static_bytes
+
+    shape = bench_shape()
+    vocab = 129_024
+    model = AnalyticCostModel(
+        hardware_profile(HARDWARE["h100"]),
+        shape,
+        8,
+        dtype=torch.bfloat16,
+        static_bytes=stage_static_bytes(shape, 32, 8, vocab_size=vocab),
+        vocab_size=vocab,
+        rotary_dim=128,
+        bias=False,
+        normalization="RMSNorm",
+    )
+    config = PlannerConfig(loss_chunk_tokens=loss_chunk_tokens, host_memory_gib=host_memory_gib, bucket="geometric")
+    return Planner.for_model(config, model, shape=shape, p=8, num_layers=32, budget_bytes=0.9 * 80e9)
+
+
 def synthetic_options(count: int) -> tuple[LayerOption, ...]:
     """``count`` distinct options (names need not be registered strategies)."""
     return tuple(LayerOption(f"a{i // 2}", f"m{i // 2}", bool(i % 2)) for i in range(count))

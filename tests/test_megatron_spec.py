@@ -52,16 +52,16 @@ def documents(p: int) -> list[tuple[int, ...]]:
 def random_plan(rng: random.Random, shape, p: int, layers: int, recompute: bool | None = None) -> Plan:
     attention, _ = available_strategies("attention", shape, p)
     mlp, _ = available_strategies("mlp", shape, p)
-    return Plan(
-        tuple(
-            LayerOption(rng.choice(attention), rng.choice(mlp), rng.random() < 0.5 if recompute is None else recompute)
-            for _ in range(layers)
-        )
-    )
+    options = []
+    for _ in range(layers):
+        rc = rng.random() < 0.5 if recompute is None else recompute
+        options.append(LayerOption(rng.choice(attention), rng.choice(mlp), rc, rc and rng.random() < 0.5))
+    return Plan(tuple(options))
 
 
 def plans(shape, p: int, layers: int, seed: int) -> list[tuple[str, Plan]]:
-    """Every uniform plan the model can run, then random mixes (recompute on some layers)."""
+    """Every uniform plan the model can run, then random mixes (recompute on some layers, of which some
+    offloaded to host memory)."""
     attention, _ = available_strategies("attention", shape, p)
     mlp, _ = available_strategies("mlp", shape, p)
     rng = random.Random(seed)

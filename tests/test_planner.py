@@ -9,7 +9,13 @@ import random
 import re
 
 import pytest
-from planner_cost_models import FunctionCostModel, physical_planner, random_scaling_model, synthetic_options
+from planner_cost_models import (
+    FunctionCostModel,
+    llama3_8b_head_planner,
+    physical_planner,
+    random_scaling_model,
+    synthetic_options,
+)
 
 from megatron_paradyse.bench import planner as planner_bench
 from megatron_paradyse.core.layout import SequenceLayout
@@ -347,34 +353,9 @@ def test_bench_refuses_a_group_the_published_figures_do_not_cover(capsys):
     )
 
 
-def _llama3_8b_head_planner(loss_chunk_tokens: int) -> Planner:
-    """The last stage of Llama-3-8B at TP=8 on an H100 node (published figures): 32 layers, the output
-    layer and loss of a 129,024-token vocabulary, every strategy and recompute, a 72 GB budget."""
-    import torch
-
-    from megatron_paradyse.cost import AnalyticCostModel
-    from megatron_paradyse.cost.hardware import hardware_profile, stage_static_bytes
-
-    shape = planner_bench.bench_shape()
-    vocab = 129_024
-    model = AnalyticCostModel(
-        hardware_profile(HARDWARE["h100"]),
-        shape,
-        8,
-        dtype=torch.bfloat16,
-        static_bytes=stage_static_bytes(shape, 32, 8, vocab_size=vocab),
-        vocab_size=vocab,
-        rotary_dim=128,
-        bias=False,
-        normalization="RMSNorm",
-    )
-    config = PlannerConfig(loss_chunk_tokens=loss_chunk_tokens, bucket="geometric")
-    return Planner.for_model(config, model, shape=shape, p=8, num_layers=32, budget_bytes=0.9 * 80e9)
-
-
 def test_the_loss_is_chunked_only_where_memory_needs_it():
-    planner = _llama3_8b_head_planner(8192)
-    whole = _llama3_8b_head_planner(0)
+    planner = llama3_8b_head_planner(8192)
+    whole = llama3_8b_head_planner(0)
     short = planner.decide(SequenceLayout.build(4096, 8, causal=True))
     assert (
         short.plan.loss_chunk_tokens == 0
@@ -398,13 +379,13 @@ def test_a_resumed_planner_keeps_the_chunked_loss_of_its_previous_plan():
     """Hysteresis keeps a previous plan with a chunked loss where a fresh planner would not chunk it; the
     checkpointed state carries the loss option, so a resumed run keeps it too."""
     layout = lambda tokens: SequenceLayout.build(tokens, 8, causal=True)  # noqa: E731
-    planner = _llama3_8b_head_planner(8192)
+    planner = llama3_8b_head_planner(8192)
     assert planner.decide(layout(140_000)).plan.loss_chunk_tokens == 8192
     state = planner.state_dict()
     assert state["previous_stage"] == {"loss_chunk_tokens": 8192, "sequence_buffer": False}
     kept = planner.decide(layout(133_000))
     assert kept.kept_previous and kept.plan.loss_chunk_tokens == 8192
-    assert _llama3_8b_head_planner(8192).decide(layout(133_000)).plan.loss_chunk_tokens == 0
-    resumed = _llama3_8b_head_planner(8192)
+    assert llama3_8b_head_planner(8192).decide(layout(133_000)).plan.loss_chunk_tokens == 0
+    resumed = llama3_8b_head_planner(8192)
     resumed.load_state_dict(state)
     assert resumed.decide(layout(133_000)).plan == kept.plan

@@ -38,7 +38,7 @@ def _bytes_left_after_backward(rank: int, p: int) -> dict[str, int]:
             time.sleep(0.001)  # the GIL for gloo's worker thread to release the last collective's buffers
             return memory.current_bytes()
 
-    options = [LayerOption.parse(pairing + rc) for pairing in PAIRINGS for rc in ("", "+rc")]
+    options = [LayerOption.parse(pairing + rc) for pairing in PAIRINGS for rc in ("", "+rc", "+rc+off")]
     for option in options:  # gradients and the layout's cached tensors exist before the measured runs
         step(option)
     switch_interval = sys.getswitchinterval()
@@ -58,3 +58,4 @@ def left_per_rank():
 def test_recompute_leaves_what_the_plain_model_leaves(left_per_rank, pairing):
     for rank, left in enumerate(left_per_rank):
         assert left[pairing + "+rc"] == left[pairing], f"rank {rank}"
+        assert left[pairing + "+rc+off"] == left[pairing], f"rank {rank}"

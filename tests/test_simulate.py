@@ -118,12 +118,14 @@ def test_benchmark_prints_tables_checks_and_the_summary_line(tmp_path, capsys):
         assert (tmp_path / "figure2_a100.png").stat().st_size > 10_000
 
 
-def test_llama3_8b_frontier_counts_the_whole_model_and_chunks_its_loss():
+def test_llama3_8b_frontier_counts_the_whole_model_chunks_its_loss_and_offloads():
     result = frontier(HARDWARE["h100"], simulate.CONFIGS)
     # the full-vocabulary logits bind Megatron's loss; chunked, the whole model comes close to its layers
-    assert result.megatron_loss_max_len < result.max_len <= result.layers_only_max_len
-    assert result.max_len > 3 * result.megatron_loss_max_len
-    assert "loss in 8192-token chunks" in result.plan_at_1m
+    assert result.megatron_loss_max_len < result.chunked_loss_max_len <= result.layers_only_max_len
+    assert result.chunked_loss_max_len > 3 * result.megatron_loss_max_len
+    # the layers' saved inputs in host memory: past what the layers alone fit on the device
+    assert result.max_len > 2 * result.layers_only_max_len
+    assert "loss in 8192-token chunks" in result.plan_at_1m and "+rc+off" in result.plan_at_1m
     assert 0 < result.mfu_at_1m < 1
 
 

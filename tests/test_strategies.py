@@ -1,5 +1,5 @@
-"""Every strategy, and random per-layer mixes with and without recompute, equal a single-rank fp32
-reference on p gloo ranks.
+"""Every strategy, and random per-layer mixes with and without recompute (and offload), equal a single-rank
+fp32 reference on p gloo ranks.
 
 One launch per p runs every case; each case is its own test. Every rank computes the reference
 itself and compares its own shards: loss, input gradient and every weight gradient, within 1e-5
@@ -23,6 +23,7 @@ from reference_model import StackConfig, make_params, reference_forward, rope_tr
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.multiprocess import run_on_ranks
+from megatron_paradyse.core.offload import ActivationOffload
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.strategies import (
     AttentionContext,
@@ -67,8 +68,14 @@ def model_shape(p: int, gqa: bool) -> ModelShape:
 def build_cases(p: int) -> list[Case]:
     rng = random.Random(1000 + p)
 
-    def random_plan(attn: list[str], mlp: list[str]) -> tuple[LayerOption, ...]:
-        return tuple(LayerOption(rng.choice(attn), rng.choice(mlp), rng.random() < 0.5) for _ in range(NUM_LAYERS))
+    def random_plan(attn: list[str], mlp: list[str], offload: bool = False) -> tuple[LayerOption, ...]:
+        """Random strategies, recompute on random layers; with ``offload``, alternate layers recomputed from
+        host memory, so an offloaded layer feeds and is fed by others."""
+        plan = []
+        for i in range(NUM_LAYERS):
+            off = offload and i % 2 == 1
+            plan.append(LayerOption(rng.choice(attn), rng.choice(mlp), off or rng.random() < 0.5, off))
+        return tuple(plan)
 
     cases = []
     for config, (gqa, causal) in enumerate(itertools.product((False, True), (True, False))):
@@ -89,6 +96,9 @@ def build_cases(p: int) -> list[Case]:
         cases.append(Case(f"{tag}-lean+lean-rc", gqa, causal, docs, plan, rng.randrange(10**6), qk_scale=True))
         for i in range(3):
             cases.append(Case(f"{tag}-mix{i}", gqa, causal, docs, random_plan(attn, mlp), rng.randrange(10**6)))
+        cases.append(
+            Case(f"{tag}-offload", gqa, causal, docs, random_plan(attn, mlp, offload=True), rng.randrange(10**6))
+        )
         cases.append(
             Case(
                 f"{tag}-packed",
@@ -151,10 +161,12 @@ def run_stack(x_local, attn_weights, mlp_weights, norms, plan, layout, cfg, grou
         )
         return x_local + run_mlp(option.mlp, F.layer_norm(x_local, (h,), ln["ln2_w"], ln["ln2_b"]), mw, mctx)
 
+    offload = ActivationOffload()
     for option, aw, mw, ln in zip(plan, attn_weights, mlp_weights, norms):
         if not isinstance(option, LayerOption):
             option = LayerOption(*option)  # an (attention, mlp) pair
-        run = functools.partial(recompute, layer) if option.recompute else layer
+        stored = offload if option.offload else None
+        run = functools.partial(recompute, layer, offload=stored) if option.recompute else layer
         x_local = run(x_local, option, aw, mw, ln)
     return x_local
 

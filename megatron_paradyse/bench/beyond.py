@@ -1,18 +1,24 @@
-"""A sequence no plan fits without a chunked loss, trained on CPU under the same budget, peaks measured.
+"""A sequence no plan fits without one of the long-context levers, trained on CPU under the same budget,
+peaks measured.
 
-    python -m megatron_paradyse.bench beyond [--tp 2] [--tokens 4096] [--vocab 32768] [--loss-chunk-tokens 512]
+    python -m megatron_paradyse.bench beyond [--lever loss|offload] [--tp 2] [--tokens 4096] [--vocab 32768]
+                                             [--loss-chunk-tokens 512]
 
 On ``--tp`` gloo ranks, Megatron's GPTModel of the CPU demo (``configs/tiny-cpu.yaml``'s layers, tied
-output layer) with a large vocabulary, so that the output layer's logits outweigh the layers, and the
-Paradyse layer spec. The budget per rank is set midway between the least predicted peak of any plan with
-Megatron's own loss and that of any plan free to chunk it, for one sequence of ``--tokens`` tokens: the
-first planner cannot run it (the training entry point would refuse it before any work), the second
-can. It then runs one training step (forward, loss, backward; after a first one, so that nothing
-created once is counted) of that sequence under the second planner's plan and measures every rank's
-peak (parameters and gradients, the step's inputs and everything the step allocates), beside the
-prediction. The time figures only rank the plans (published A100 figures; this run is about memory).
-Last line: ``unchunked_max_len chunked_max_len trained_len predicted_peak_mib measured_peak_mib
-budget_mib``.
+output layer) and the Paradyse layer spec. ``--lever loss`` (the default, with a large vocabulary, so
+that the output layer's logits outweigh the layers): plans with Megatron's own loss against plans free to
+chunk it (:mod:`megatron_paradyse.mcore.chunked_loss`). ``--lever offload`` (give a small ``--vocab``,
+so that the layers weigh most): plans free to chunk the loss on device memory alone, against plans also
+free to keep recomputed layers' inputs in host memory (:mod:`megatron_paradyse.core.offload`). The budget
+per rank is set midway between the least predicted peak of any plan without the lever and that of any
+plan with it, for one sequence of ``--tokens`` tokens: the first planner cannot run it (the training entry
+point would refuse it before any work), the second can. It then runs one training step (forward, loss,
+backward; after a first one, so that nothing created once is counted) of that sequence under the second
+planner's plan and measures every rank's device peak (parameters and gradients, the step's inputs and
+everything the step allocates; host copies apart), beside the prediction. The time figures only rank the
+plans (published A100 figures; this run is about memory). Last line: the longest sequence each planner
+fits (``unchunked_max_len chunked_max_len``, or ``device_max_len offload_max_len``), ``trained_len
+predicted_peak_mib measured_peak_mib budget_mib`` (and, offloading, ``host_mib``).
 """
 
 from __future__ import annotations
@@ -34,10 +40,20 @@ SEED = 1234
 
 @dataclasses.dataclass(frozen=True)
 class _Settings:
+    lever: str
     tp: int
     tokens: int
     vocab: int
     loss_chunk_tokens: int
+
+
+HOST_GIB = 1.0
+"""Host memory per rank the offloading planner may use (far more than these layers' inputs)."""
+LEVERS = {
+    "loss": ("unchunked", "chunked", "Megatron's loss", "chunked loss"),
+    "offload": ("device", "offload", "device memory only", "with offload"),
+}
+"""Each lever's keys and labels for the planners without and with it."""
 
 
 def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
@@ -95,25 +111,31 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
     batch = make_micro_batch([tokens], [False], p=p, causal=True, pad_id=0)
     layout = batch["layout"]
 
-    def planner(loss_chunk_tokens: int, budget: float) -> Planner:
-        planner_config = PlannerConfig(loss_chunk_tokens=loss_chunk_tokens, bucket_tokens=2 * p)
+    def planner(lever: bool, budget: float) -> Planner:
+        offloading = lever and settings.lever == "offload"
+        chunk = settings.loss_chunk_tokens if lever or settings.lever == "offload" else 0
+        planner_config = PlannerConfig(
+            loss_chunk_tokens=chunk, host_memory_gib=HOST_GIB if offloading else 0.0, bucket_tokens=2 * p
+        )
         return Planner.for_model(
             planner_config, cost, shape=cost.shape, p=p, num_layers=config.num_layers, budget_bytes=budget
         )
 
-    whole_least = planner(0, 1.0).leanest_peak_bytes(layout)
-    chunked_least = planner(settings.loss_chunk_tokens, 1.0).leanest_peak_bytes(layout)
-    if chunked_least >= whole_least:
+    without_least = planner(False, 1.0).leanest_peak_bytes(layout)
+    with_least = planner(True, 1.0).leanest_peak_bytes(layout)
+    if with_least >= without_least:
         raise SystemExit(
-            f"at {settings.tokens} tokens a chunked loss saves nothing (leanest peaks {chunked_least / MIB:.1f} "
-            f"and {whole_least / MIB:.1f} MiB): raise --vocab or --tokens, or lower --loss-chunk-tokens"
+            f"at {settings.tokens} tokens --lever {settings.lever} saves nothing (leanest peaks "
+            f"{with_least / MIB:.1f} and {without_least / MIB:.1f} MiB): raise --tokens, or adjust --vocab"
         )
-    budget = (whole_least + chunked_least) / 2
-    whole, chunked = planner(0, budget), planner(settings.loss_chunk_tokens, budget)
-    plan = chunked.decide(layout).plan
+    budget = (without_least + with_least) / 2
+    without, with_lever = planner(False, budget), planner(True, budget)
+    plan = with_lever.decide(layout).plan
+    host_peak = []
 
     def step() -> None:
-        with micro_batch_scope(MicroBatch(layout=layout, plan=plan)):
+        micro_batch = MicroBatch(layout=layout, plan=plan)
+        with micro_batch_scope(micro_batch):
             per_token = model(
                 batch["tokens"],
                 batch["position_ids"],
@@ -122,6 +144,7 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
                 output_processor=output_processor(plan),
             )
         ((per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum()).backward()
+        host_peak.append(micro_batch.offload.host_peak_bytes)
 
     step()
     release_step_buffers()  # as the training entry point does before each micro-batch
@@ -131,14 +154,16 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
     parallel_state.destroy_model_parallel()
     return {
         "budget": budget,
-        "whole_least": whole_least,
-        "whole_fits": whole.fits(layout),
-        "unchunked_max_len": whole.max_feasible_length(p, causal=True),
-        "chunked_max_len": chunked.max_feasible_length(p, causal=True),
+        "without_least": without_least,
+        "without_fits": without.fits(layout),
+        "without_max_len": without.max_feasible_length(p, causal=True),
+        "with_max_len": with_lever.max_feasible_length(p, causal=True),
         "plan": plan.compact(),
         "predicted": plan.predicted_peak_bytes,
         "predicted_here": cost.plan_peak_bytes(plan, layout, 1),
         "measured": measured,
+        "host_predicted": sum(cost.layer_cost(option, layout, 1).host_bytes for option in plan),
+        "host_measured": host_peak[-1],
         "padded": layout.padded_len,
     }
 
@@ -147,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m megatron_paradyse.bench beyond", description=__doc__.split("\n")[0]
     )
+    parser.add_argument("--lever", choices=tuple(LEVERS), default="loss", help="what the second planner may use")
     parser.add_argument("--tp", type=int, default=2, help="gloo ranks of the tensor-parallel group (default 2)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of the sequence (default 4096)")
     parser.add_argument("--vocab", type=int, default=32768, help="vocabulary, a multiple of 128 x tp (default 32768)")
@@ -161,32 +187,40 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"--vocab must be a positive multiple of 128 x tp = {128 * max(args.tp, 1)}, got {args.vocab}")
     if problems:
         parser.error("; ".join(problems))
-    settings = _Settings(args.tp, args.tokens, args.vocab, args.loss_chunk_tokens)
+    settings = _Settings(args.lever, args.tp, args.tokens, args.vocab, args.loss_chunk_tokens)
     result = run_on_ranks(_on_rank, args.tp, args=(settings,), timeout_s=1800)[0]
     measured = max(result["measured"])
+    before, after, without_label, with_label = LEVERS[args.lever]
     print(
         f"GPT of the CPU demo (4 layers, h=128), vocabulary {args.vocab:,}, on {args.tp} gloo ranks (TP with "
         f"sequence parallelism), fp32, one sequence of {args.tokens:,} tokens (padded {result['padded']:,})"
     )
     print(f"budget per rank: {result['budget'] / MIB:.2f} MiB (midway between the leanest plans with and without)")
     print(
-        f"  Megatron's loss: the leanest plan peaks at {result['whole_least'] / MIB:.2f} MiB: "
-        f"{'fits' if result['whole_fits'] else 'does not fit'}; "
-        f"longest that fits {result['unchunked_max_len']:,} tokens"
+        f"  {without_label}: the leanest plan peaks at {result['without_least'] / MIB:.2f} MiB: "
+        f"{'fits' if result['without_fits'] else 'does not fit'}; "
+        f"longest that fits {result['without_max_len']:,} tokens"
     )
-    print(f"  chunked loss:    plan {result['plan']}; longest that fits {result['chunked_max_len']:,} tokens")
+    print(f"  {with_label}: plan {result['plan']}; longest that fits {result['with_max_len']:,} tokens")
     print(
-        f"    predicted peak {result['predicted_here'] / MIB:.2f} MiB (the planner's, at its bucket's edge: "
+        f"    predicted device peak {result['predicted_here'] / MIB:.2f} MiB (the planner's, at its bucket's edge: "
         f"{result['predicted'] / MIB:.2f}); measured, per rank: "
         + ", ".join(f"{m / MIB:.2f}" for m in result["measured"])
         + f" MiB ({result['predicted_here'] / measured - 1:+.2%})"
     )
+    host = ""
+    if args.lever == "offload":
+        print(
+            f"    host memory (offloaded layer inputs): predicted {result['host_predicted'] / MIB:.2f} MiB, "
+            f"measured {result['host_measured'] / MIB:.2f} MiB on rank 0"
+        )
+        host = f" host_mib={result['host_measured'] / MIB:.2f}"
     print(
-        f"unchunked_max_len={result['unchunked_max_len']} chunked_max_len={result['chunked_max_len']} "
+        f"{before}_max_len={result['without_max_len']} {after}_max_len={result['with_max_len']} "
         f"trained_len={args.tokens} predicted_peak_mib={result['predicted_here'] / MIB:.2f} "
-        f"measured_peak_mib={measured / MIB:.2f} budget_mib={result['budget'] / MIB:.2f}"
+        f"measured_peak_mib={measured / MIB:.2f} budget_mib={result['budget'] / MIB:.2f}{host}"
     )
-    return 0 if measured <= result["budget"] and not result["whole_fits"] else 1
+    return 0 if measured <= result["budget"] and not result["without_fits"] else 1
 
 
 if __name__ == "__main__":

@@ -8,15 +8,18 @@ the analytic cost model on published-figure profiles (:mod:`megatron_paradyse.co
 at TP=8 with Llama 3's vocabulary (128,256 tokens, padded as Megatron pads it at TP=8), the embedding,
 output layer and loss on the node, every strategy pair and per-layer recompute, one sequence per step.
 
-Per GPU kind it prints the longest sequence each way of running the stage fits: the transformer layers
-alone (no vocabulary), the whole model with Megatron's own loss, and the whole model with the planner
-free to chunk the loss (:mod:`megatron_paradyse.mcore.chunked_loss`); then the plan, predicted step
-time and the model FLOP utilisation it implies at 1M tokens. Activation offload to host memory and tiled
-MLPs are not built yet: host memory is unused.
+Per GPU kind it prints the longest sequence each way of running the stage fits, on device memory alone:
+the transformer layers alone (no vocabulary), the whole model with Megatron's own loss, and the whole
+model with the planner free to chunk the loss (:mod:`megatron_paradyse.mcore.chunked_loss`); then with
+host memory too, the planner free to offload recomputed layers' inputs (:mod:`megatron_paradyse.core.offload`,
+the config's ``planner.host_memory_gib`` per rank, over PCIe at the published rate); then the plan,
+predicted step time and the model FLOP utilisation it implies at 1M tokens, every lever allowed.
+Tiled MLPs are not built (``lean``'s MLP already bounds its intermediate by one shard).
 
 Assumptions: as the paper's setting (:mod:`megatron_paradyse.bench.simulate`): bf16 weights, fp32 main
 gradients, fp32 master weights and Adam moments on the GPUs, not sharded (18 bytes per parameter, no data
-parallelism), 10% of each GPU's memory kept out of the budget.
+parallelism), 10% of each GPU's memory kept out of the budget; host copies as
+:mod:`megatron_paradyse.cost.hardware` states them.
 """
 
 from __future__ import annotations
@@ -49,8 +52,11 @@ class FrontierResult:
     """The transformer layers alone on the node (no embedding, output layer or loss)."""
     megatron_loss_max_len: int
     """The whole model, the output layer and loss as Megatron computes them."""
+    chunked_loss_max_len: int
+    """The whole model, the planner free to chunk the loss, on device memory alone."""
     max_len: int
-    """The whole model, the planner free to chunk the loss."""
+    """The whole model, the planner free to chunk the loss and to offload layer inputs to host memory."""
+    host_gib_per_rank: float
     plan_at_1m: str
     step_s_at_1m: float
     """Predicted forward and backward time of the layers (and a chunked loss's recompute) at 1M tokens."""
@@ -91,8 +97,14 @@ def frontier(gpu: NodeSpec, configs: Path) -> FrontierResult:
         raise ValueError(f"llama3-8b.yaml runs TP={p}, the {gpu.name} node has {gpu.p} GPUs")
     vocab = padded_vocab(LLAMA3_VOCAB, p)
     budget = gpu.memory_bytes * (1 - config.memory.margin)
+    host_gib = config.planner.host_memory_gib
+    if host_gib * 2**30 * p > gpu.host_memory_bytes:
+        raise ValueError(
+            f"llama3-8b.yaml gives each of {p} ranks {host_gib} GiB of host memory; the {gpu.name} node has "
+            f"{gpu.host_memory_bytes / 2**30:.0f} GiB in all"
+        )
 
-    def planner(vocab_size: int, loss_chunk_tokens: int) -> Planner:
+    def planner(vocab_size: int, loss_chunk_tokens: int, host_memory_gib: float = 0.0) -> Planner:
         cost = AnalyticCostModel(
             hardware_profile(gpu),
             shape,
@@ -105,12 +117,16 @@ def frontier(gpu: NodeSpec, configs: Path) -> FrontierResult:
             normalization="RMSNorm",
         )
         planner_config = dataclasses.replace(
-            config.planner, loss_chunk_tokens=loss_chunk_tokens, bucket="geometric", on_infeasible="stop"
+            config.planner,
+            loss_chunk_tokens=loss_chunk_tokens,
+            host_memory_gib=host_memory_gib,
+            bucket="geometric",
+            on_infeasible="stop",
         )
         return Planner.for_model(planner_config, cost, shape=shape, p=p, num_layers=layers, budget_bytes=budget)
 
     chunking = config.planner.loss_chunk_tokens
-    adaptive = planner(vocab, chunking)
+    adaptive = planner(vocab, chunking, host_gib)
     decision = adaptive.decide(SequenceLayout.build(REPORT_TOKENS, p, causal=True))
     step_s = decision.plan.predicted_time_s
     flops = training_flops(shape, layers, REPORT_TOKENS)
@@ -118,7 +134,9 @@ def frontier(gpu: NodeSpec, configs: Path) -> FrontierResult:
         gpu=gpu.name,
         layers_only_max_len=planner(0, 0).max_feasible_length(p, causal=True),
         megatron_loss_max_len=planner(vocab, 0).max_feasible_length(p, causal=True),
+        chunked_loss_max_len=planner(vocab, chunking).max_feasible_length(p, causal=True),
         max_len=adaptive.max_feasible_length(p, causal=True),
+        host_gib_per_rank=host_gib,
         plan_at_1m=decision.plan.compact(),
         step_s_at_1m=step_s,
         mfu_at_1m=flops / (step_s * p * gpu.peak_bf16_flops),
@@ -128,14 +146,16 @@ def frontier(gpu: NodeSpec, configs: Path) -> FrontierResult:
 def print_frontier(results: list[FrontierResult]) -> None:
     print(
         f"\nLlama-3-8B on one node, the whole model (configs/llama3-8b.yaml, TP=8, vocabulary "
-        f"{padded_vocab(LLAMA3_VOCAB, 8):,} padded), SIMULATED; host memory unused (no activation offload yet)"
+        f"{padded_vocab(LLAMA3_VOCAB, 8):,} padded), SIMULATED; longest sequence on device memory alone, "
+        f"then with {results[0].host_gib_per_rank:g} GiB of host memory per rank for offloaded layer inputs"
     )
-    head = ["gpu", "layers only", "Megatron's loss", "chunked loss", "plan at 1M tokens", "step s", "MFU"]
+    head = ["gpu", "layers only", "Megatron's loss", "chunked loss", "+ offload", "plan at 1M tokens", "step s", "MFU"]
     rows = [
         [
             f.gpu,
             f"{f.layers_only_max_len:,}",
             f"{f.megatron_loss_max_len:,}",
+            f"{f.chunked_loss_max_len:,}",
             f"{f.max_len:,}",
             f.plan_at_1m,
             f"{f.step_s_at_1m:.1f}",
@@ -145,7 +165,7 @@ def print_frontier(results: list[FrontierResult]) -> None:
     ]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, *rows]:
-        print("  " + "  ".join(v.ljust(w) if i in (0, 4) else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))))
+        print("  " + "  ".join(v.ljust(w) if i in (0, 5) else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,21 +5,37 @@ allocator statistics, so :class:`PeakMemory` watches every operator through a di
 counts the storages it creates until they are freed: the same quantity, bytes held by live tensors
 created inside the window, without allocator caching or fragmentation. Memory held before the window
 (weights, optimizer state) is not counted; :attr:`PeakMemory.peak_bytes` is the high-water mark above
-it.
+it. On CPU "host" and "device" are the same memory: what stands for host memory (offloaded activations)
+is made under :func:`host_memory` and left out of the count, as CUDA's allocator leaves out pinned host
+memory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import gc
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["GradientRoot", "MemoryEvent", "PeakMemory", "peak_bytes_of", "storage_bytes"]
+__all__ = ["GradientRoot", "MemoryEvent", "PeakMemory", "host_memory", "peak_bytes_of", "storage_bytes"]
+
+_ON_HOST: contextvars.ContextVar[bool] = contextvars.ContextVar("paradyse_on_host", default=False)
+
+
+@contextlib.contextmanager
+def host_memory() -> Iterator[None]:
+    """Storages made inside are host memory: the CPU tracker does not count them as the device's."""
+    token = _ON_HOST.set(True)
+    try:
+        yield
+    finally:
+        _ON_HOST.reset(token)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,6 +73,8 @@ class _StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self._ops += 1
+        if _ON_HOST.get():
+            return out
         inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if _has_storage(t)}
         for t in tree_flatten(out)[0]:
             if not _has_storage(t):

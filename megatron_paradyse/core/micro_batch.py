@@ -23,6 +23,7 @@ import dataclasses
 from collections.abc import Iterator
 
 from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.offload import ActivationOffload
 from megatron_paradyse.core.plan import LayerOption, Plan
 
 __all__ = ["MicroBatch", "active_micro_batch", "current_micro_batch", "micro_batch_scope"]
@@ -40,6 +41,8 @@ class MicroBatch:
     stage, in layer order)."""
     attention_kernel: str = "auto"
     """Attention kernel for every strategy (:func:`megatron_paradyse.attention.get_kernel`)."""
+    offload: ActivationOffload = dataclasses.field(default_factory=ActivationOffload, compare=False, repr=False)
+    """Where the micro-batch's offloaded layers keep their inputs (layers whose option says ``+off``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, SequenceLayout):

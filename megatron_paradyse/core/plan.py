@@ -1,4 +1,4 @@
-"""What a plan is: one (attention strategy, MLP strategy, recompute) option per layer of a stage, and
+"""What a plan is: one (attention strategy, MLP strategy, recompute, offload) option per layer of a stage, and
 how the stage's output layer and loss run.
 
 A plan is data: the planner makes one per micro-batch, the Megatron layers look their entry up at
@@ -16,24 +16,36 @@ __all__ = ["LayerOption", "Plan", "loss_chunk_rows"]
 
 @dataclasses.dataclass(frozen=True, order=True, slots=True)
 class LayerOption:
-    """How one transformer layer runs: its attention strategy, its MLP strategy, and whether the whole
-    layer is recomputed from its ``[s/p, b, h]`` input in backward."""
+    """How one transformer layer runs: its attention strategy, its MLP strategy, whether the whole
+    layer is recomputed from its ``[s/p, b, h]`` input in backward, and whether that input waits for
+    the backward in host memory (``offload``, with recompute only: :mod:`megatron_paradyse.core.offload`)."""
 
     attention: str
     mlp: str
     recompute: bool = False
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.offload and not self.recompute:
+            raise ValueError(
+                f"{self.attention}/{self.mlp}: offload moves a recomputed layer's input to host memory; "
+                f"it needs recompute (write '{self.attention}/{self.mlp}+rc+off')"
+            )
 
     def __str__(self) -> str:
-        return f"{self.attention}/{self.mlp}{'+rc' if self.recompute else ''}"
+        return f"{self.attention}/{self.mlp}{'+rc' if self.recompute else ''}{'+off' if self.offload else ''}"
 
     @classmethod
     def parse(cls, text: str) -> LayerOption:
-        """Inverse of ``str``: ``"ring/zero3+rc"`` -> ``LayerOption("ring", "zero3", True)``."""
-        body, plus, flag = text.strip().partition("+")
+        """Inverse of ``str``: ``"ring/zero3+rc"`` -> ``LayerOption("ring", "zero3", True)``,
+        ``"ring/zero3+rc+off"`` -> ``LayerOption("ring", "zero3", True, True)``."""
+        body, *flags = text.strip().split("+")
         attention, slash, mlp = body.partition("/")
-        if not slash or not attention or not mlp or (plus and flag != "rc"):
-            raise ValueError(f"a layer option reads 'attention/mlp' or 'attention/mlp+rc', got {text!r}")
-        return cls(attention, mlp, bool(plus))
+        if not slash or not attention or not mlp or flags not in ([], ["rc"], ["rc", "off"]):
+            raise ValueError(
+                f"a layer option reads 'attention/mlp', 'attention/mlp+rc' or 'attention/mlp+rc+off', got {text!r}"
+            )
+        return cls(attention, mlp, bool(flags), len(flags) == 2)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1277,10 +1277,21 @@ class LayerMemory:
     rebuilt_peak_bytes: float
     """High-water mark of recompute's rebuilt forward, in the backward."""
 
-    def saved_and_peak(self, *, recompute: bool, backward_held: float = 0.0) -> tuple[float, float]:
+    def saved_and_peak(
+        self, *, recompute: bool, offload: bool = False, backward_held: float = 0.0
+    ) -> tuple[float, float]:
         """(saved bytes, high-water mark) with or without recompute; ``backward_held``: bytes that exist
-        beside the layer in backward only (a tied output layer's weight gradient)."""
+        beside the layer in backward only (a tied output layer's weight gradient).
+
+        ``offload`` (with recompute) keeps the layer's input in host memory: the device holds one
+        activation less from the forward to the backward, counted here as the layer's own saved
+        activation (:func:`~megatron_paradyse.cost.base.stage_layer_bytes`). In the backward its input is
+        back, in place of the layer's output that the count of the layers before stands for (it is gone,
+        its gradient in its place), and beside it the next offloaded layer's input, prefetched: one
+        activation more."""
         backward = max(self.backward_peak_bytes, self.rebuilt_peak_bytes if recompute else 0.0) + backward_held
+        if offload:
+            return 0.0, backward + self.activation_bytes
         if recompute:  # the forward keeps nothing, and works no more than the rebuilt forward
             return self.activation_bytes, backward
         return self.saved_bytes, max(self.forward_peak_bytes, backward)

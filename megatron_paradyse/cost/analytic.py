@@ -52,7 +52,7 @@ from megatron_paradyse.cost.allocations import (
     norm_peak,
     sublayer_memory,
 )
-from megatron_paradyse.cost.base import WHOLE_LOSS, LayerCost, StageOptions
+from megatron_paradyse.cost.base import WHOLE_LOSS, LayerCost, StageOptions, stage_layer_bytes
 from megatron_paradyse.cost.profile import load_profile
 from megatron_paradyse.cost.terms import AttentionCall, Collective, Gemm, RingStage, SublayerTerms, sublayer_terms
 from megatron_paradyse.strategies import ModelShape
@@ -183,7 +183,8 @@ class AnalyticCostModel:
     def layer_cost(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> LayerCost:
         """The slowest rank's time, the largest saved and transient bytes of any rank."""
         times, saved, transient = zip(*self._per_rank(option, layout, micro_batch_size))
-        return LayerCost(max(time.total_s for time in times), max(saved), max(transient))
+        host = self._memo(layout, micro_batch_size).dims.x if option.offload else 0.0
+        return LayerCost(max(time.total_s for time in times), max(saved), max(transient), host)
 
     def peak_bytes(
         self,
@@ -206,7 +207,7 @@ class AnalyticCostModel:
         """:meth:`peak_bytes` of ``plan``'s layers and stage options at ``layout`` (as it is: the planner
         prices a bucket's edge)."""
         costs = [self.layer_cost(option, layout, micro_batch_size) for option in plan]
-        saved, transient = sum(c.saved_bytes for c in costs), max(c.transient_bytes for c in costs)
+        saved, transient = stage_layer_bytes(((1, c) for c in costs), len(costs))
         return self.peak_bytes(layout, micro_batch_size, saved, transient, StageOptions.of(plan))
 
     def stage_options(self, loss_chunk_tokens: int) -> tuple[StageOptions, ...]:
@@ -327,9 +328,9 @@ class AnalyticCostModel:
             if key not in memo.layer_memory:
                 memo.layer_memory[key] = layer_memory(attn.memory, mlp.memory, memo.dims)
             saved, peak = memo.layer_memory[key].saved_and_peak(
-                recompute=option.recompute, backward_held=self._backward_held_bytes()
+                recompute=option.recompute, offload=option.offload, backward_held=self._backward_held_bytes()
             )
-            per_rank.append((self._time((attn, mlp), option.recompute, memo.dims.x), saved, peak - saved))
+            per_rank.append((self._time((attn, mlp), option, memo.dims.x), saved, peak - saved))
         return per_rank
 
     def _memo(self, layout: SequenceLayout, micro_batch_size: int) -> _LayoutMemo:
@@ -378,9 +379,9 @@ class AnalyticCostModel:
         comm = self._comms(sync_comm) + ring_hops + self._streamed(streamed, compute)
         return _Pass(compute, comm, sub.syncs(backward=backward))
 
-    def _time(self, sublayers: tuple[_Sublayer, ...], recompute: bool, activation_bytes: float) -> TimeBreakdown:
+    def _time(self, sublayers: tuple[_Sublayer, ...], option: LayerOption, activation_bytes: float) -> TimeBreakdown:
         """The layer's time from its sublayers' priced passes; ``activation_bytes``: one ``[t, b, h]``."""
-        forwards = 2 if recompute else 1
+        forwards = 2 if option.recompute else 1
         compute = comm = 0.0
         syncs = 0
         for sub in sublayers:
@@ -394,7 +395,25 @@ class AnalyticCostModel:
         compute += elementwise
         syncs = syncs if self.p > 1 else 0
         total = self._k_compute * compute + self._k_comm * comm + self._per_sync * syncs + self._per_layer
+        if option.offload:
+            forward = sum(sub.forward.compute_s for sub in sublayers)
+            host = self._host_copies(forward, compute - forward, activation_bytes)
+            comm += host
+            total += host
         return TimeBreakdown(compute, comm, syncs, total)
+
+    def _host_copies(self, forward_s: float, backward_s: float, nbytes: float) -> float:
+        """What an offloaded layer's two host copies of ``nbytes`` add: its input to the host beside its
+        forward, and the next offloaded layer's input back beside its backward (recompute included), each
+        hidden as the profile's ``host_link.overlap`` says (0 on CPU, where the copy runs in line)."""
+        link = self.profile.get("host_link")
+        if link is None:
+            raise ValueError(
+                "the cost profile has no host_link (host-device copy rates), so offloaded layers ('+rc+off') "
+                "cannot be priced; run `paradyse calibrate` again, or leave offload out (planner.host_memory_gib: 0)"
+            )
+        copy = link["latency_s"] + nbytes * link["per_byte_s"]
+        return sum(self._exposed(compute, copy, link["overlap"]) for compute in (forward_s, backward_s))
 
     def _gemm(self, gemm: Gemm, direction: str) -> float:
         key = (direction, gemm)  # lean's p groups, and every rank, repeat the same GEMMs
@@ -465,11 +484,11 @@ class AnalyticCostModel:
     def _comms(self, comms: tuple[Collective, ...]) -> float:
         return 0.0 if self.p == 1 else sum(self._comm(c) for c in comms)
 
-    def _exposed(self, compute: float, comm: float) -> float:
+    def _exposed(self, compute: float, comm: float, overlap: float | None = None) -> float:
         """What ``comm`` seconds of communication add to ``compute`` seconds it runs beside: the
-        longer of the two, plus the part of the shorter the calibrated overlap does not hide, less
-        the compute."""
-        overlap = self.profile["ring_overlap"]
+        longer of the two, plus the part of the shorter the calibrated overlap (the ring's unless
+        given) does not hide, less the compute."""
+        overlap = self.profile["ring_overlap"] if overlap is None else overlap
         return max(compute, comm) + (1.0 - overlap) * min(compute, comm) - compute
 
     def _streamed(self, comms: tuple[Collective, ...], compute: float) -> float:

@@ -12,12 +12,14 @@ decrease in either argument. Around its layers a stage has a choice that changes
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Iterable
 from typing import Protocol
 
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption, Plan
 
-__all__ = ["WHOLE_LOSS", "CostModel", "LayerCost", "StageOptions"]
+__all__ = ["WHOLE_LOSS", "CostModel", "LayerCost", "StageOptions", "stage_layer_bytes"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,6 +68,36 @@ class LayerCost:
     """Memory held from the layer's forward until its backward."""
     transient_bytes: float
     """Extra memory alive only while the layer runs (forward, recompute or backward, whichever is largest)."""
+    host_bytes: float = 0.0
+    """Host memory held from the layer's forward until its backward (an offloaded layer's input)."""
+
+
+def stage_layer_bytes(layers: Iterable[tuple[int, LayerCost]], num_layers: int) -> tuple[float, float]:
+    """The summed saved bytes and the largest transient of a stage's ``num_layers`` layers, given as
+    (how many, cost) pairs, for :meth:`CostModel.peak_bytes`.
+
+    An offloaded layer's saved bytes leave out one activation, which stands for its input (the same
+    size): another layer's output, which that layer counts. Plans run offloaded layers last
+    (:meth:`~megatron_paradyse.planner.problem.StageProblem.to_plan`), so that holds unless every layer
+    is offloaded: the first layer's input is then the stage's own, which the model keeps on the device
+    through the forward (GPTModel holds its embedding's output), one activation more until the
+    backward, by when it is on the host. An offloaded layer's transient holds the next offloaded
+    layer's input, prefetched, which a lone offloaded layer has none of.
+    """
+    layers = [(n, cost) for n, cost in layers if n]
+    saved, offloaded, activation = 0.0, 0, 0.0
+    for n, cost in layers:
+        saved += n * cost.saved_bytes
+        if cost.host_bytes:
+            offloaded += n
+            activation = max(activation, cost.host_bytes)
+    transient = max(
+        (cost.transient_bytes - (cost.host_bytes if offloaded == 1 else 0.0) for _, cost in layers),
+        default=-math.inf,
+    )
+    if offloaded == num_layers:  # in peak_bytes: beside the loss, not beside the layers' working sets
+        return saved + activation, transient - activation
+    return saved, transient
 
 
 class CostModel(Protocol):

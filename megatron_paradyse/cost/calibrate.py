@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.core.comm import RingComm, all_gather_seq, all_to_all_seq_to_heads, reduce_scatter_seq
 from megatron_paradyse.core.multiprocess import run_on_ranks
+from megatron_paradyse.core.offload import ActivationOffload
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.fitting import fit_nonnegative
 from megatron_paradyse.cost.profile import fingerprint
@@ -299,6 +300,34 @@ def _overlap_sample(grid: Grid, p: int, device, dtype, progress: Progress) -> fl
     return float(np.clip((c + m - o) / max(min(c, m), 1e-12), 0.0, 1.0))
 
 
+def _host_link_sample(grid: Grid, device, dtype, progress: Progress) -> dict[str, Any]:
+    """Offload's copies (:class:`~megatron_paradyse.core.offload.ActivationOffload`), to the host and
+    back, at the collectives' sizes: ``(bytes, seconds)`` of the slower direction; and the fraction of
+    the shorter of a copy and a GEMM that running both at once hides (on CPU the copy runs in line: 0)."""
+    points = []
+    for nbytes in grid.comm_bytes:
+        x = torch.randn(nbytes // 4, device=device).to(dtype)
+        to_host = _median_time(lambda x=x: ActivationOffload().store(x), grid.repeats, device)
+        both = _median_time(lambda x=x: _round_trip(x), grid.repeats, device)
+        points.append((x.nbytes, max(to_host, both - to_host)))
+        progress.step(f"host copies {x.nbytes} B")
+    overlap = 0.0
+    if device.type == "cuda":
+        x = torch.randn(grid.comm_bytes[-1] // 4, device=device).to(dtype)
+        a = torch.randn(2048, 2048, device=device, dtype=dtype)
+        c = _median_time(lambda: a @ a, grid.repeats, device)
+        m = _median_time(lambda: ActivationOffload().store(x), grid.repeats, device)
+        o = _median_time(lambda: (ActivationOffload().store(x), a @ a), grid.repeats, device)
+        overlap = float(np.clip((c + m - o) / max(min(c, m), 1e-12), 0.0, 1.0))
+    progress.step("host copy overlap")
+    return {"points": points, "overlap": overlap}
+
+
+def _round_trip(x: torch.Tensor) -> torch.Tensor:
+    offload = ActivationOffload()
+    return offload.restore(offload.store(x))
+
+
 def _rank_device(rank: int, device_type: str) -> torch.device:
     """This rank's device: its own GPU (set as current, as NCCL wants), or the CPU."""
     if device_type != "cuda":
@@ -317,6 +346,8 @@ def _measure_on_rank(rank: int, world: int, grid: Grid, p_values, device_type: s
         + 4
         + len(p_values) * len(COLLECTIVE_KINDS) * len(grid.comm_bytes)
         + 1
+        + len(grid.comm_bytes)
+        + 1
     )
     progress = Progress(steps, enabled=show and rank == 0)
     samples = {
@@ -325,6 +356,7 @@ def _measure_on_rank(rank: int, world: int, grid: Grid, p_values, device_type: s
         "elementwise": _elementwise_samples(grid, device, dtype, progress),
         "collectives": _collective_samples(grid, p_values, device, progress),
         "ring_overlap": _overlap_sample(grid, max(p_values, default=1), device, dtype, progress),
+        "host_link": _host_link_sample(grid, device, dtype, progress),
     }
     return samples if rank == 0 else None
 
@@ -359,6 +391,11 @@ def fit_profile(samples: dict[str, Any], element_size: int) -> dict[str, Any]:
             latency, per_byte = fit_nonnegative(np.array([[1.0, b] for b, _ in points]), [s for _, s in points])
             fitted["collectives"][p][kind] = {"latency_s": float(latency), "per_byte_s": float(per_byte)}
     fitted["ring_overlap"] = samples["ring_overlap"]
+    if "host_link" in samples:  # profiles calibrated before offload have none
+        link = samples["host_link"]
+        sizes, seconds = zip(*link["points"])
+        latency, per_byte = fit_nonnegative(np.array([[1.0, b] for b in sizes]), list(seconds))
+        fitted["host_link"] = {"latency_s": float(latency), "per_byte_s": float(per_byte), "overlap": link["overlap"]}
     return fitted
 
 

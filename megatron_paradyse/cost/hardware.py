@@ -28,6 +28,11 @@ citation). Sources:
 - [SMI] ``nvidia-smi`` memory.total as commonly reported: 81,920 MiB (A100-SXM4-80GB), 81,559 MiB
   (H100 80GB HBM3), 143,771 MiB (H200).
 
+- [PCIE] The datasheets' host interface: PCIe Gen4 x16, 64 GB/s both directions together (A100), PCIe
+  Gen5 x16, 128 GB/s (H100, H200): 32 and 64 GB/s each way.
+- [DGX] NVIDIA DGX A100 and DGX H100/H200 user guides: 2 TB of system memory per node (DGX A100 80GB
+  configuration; DGX H100 and H200 as shipped).
+
 - [BUSBW] NVIDIA/nccl-tests ``doc/PERFORMANCE.md``: bus bandwidth is ``algbw (p-1)/p`` for all-gather,
   reduce-scatter and all-to-all, ``algbw`` itself for broadcast and reduce.
 
@@ -92,6 +97,10 @@ class NodeSpec:
     """Fraction of the HBM peak that memory-bound kernels (copies, norms, adds) reach."""
     links: dict[str, Link]
     """Per collective kind of :data:`~megatron_paradyse.cost.terms.COLLECTIVE_KINDS`."""
+    host_link: Link
+    """One GPU's copies to and from pinned host memory, each way (offloaded activations)."""
+    host_memory_bytes: int
+    """The node's system memory [DGX]."""
     p: int = 8
     gemm_launch_s: float = 5e-6
     """*Assumption*: per GEMM call (launch and framework overhead)."""
@@ -102,6 +111,9 @@ class NodeSpec:
     ring_overlap: float = 0.9
     """*Assumption*: fraction of a ring hop hidden behind the attention kernel it runs beside (NCCL on its
     own stream takes a few SMs)."""
+    host_overlap: float = 0.9
+    """*Assumption*: fraction of a host copy hidden behind the compute beside it (copy engines run
+    beside the kernels, sharing HBM with them)."""
     allocator_slack: float = 0.05
     """Fraction of the transient working set the CUDA caching allocator adds (rounding,
     fragmentation): the value ``paradyse calibrate`` writes on CUDA."""
@@ -137,6 +149,12 @@ _H100_PEAK = 989e12  # [H100], [H200]: 1,979 with sparsity, halved
 _FA2_RATIO = 0.73 / 0.63
 _H100_FA2_FORWARD = 335e12 * (1 + 2.5 * _FA2_RATIO) / 3.5
 
+# [PCIE] each way, *assumption*: 80% of it reached by pinned copies, on every GPU of the node at once,
+# 10 us per copy
+_PCIE4 = Link(bytes_per_s=0.8 * 32e9, latency_s=10e-6)
+_PCIE5 = Link(bytes_per_s=0.8 * 64e9, latency_s=10e-6)
+_DGX_MEMORY = 2 * 10**12  # [DGX]
+
 HARDWARE: dict[str, NodeSpec] = {
     "a100": NodeSpec(
         name="a100",
@@ -152,6 +170,8 @@ HARDWARE: dict[str, NodeSpec] = {
         # [NCCL-A100] 230 GB/s; ring hop *assumption*: [P2P-H100]'s 180 GB/s scaled by 230/370;
         # latencies *assumption* (small-message times of nccl-tests on NVSwitch nodes)
         links=_nvswitch_links(230e9, 180e9 * 230 / 370, 20e-6, 12e-6),
+        host_link=_PCIE4,
+        host_memory_bytes=_DGX_MEMORY,
         sources=("A100 datasheet", "FlashAttention-2 (arXiv 2307.08691) 4.1", "nccl-tests #149"),
     ),
     "h100": NodeSpec(
@@ -164,6 +184,8 @@ HARDWARE: dict[str, NodeSpec] = {
         hbm_bytes_per_s=3.35e12,  # [H100]
         hbm_efficiency=0.85,
         links=_nvswitch_links(360e9, 180e9, 15e-6, 10e-6),  # [NCCL-H100], [P2P-H100]
+        host_link=_PCIE5,
+        host_memory_bytes=_DGX_MEMORY,
         sources=("H100 datasheet", "FlashAttention-2 (arXiv 2307.08691) 4.1", "nccl-tests #212, #326, #268"),
     ),
     "h200": NodeSpec(
@@ -177,6 +199,8 @@ HARDWARE: dict[str, NodeSpec] = {
         hbm_bytes_per_s=4.8e12,  # [H200]
         hbm_efficiency=0.85,
         links=_nvswitch_links(360e9, 180e9, 15e-6, 10e-6),  # NVLink 4 as H100 [H200]
+        host_link=_PCIE5,
+        host_memory_bytes=_DGX_MEMORY,
         sources=("H200 datasheet", "FlashAttention-2 (arXiv 2307.08691) 4.1", "nccl-tests #212, #326, #268"),
     ),
 }
@@ -240,6 +264,11 @@ def hardware_profile(spec: NodeSpec) -> dict[str, Any]:
         "elementwise": {"per_byte_s": s_per_byte, "per_op_s": spec.elementwise_op_s},
         "collectives": {str(spec.p): collectives},
         "ring_overlap": spec.ring_overlap,
+        "host_link": {
+            "latency_s": spec.host_link.latency_s,
+            "per_byte_s": 1.0 / spec.host_link.bytes_per_s,
+            "overlap": spec.host_overlap,
+        },
         "allocator_slack": spec.allocator_slack,
         "correction": None,
         "samples": {"sources": list(spec.sources), "see": "megatron_paradyse/cost/hardware.py"},

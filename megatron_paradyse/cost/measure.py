@@ -32,6 +32,7 @@ from torch.distributed import ProcessGroup
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.memory import GradientRoot, PeakMemory
+from megatron_paradyse.core.offload import ActivationOffload
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.strategies import (
     AttentionContext,
@@ -119,7 +120,9 @@ def run_layer(
         x = x + run_attention(option.attention, F.layer_norm(x, (h,), ln1_w, ln1_b), params.attention, actx)
         return x + run_mlp(option.mlp, F.layer_norm(x, (h,), ln2_w, ln2_b), params.mlp, mctx)
 
-    return recompute(layer, x_local) if option.recompute else layer(x_local)
+    if not option.recompute:
+        return layer(x_local)
+    return recompute(layer, x_local, offload=ActivationOffload() if option.offload else None)
 
 
 @dataclasses.dataclass(frozen=True)

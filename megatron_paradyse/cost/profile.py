@@ -17,6 +17,8 @@ all times in seconds, sizes in bytes::
       "collectives": {"<p>": {"all_gather": ALPHA_BETA, "reduce_scatter": ..., "all_to_all": ...,
                               "send_recv": ..., "broadcast": ..., "reduce": ...}},
       "ring_overlap": float,                          # fraction of the shorter of comm/compute hidden
+      "host_link": {"latency_s": a, "per_byte_s": b,  # optional: one device<->host copy (offload),
+                    "overlap": float},                # and the fraction of it compute hides
       "allocator_slack": float,                       # fraction of the transient (0 on the CPU tracker)
       "correction": null | {"compute": k, "comm": k, "per_sync_s": c, "per_layer_s": c,
                             "fitted_on": ["tp_sp/tp_sp@512", ...]},
@@ -206,6 +208,13 @@ def _bad_values(profile: dict[str, Any]) -> Iterable[str]:
         for kind in COLLECTIVE_KINDS:
             for field in ("latency_s", "per_byte_s"):
                 checks.append(number(f"collectives.{p}.{kind}.{field}", kinds[kind][field]))
+    link = profile.get("host_link")
+    if link is not None:
+        if not isinstance(link, dict) or any(field not in link for field in ("latency_s", "per_byte_s", "overlap")):
+            checks.append(f"host_link must be a mapping of latency_s, per_byte_s and overlap, got {link!r}")
+        else:
+            checks += [number(f"host_link.{field}", link[field]) for field in ("latency_s", "per_byte_s")]
+            checks.append(number("host_link.overlap", link["overlap"], high=1.0))
     correction = profile.get("correction")
     if correction is not None:
         if not isinstance(correction, dict):

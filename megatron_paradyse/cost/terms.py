@@ -341,7 +341,7 @@ class LayerTerms:
     activation_bytes: float
     """One ``[t, b, h]`` activation (the layer's input, output, residual)."""
     saved_bytes: float
-    """Kept from the layer's forward to its backward (with recompute: its output only)."""
+    """Kept from the layer's forward to its backward (with recompute: its output only; offloaded: none)."""
     peak_bytes: float
     """High-water mark over forward (+ recompute) and backward, above the layer's input."""
 
@@ -362,5 +362,5 @@ def layer_terms(option: LayerOption, d: Dims, layout: SequenceLayout, rank: int 
         sublayer_terms("mlp", option.mlp, d, layout, rank),
         option.recompute,
         d.x,
-        *memory.saved_and_peak(recompute=option.recompute),
+        *memory.saved_and_peak(recompute=option.recompute, offload=option.offload),
     )

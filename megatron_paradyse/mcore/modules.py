@@ -198,7 +198,9 @@ class ParadyseTransformerLayer(TransformerLayer):
             with micro_batch_scope(step):  # also what a recompute reruns under
                 return TransformerLayer.forward(self, x, **kwargs)
 
-        return recompute(run, hidden_states) if option.recompute else run(hidden_states)
+        if not option.recompute:
+            return run(hidden_states)
+        return recompute(run, hidden_states, offload=step.offload if option.offload else None)
 
     def _check_runnable(self, option: LayerOption, step: MicroBatch) -> None:
         """Raise before any communication if this layer cannot run ``option`` on ``step``."""

@@ -29,6 +29,10 @@ class PlannerConfig:
     per-sublayer plan). Excludes ``attention`` and ``mlp``."""
     recompute: bool = True
     """Let the planner recompute a layer in backward (less saved memory, one more forward)."""
+    host_memory_gib: float = 0.0
+    """Host memory (GiB per rank) that recomputed layers may keep their inputs in until their backward
+    (:mod:`megatron_paradyse.core.offload`): the planner then also weighs each recomputed option offloaded
+    ('+rc+off'), priced with the profile's host link. 0: never offload."""
     hysteresis: float = 0.05
     """Keep the previous plan while it fits and is predicted at most this fraction slower than the
     new optimum (the paper's gamma)."""
@@ -86,6 +90,16 @@ class PlannerConfig:
         ]
         if unknown:
             raise ValueError("; ".join(unknown))
+        if not (isinstance(self.host_memory_gib, (int, float)) and 0.0 <= self.host_memory_gib < math.inf):
+            raise ValueError(
+                f"planner.host_memory_gib must be a non-negative number of GiB per rank (0: never offload), "
+                f"got {self.host_memory_gib!r}"
+            )
+        if self.host_memory_gib and not self.recompute:
+            raise ValueError(
+                "planner.host_memory_gib lets recomputed layers keep their inputs in host memory; it needs "
+                "planner.recompute: true (or set host_memory_gib: 0)"
+            )
         if not 0.0 <= self.hysteresis < 1.0:
             raise ValueError(f"planner.hysteresis must be in [0, 1), got {self.hysteresis}")
         if not isinstance(self.bucket_tokens, int) or self.bucket_tokens < 1:
@@ -124,7 +138,8 @@ def layer_options(config: PlannerConfig, shape: ModelShape, p: int) -> tuple[tup
 
     Strategies whose preconditions fail for ``shape`` on ``p`` ranks are left out, whether listed
     in the config or not (unknown names never get this far: the config refuses them). Options come in
-    the library's order (fastest first), each without then with recompute.
+    the library's order (fastest first), each without then with recompute (then offloaded, where host
+    memory is given).
     """
     allowed, excluded = {}, {}
     for sublayer, wanted in (("attention", config.attention), ("mlp", config.mlp)):
@@ -146,8 +161,8 @@ def layer_options(config: PlannerConfig, shape: ModelShape, p: int) -> tuple[tup
                 excluded[f"pair {text}"] = f"{' and '.join(missing)} cannot run this model"
             else:
                 pairs.append((option.attention, option.mlp))
-    recompute = (False, True) if config.recompute else (False,)
-    options = tuple(LayerOption(a, m, rc) for a, m in pairs for rc in recompute)
+    kinds = [(False, False)] + [(True, False)] * config.recompute + [(True, True)] * bool(config.host_memory_gib)
+    options = tuple(LayerOption(a, m, rc, off) for a, m in pairs for rc, off in kinds)
     if not options:
         reasons = "; ".join(f"{what}: {why}" for what, why in excluded.items()) or "none enabled"
         raise ValueError(f"no layer option is left for this model on p={p} ranks ({reasons})")

@@ -1,7 +1,7 @@
 """The per-micro-batch planner of one pipeline stage.
 
 ``Planner.decide(layout, micro_batch_size)`` returns the plan a micro-batch runs: one
-``(attention, MLP, recompute)`` option per layer, and on the stage that holds the output layer whether
+``(attention, MLP, recompute, offload)`` option per layer, and on the stage that holds the output layer whether
 its loss runs in chunks, of least predicted time whose predicted peak fits the memory budget. A chunked
 loss only adds time, so it is priced (:meth:`CostModel.stage_options`) only where memory keeps the
 layers from their fastest options. It is a pure function of the micro-batch's lengths, the configuration, the cost
@@ -368,7 +368,8 @@ class Planner:
         )
         peak = functools.partial(self.cost_model.peak_bytes, layout, micro_batch_size, stage=stage)
         stage_time = self.cost_model.stage_time_s(layout, micro_batch_size, stage)
-        return StageProblem(self.options, costs, self.num_layers, self._budget, peak, stage, stage_time)
+        host_budget = self.config.host_memory_gib * _GIB
+        return StageProblem(self.options, costs, self.num_layers, self._budget, peak, stage, stage_time, host_budget)
 
     def _infeasible(self, layout: SequenceLayout, micro_batch_size: int, edge: int, problem: StageProblem) -> None:
         leanest = problem.leanest()

@@ -9,7 +9,8 @@ layers take each option matters, not which ones. A solution is a count vector ``
     subject to  sum_o n_o = L,   n_o >= 0 integer,
                 peak(sum_o n_o m_o, max_{o: n_o > 0} r_o) <= budget
 
-where ``peak`` is the cost model's stage peak, non-decreasing in both arguments. A problem is posed for
+where ``peak`` is the cost model's stage peak, non-decreasing in both arguments, and the host memory
+of offloaded layers (``sum_o n_o h_o``) stays within the host budget. A problem is posed for
 one choice of how the stage runs around its layers (:class:`~megatron_paradyse.cost.base.StageOptions`):
 it sets ``peak`` and adds a constant to ``T``; an option it rules out costs infinite working memory, so
 no plan that uses it fits.
@@ -18,10 +19,11 @@ no plan that uses it fits.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 from megatron_paradyse.core.plan import LayerOption, Plan
-from megatron_paradyse.cost.base import WHOLE_LOSS, LayerCost, StageOptions
+from megatron_paradyse.cost.base import WHOLE_LOSS, LayerCost, StageOptions, stage_layer_bytes
 
 __all__ = ["Solution", "StageProblem"]
 
@@ -39,6 +41,7 @@ class Solution:
     saved_bytes: float
     transient_bytes: float
     peak_bytes: float
+    host_bytes: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,6 +56,8 @@ class StageProblem:
     stage: StageOptions = WHOLE_LOSS
     stage_time_s: float = 0.0
     """What ``stage`` adds to every plan's time."""
+    host_budget_bytes: float = math.inf
+    """Host memory the offloaded layers' inputs may take (per rank)."""
 
     def __post_init__(self) -> None:
         if len(self.options) != len(self.costs) or not self.options:
@@ -62,14 +67,13 @@ class StageProblem:
 
     def evaluate(self, counts: Sequence[int]) -> Solution:
         """Predicted time and peak of a count vector (sums in option order, so every rank gets the same bits)."""
-        time_s, saved = self.stage_time_s, 0.0
-        transient = -float("inf")
+        time_s, host = self.stage_time_s, 0.0
         for n, cost in zip(counts, self.costs):
             if n:
                 time_s += n * cost.time_s
-                saved += n * cost.saved_bytes
-                transient = max(transient, cost.transient_bytes)
-        return Solution(tuple(counts), time_s, saved, transient, self.peak(saved, transient))
+                host += n * cost.host_bytes
+        saved, transient = stage_layer_bytes(zip(counts, self.costs), self.num_layers)
+        return Solution(tuple(counts), time_s, saved, transient, self.peak(saved, transient), host)
 
     def uniform(self, option: int) -> tuple[int, ...]:
         """Count vector of the plan that runs ``options[option]`` on every layer."""
@@ -78,21 +82,33 @@ class StageProblem:
         return tuple(counts)
 
     def leanest(self) -> Solution:
-        """The plan of least predicted peak.
+        """The plan of least predicted peak within the host budget.
 
-        It is uniform: a plan whose largest transient is ``r`` peaks at least at
+        Without offload it is uniform: a plan whose largest transient is ``r`` peaks at least at
         ``peak(L * min_{r_o <= r} m_o, r)``, which the uniform plan of that minimising option attains
-        or beats.
+        or beats. An offloaded option takes as many layers as the host budget holds, beside one other
+        option on the rest (the same argument, per option pair).
         """
+        candidates = [self.uniform(o) for o in range(len(self.options))]
+        for o, cost in enumerate(self.costs):
+            if cost.host_bytes and cost.host_bytes * self.num_layers > self.host_budget_bytes:
+                held = int(self.host_budget_bytes // cost.host_bytes)
+                for other, other_cost in enumerate(self.costs):
+                    if not other_cost.host_bytes:
+                        counts = [0] * len(self.options)
+                        counts[o], counts[other] = held, self.num_layers - held
+                        candidates.append(tuple(counts))
         best = None
-        for o in range(len(self.options)):
-            candidate = self.evaluate(self.uniform(o))
+        for counts in candidates:
+            candidate = self.evaluate(counts)
+            if candidate.host_bytes > self.host_budget_bytes:
+                continue
             if best is None or candidate.peak_bytes < best.peak_bytes:
                 best = candidate
         return best
 
     def fits(self, solution: Solution) -> bool:
-        return solution.peak_bytes <= self.budget_bytes
+        return solution.peak_bytes <= self.budget_bytes and solution.host_bytes <= self.host_budget_bytes
 
     def to_plan(self, solution: Solution) -> Plan:
         """The plan of a count vector, layers ordered by decreasing transient (then saved) bytes.
@@ -104,10 +120,13 @@ class StageProblem:
         ``1..l-1`` release theirs. Swapping two adjacent layers so the larger transient comes first
         never raises that maximum (an exchange argument), so the sorted order is the best one: the
         working-set-heavy fast options run on the first layers, the lean ones last.
+
+        Offloaded layers run after all others, so that their saved bytes are right
+        (:func:`~megatron_paradyse.cost.base.stage_layer_bytes`).
         """
         used = sorted(
             (o for o, n in enumerate(solution.counts) if n),
-            key=lambda o: (-self.costs[o].transient_bytes, -self.costs[o].saved_bytes, o),
+            key=lambda o: (self.options[o].offload, -self.costs[o].transient_bytes, -self.costs[o].saved_bytes, o),
         )
         layers = tuple(option for o in used for option in (self.options[o],) * solution.counts[o])
         return Plan(

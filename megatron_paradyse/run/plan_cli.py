@@ -153,6 +153,7 @@ class _Job:
                 attention=None,
                 mlp=None,
                 recompute=option.recompute,
+                host_memory_gib=0.0,  # nor offload
                 hysteresis=0.0,
                 loss_chunk_tokens=0,  # Megatron's own loss, as a static run has it
             )
