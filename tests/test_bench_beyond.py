@@ -1,6 +1,7 @@
 """``python -m megatron_paradyse.bench beyond``: on 2 gloo ranks, a sequence no plan fits with Megatron's
 loss trains under the same budget with the loss in chunks, and one no plan fits on device memory alone
-trains with layer inputs offloaded to host memory, each measured peak the predicted one."""
+trains with layer inputs offloaded to host memory, and one no plan with whole MLPs fits trains with MLPs in
+tiles, each measured peak the predicted one."""
 
 from __future__ import annotations
 
@@ -44,6 +45,17 @@ def test_a_sequence_beyond_device_memory_trains_with_offload_within_budget(capsy
     # what went to the host: the offloaded layers' inputs, as the model counts them
     host = re.search(r"host memory \(offloaded layer inputs\): predicted ([\d.]+) MiB, measured ([\d.]+) MiB", out)
     assert host and float(host[2]) > 0 and host[1] == host[2] == fields["host_mib"]
+
+
+def test_a_sequence_beyond_whole_mlps_trains_with_mlps_in_tiles_within_budget(capsys):
+    assert beyond.main(["--lever", "tile", "--vocab", "1024", "--tokens", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "whole MLPs: the leanest plan peaks at" in out and "does not fit" in out
+    fields = dict(kv.split("=") for kv in out.strip().splitlines()[-1].split())
+    assert int(fields["untiled_max_len"]) < int(fields["trained_len"]) <= int(fields["tiled_max_len"])
+    measured, predicted = float(fields["measured_peak_mib"]), float(fields["predicted_peak_mib"])
+    assert measured <= float(fields["budget_mib"]) and abs(predicted / measured - 1) <= 0.01
+    assert re.search(r"plan .*\+tile512", out)
 
 
 @pytest.mark.parametrize(

@@ -55,13 +55,15 @@ def random_plan(rng: random.Random, shape, p: int, layers: int, recompute: bool 
     options = []
     for _ in range(layers):
         rc = rng.random() < 0.5 if recompute is None else recompute
-        options.append(LayerOption(rng.choice(attention), rng.choice(mlp), rc, rc and rng.random() < 0.5))
+        off = rc and rng.random() < 0.5
+        tile = rng.choice((0, 4 * p))  # tiles of 4 local rows
+        options.append(LayerOption(rng.choice(attention), rng.choice(mlp), rc, off, tile))
     return Plan(tuple(options))
 
 
 def plans(shape, p: int, layers: int, seed: int) -> list[tuple[str, Plan]]:
     """Every uniform plan the model can run, then random mixes (recompute on some layers, of which some
-    offloaded to host memory)."""
+    offloaded to host memory; MLPs in tiles on some)."""
     attention, _ = available_strategies("attention", shape, p)
     mlp, _ = available_strategies("mlp", shape, p)
     rng = random.Random(seed)

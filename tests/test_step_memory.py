@@ -13,7 +13,8 @@ backward's weight gradients included (host copies of offloaded layers' inputs ar
 left out; where every layer is offloaded the model may count one activation more, the stage's input,
 which it keeps beside the loss but the loss's backward no longer has). Plans: every strategy family
 with and without recompute at TP=2, and the recompute choices TP=1 plans from; every layer offloaded,
-and one offloaded after one recomputed; the output layer and loss in chunks
+and one offloaded after one recomputed; MLPs in tiles (uneven: 256 gathered tokens of 500 and 1000 rows);
+the output layer and loss in chunks
 (:mod:`megatron_paradyse.mcore.chunked_loss`) beside Megatron's whole-sequence buffer (``tp_sp``) and
 without it; one document and three packed.
 """
@@ -42,8 +43,11 @@ PLANS = {
         "ring/zero3" + CHUNKED,
         "ulysses/lean+rc+off",
         "tp_sp/zero3+rc, ring/lean+rc+off" + CHUNKED,
+        "tp_sp/tp_sp+tile256",
+        "ring/zero3+tile256",
+        "ulysses/lean+tile256+rc, lean/lean+tile256+rc+off",
     ),
-    1: ("tp_sp/tp_sp", "tp_sp/tp_sp+rc", "tp_sp/tp_sp+rc" + CHUNKED, "tp_sp/tp_sp+rc+off"),
+    1: ("tp_sp/tp_sp", "tp_sp/tp_sp+rc", "tp_sp/tp_sp+rc" + CHUNKED, "tp_sp/tp_sp+rc+off", "tp_sp/tp_sp+tile256"),
 }
 DOCUMENTS = {"one": (1000,), "packed": (300, 500, 196)}
 

@@ -1,5 +1,5 @@
-"""Every strategy, and random per-layer mixes with and without recompute (and offload), equal a single-rank
-fp32 reference on p gloo ranks.
+"""Every strategy, and random per-layer mixes with and without recompute (and offload, and MLPs in tiles),
+equal a single-rank fp32 reference on p gloo ranks.
 
 One launch per p runs every case; each case is its own test. Every rank computes the reference
 itself and compares its own shards: loss, input gradient and every weight gradient, within 1e-5
@@ -35,6 +35,7 @@ from megatron_paradyse.strategies import (
 )
 from megatron_paradyse.strategies.megatron_linears import layer_linears
 from megatron_paradyse.strategies.recompute import recompute
+from megatron_paradyse.strategies.tiling import over_row_tiles
 
 TOLERANCE = 1e-5
 REPLICATED = ("ln1_w", "ln1_b", "ln2_w", "ln2_b", "q_scale", "k_scale")
@@ -99,6 +100,12 @@ def build_cases(p: int) -> list[Case]:
         cases.append(
             Case(f"{tag}-offload", gqa, causal, docs, random_plan(attn, mlp, offload=True), rng.randrange(10**6))
         )
+        # MLPs in tiles of 6 rows (the last one 2) and of 2, recomputed or not, every MLP strategy
+        tiled = [
+            dataclasses.replace(option, mlp=mlp[i % len(mlp)], mlp_tile_tokens=(6 if i % 2 else 2) * p)
+            for i, option in enumerate(random_plan(attn, mlp, offload=True))
+        ]
+        cases.append(Case(f"{tag}-tiled", gqa, causal, docs, tuple(tiled), rng.randrange(10**6)))
         cases.append(
             Case(
                 f"{tag}-packed",
@@ -159,7 +166,11 @@ def run_stack(x_local, attn_weights, mlp_weights, norms, plan, layout, cfg, grou
         x_local = x_local + run_attention(
             option.attention, F.layer_norm(x_local, (h,), ln["ln1_w"], ln["ln1_b"]), aw, layer_actx
         )
-        return x_local + run_mlp(option.mlp, F.layer_norm(x_local, (h,), ln["ln2_w"], ln["ln2_b"]), mw, mctx)
+        mlp_input = F.layer_norm(x_local, (h,), ln["ln2_w"], ln["ln2_b"])
+        mlp = functools.partial(run_mlp, option.mlp, weights=mw, ctx=mctx)
+        if option.mlp_tile_tokens:
+            return x_local + over_row_tiles(mlp, mlp_input, option.mlp_tile_tokens, group.size())
+        return x_local + mlp(mlp_input)
 
     offload = ActivationOffload()
     for option, aw, mw, ln in zip(plan, attn_weights, mlp_weights, norms):

@@ -1,15 +1,17 @@
 """A sequence no plan fits without one of the long-context levers, trained on CPU under the same budget,
 peaks measured.
 
-    python -m megatron_paradyse.bench beyond [--lever loss|offload] [--tp 2] [--tokens 4096] [--vocab 32768]
-                                             [--loss-chunk-tokens 512]
+    python -m megatron_paradyse.bench beyond [--lever loss|offload|tile] [--tp 2] [--tokens 4096]
+                                             [--vocab 32768] [--loss-chunk-tokens 512]
 
 On ``--tp`` gloo ranks, Megatron's GPTModel of the CPU demo (``configs/tiny-cpu.yaml``'s layers, tied
 output layer) and the Paradyse layer spec. ``--lever loss`` (the default, with a large vocabulary, so
 that the output layer's logits outweigh the layers): plans with Megatron's own loss against plans free to
 chunk it (:mod:`megatron_paradyse.mcore.chunked_loss`). ``--lever offload`` (give a small ``--vocab``,
 so that the layers weigh most): plans free to chunk the loss on device memory alone, against plans also
-free to keep recomputed layers' inputs in host memory (:mod:`megatron_paradyse.core.offload`). The budget
+free to keep recomputed layers' inputs in host memory (:mod:`megatron_paradyse.core.offload`); ``--lever
+tile`` likewise, against plans also free to run MLPs over tiles of :data:`TILE_TOKENS` tokens
+(:mod:`megatron_paradyse.strategies.tiling`). The budget
 per rank is set midway between the least predicted peak of any plan without the lever and that of any
 plan with it, for one sequence of ``--tokens`` tokens: the first planner cannot run it (the training entry
 point would refuse it before any work), the second can. It then runs one training step (forward, loss,
@@ -49,9 +51,12 @@ class _Settings:
 
 HOST_GIB = 1.0
 """Host memory per rank the offloading planner may use (far more than these layers' inputs)."""
+TILE_TOKENS = 512
+"""Gathered tokens per MLP tile of the tiling planner."""
 LEVERS = {
     "loss": ("unchunked", "chunked", "Megatron's loss", "chunked loss"),
     "offload": ("device", "offload", "device memory only", "with offload"),
+    "tile": ("untiled", "tiled", "whole MLPs", "MLPs in tiles"),
 }
 """Each lever's keys and labels for the planners without and with it."""
 
@@ -112,10 +117,11 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
     layout = batch["layout"]
 
     def planner(lever: bool, budget: float) -> Planner:
-        offloading = lever and settings.lever == "offload"
-        chunk = settings.loss_chunk_tokens if lever or settings.lever == "offload" else 0
         planner_config = PlannerConfig(
-            loss_chunk_tokens=chunk, host_memory_gib=HOST_GIB if offloading else 0.0, bucket_tokens=2 * p
+            loss_chunk_tokens=settings.loss_chunk_tokens if lever or settings.lever != "loss" else 0,
+            host_memory_gib=HOST_GIB if lever and settings.lever == "offload" else 0.0,
+            mlp_tile_tokens=TILE_TOKENS if lever and settings.lever == "tile" else 0,
+            bucket_tokens=2 * p,
         )
         return Planner.for_model(
             planner_config, cost, shape=cost.shape, p=p, num_layers=config.num_layers, budget_bytes=budget

@@ -13,8 +13,9 @@ the transformer layers alone (no vocabulary), the whole model with Megatron's ow
 model with the planner free to chunk the loss (:mod:`megatron_paradyse.mcore.chunked_loss`); then with
 host memory too, the planner free to offload recomputed layers' inputs (:mod:`megatron_paradyse.core.offload`,
 the config's ``planner.host_memory_gib`` per rank, over PCIe at the published rate); then the plan,
-predicted step time and the model FLOP utilisation it implies at 1M tokens, every lever allowed.
-Tiled MLPs are not built (``lean``'s MLP already bounds its intermediate by one shard).
+predicted step time and the model FLOP utilisation it implies at 1M tokens, every lever allowed. Every
+column lets the planner run MLPs over sequence tiles (the config's ``planner.mlp_tile_tokens``,
+:mod:`megatron_paradyse.strategies.tiling`).
 
 Assumptions: as the paper's setting (:mod:`megatron_paradyse.bench.simulate`): bf16 weights, fp32 main
 gradients, fp32 master weights and Adam moments on the GPUs, not sharded (18 bytes per parameter, no data

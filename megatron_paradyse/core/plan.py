@@ -1,5 +1,5 @@
-"""What a plan is: one (attention strategy, MLP strategy, recompute, offload) option per layer of a stage, and
-how the stage's output layer and loss run.
+"""What a plan is: one (attention strategy, MLP strategy, recompute, offload, MLP tiling) option per layer
+of a stage, and how the stage's output layer and loss run.
 
 A plan is data: the planner makes one per micro-batch, the Megatron layers look their entry up at
 forward time, the logs print it. It holds no tensors and no groups.
@@ -11,19 +11,26 @@ import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 
-__all__ = ["LayerOption", "Plan", "loss_chunk_rows"]
+__all__ = ["LayerOption", "Plan", "loss_chunk_rows", "mlp_tile_rows"]
 
 
 @dataclasses.dataclass(frozen=True, order=True, slots=True)
 class LayerOption:
     """How one transformer layer runs: its attention strategy, its MLP strategy, whether the whole
-    layer is recomputed from its ``[s/p, b, h]`` input in backward, and whether that input waits for
-    the backward in host memory (``offload``, with recompute only: :mod:`megatron_paradyse.core.offload`)."""
+    layer is recomputed from its ``[s/p, b, h]`` input in backward, whether that input waits for the
+    backward in host memory (``offload``, with recompute only: :mod:`megatron_paradyse.core.offload`),
+    and whether the MLP runs over sequence tiles of ``mlp_tile_tokens`` gathered tokens, each recomputed in
+    backward (:mod:`megatron_paradyse.strategies.tiling`; 0: at once).
+
+    Written ``attention/mlp``, then ``+tile<tokens>``, ``+rc``, ``+off`` as they apply:
+    ``ulysses/lean+tile65536+rc+off``.
+    """
 
     attention: str
     mlp: str
     recompute: bool = False
     offload: bool = False
+    mlp_tile_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.offload and not self.recompute:
@@ -31,21 +38,34 @@ class LayerOption:
                 f"{self.attention}/{self.mlp}: offload moves a recomputed layer's input to host memory; "
                 f"it needs recompute (write '{self.attention}/{self.mlp}+rc+off')"
             )
+        if not isinstance(self.mlp_tile_tokens, int) or self.mlp_tile_tokens < 0:
+            raise ValueError(f"mlp_tile_tokens must be a non-negative int (0: no tiles), got {self.mlp_tile_tokens!r}")
 
     def __str__(self) -> str:
-        return f"{self.attention}/{self.mlp}{'+rc' if self.recompute else ''}{'+off' if self.offload else ''}"
+        tile = f"+tile{self.mlp_tile_tokens}" if self.mlp_tile_tokens else ""
+        return f"{self.attention}/{self.mlp}{tile}{'+rc' if self.recompute else ''}{'+off' if self.offload else ''}"
 
     @classmethod
     def parse(cls, text: str) -> LayerOption:
         """Inverse of ``str``: ``"ring/zero3+rc"`` -> ``LayerOption("ring", "zero3", True)``,
-        ``"ring/zero3+rc+off"`` -> ``LayerOption("ring", "zero3", True, True)``."""
+        ``"ring/lean+tile65536+rc+off"`` -> ``LayerOption("ring", "lean", True, True, 65536)``."""
         body, *flags = text.strip().split("+")
         attention, slash, mlp = body.partition("/")
-        if not slash or not attention or not mlp or flags not in ([], ["rc"], ["rc", "off"]):
+        tile = flags[0].removeprefix("tile") if flags and flags[0].startswith("tile") else None
+        rest = flags[1:] if tile is not None else flags
+        if (
+            not slash
+            or not attention
+            or not mlp
+            or rest not in ([], ["rc"], ["rc", "off"])
+            or tile is not None
+            and not (tile.isdigit() and int(tile) > 0)
+        ):
             raise ValueError(
-                f"a layer option reads 'attention/mlp', 'attention/mlp+rc' or 'attention/mlp+rc+off', got {text!r}"
+                f"a layer option reads 'attention/mlp', then '+tile<tokens>', '+rc', '+off' as they apply "
+                f"(e.g. 'ulysses/lean+tile65536+rc+off'), got {text!r}"
             )
-        return cls(attention, mlp, bool(flags), len(flags) == 2)
+        return cls(attention, mlp, bool(rest), len(rest) == 2, int(tile or 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +104,12 @@ class Plan:
         chunks"`` where the loss is chunked."""
         layers = ", ".join(f"{len(list(run))}x {option}" for option, run in itertools.groupby(self.layers))
         return f"{layers}; loss in {self.loss_chunk_tokens}-token chunks" if self.loss_chunk_tokens else layers
+
+
+def mlp_tile_rows(tile_tokens: int, p: int, local_rows: int) -> int:
+    """Local rows in one MLP tile of ``tile_tokens`` gathered tokens on ``p`` sequence-parallel ranks that
+    hold ``local_rows`` each (even, as every strategy takes them; the last tile may be shorter)."""
+    return min(local_rows, max(2, tile_tokens // p // 2 * 2))
 
 
 def loss_chunk_rows(chunk_tokens: int, p: int, local_rows: int) -> int:

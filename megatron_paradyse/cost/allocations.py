@@ -26,6 +26,7 @@ from typing import Literal
 
 from megatron_paradyse.attention.kernels import EFFICIENT_LSE_ROWS
 from megatron_paradyse.core.layout import Segment, SequenceLayout
+from megatron_paradyse.core.plan import mlp_tile_rows
 from megatron_paradyse.strategies import ModelShape
 
 __all__ = [
@@ -1184,6 +1185,32 @@ def sublayer_memory(sublayer: str, name: str, d: Dims, layout: SequenceLayout, r
         known = ", ".join(n for sub, n in _SCRIPTS if sub == sublayer)
         raise ValueError(f"no memory script for {sublayer} strategy {name!r}; known: {known}")
     return script(d, layout, rank)
+
+
+def tiled_mlp_memory(name: str, d: Dims, layout: SequenceLayout, tile_tokens: int) -> SublayerMemory:
+    """MLP strategy ``name`` over tiles of ``tile_tokens`` gathered tokens
+    (:mod:`megatron_paradyse.strategies.tiling`), from its own script at each tile's size.
+
+    Forward, beside the input (which it keeps: the tiles are views of it): each tile's working set above
+    its input beside the outputs of the tiles before; the outputs joined into the output (both whole for a
+    moment). Backward, from the last tile: each tile rebuilt (what its forward keeps, its input aside)
+    and its backward, beside the input gradients of the tiles done; those joined into the input's."""
+    x, t = d.x, d.t
+    rows = mlp_tile_rows(tile_tokens, d.p, t)
+    sizes = [min(rows, t - start) for start in range(0, t, rows)]
+    tiles = {n: sublayer_memory("mlp", name, dataclasses.replace(d, s=n * d.p), layout) for n in set(sizes)}
+    forward = backward = 0.0
+    done = 0.0  # the outputs of the tiles so far
+    for n in sizes:
+        forward = max(forward, done + tiles[n].fwd_peak - x * n / t)
+        done += x * n / t
+    done = 0.0  # the input gradients of the tiles so far
+    for n in reversed(sizes):
+        tile, tile_x = tiles[n], x * n / t
+        kept = tile.saved_bytes - (tile_x if "x_local" in dict(tile.saved) else 0.0)
+        backward = max(backward, done + max(tile.fwd_peak - tile_x, kept + tile.bwd_peak))
+        done += tile_x
+    return SublayerMemory((("x_local", x),), max(x + forward, 3 * x), max(backward, 2 * x))
 
 
 def _norm_forward(m: _Memory, d: Dims, name: str) -> None:

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from megatron_paradyse.core.layout import SequenceLayout
-from megatron_paradyse.core.plan import LayerOption, Plan, loss_chunk_rows
+from megatron_paradyse.core.plan import LayerOption, Plan, loss_chunk_rows, mlp_tile_rows
 from megatron_paradyse.cost.allocations import (
     RANK_DEPENDENT,
     Dims,
@@ -51,6 +51,7 @@ from megatron_paradyse.cost.allocations import (
     layer_memory,
     norm_peak,
     sublayer_memory,
+    tiled_mlp_memory,
 )
 from megatron_paradyse.cost.base import WHOLE_LOSS, LayerCost, StageOptions, stage_layer_bytes
 from megatron_paradyse.cost.profile import load_profile
@@ -86,6 +87,9 @@ class _Pass:
     compute_s: float
     comm_s: float
     syncs: int
+
+    def __add__(self, other: _Pass) -> _Pass:
+        return _Pass(self.compute_s + other.compute_s, self.comm_s + other.comm_s, self.syncs + other.syncs)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -320,7 +324,11 @@ class AnalyticCostModel:
         steps see different blocks)."""
         memo = self._memo(layout, micro_batch_size)
         ranks = range(self.p) if option.attention in RANK_DEPENDENT else (0,)
-        mlp = self._sublayer(memo, layout, "mlp", option.mlp, 0)  # the same on every rank
+        mlp = (  # the same on every rank
+            self._tiled_mlp(memo, layout, option.mlp, option.mlp_tile_tokens)
+            if option.mlp_tile_tokens
+            else self._sublayer(memo, layout, "mlp", option.mlp, 0)
+        )
         per_rank = []
         for rank in ranks:
             attn = self._sublayer(memo, layout, "attention", option.attention, rank)
@@ -368,6 +376,26 @@ class AnalyticCostModel:
             memory_key = (memory.saved_bytes, memory.fwd_peak, memory.bwd_peak)
             entry = _Sublayer(self._pass(sub, backward=False), self._pass(sub, backward=True), memory, memory_key)
             memo.sublayers[key] = entry
+        return entry
+
+    def _tiled_mlp(self, memo: _LayoutMemo, layout: SequenceLayout, name: str, tile_tokens: int) -> _Sublayer:
+        """MLP strategy ``name`` over row tiles of ``tile_tokens`` gathered tokens: each tile priced at its
+        size, forward once, then forward again and backward (its recompute); memory from
+        :func:`tiled_mlp_memory`. Memoised."""
+        key = ("mlp", name, -tile_tokens)  # no rank is negative
+        entry = memo.sublayers.get(key)
+        if entry is None:
+            d = memo.dims
+            rows = mlp_tile_rows(tile_tokens, self.p, d.t)
+            forward, backward = _Pass(0.0, 0.0, 0), _Pass(0.0, 0.0, 0)
+            for start in range(0, d.t, rows):
+                sub = sublayer_terms("mlp", name, dataclasses.replace(d, s=min(rows, d.t - start) * self.p), layout)
+                tile_forward, tile_backward = self._pass(sub, backward=False), self._pass(sub, backward=True)
+                forward = forward + tile_forward
+                backward = backward + tile_forward + tile_backward
+            memory = tiled_mlp_memory(name, d, layout, tile_tokens)
+            memory_key = (memory.saved_bytes, memory.fwd_peak, memory.bwd_peak)
+            entry = memo.sublayers[key] = _Sublayer(forward, backward, memory, memory_key)
         return entry
 
     def _pass(self, sub: SublayerTerms, *, backward: bool) -> _Pass:

@@ -45,6 +45,7 @@ from megatron_paradyse.strategies import (
 )
 from megatron_paradyse.strategies.megatron_linears import layer_linears, reserve_gather_buffer
 from megatron_paradyse.strategies.recompute import recompute
+from megatron_paradyse.strategies.tiling import over_row_tiles
 
 __all__ = ["LayerMeasurement", "LayerParams", "make_layer_params", "measure_layer", "run_layer"]
 
@@ -116,9 +117,15 @@ def run_layer(
     h = x_local.shape[-1]
     ln1_w, ln1_b, ln2_w, ln2_b = params.norms
 
+    def mlp(x: Tensor) -> Tensor:
+        return run_mlp(option.mlp, x, params.mlp, mctx)
+
     def layer(x: Tensor) -> Tensor:
         x = x + run_attention(option.attention, F.layer_norm(x, (h,), ln1_w, ln1_b), params.attention, actx)
-        return x + run_mlp(option.mlp, F.layer_norm(x, (h,), ln2_w, ln2_b), params.mlp, mctx)
+        mlp_input = F.layer_norm(x, (h,), ln2_w, ln2_b)
+        if not option.mlp_tile_tokens:
+            return x + mlp(mlp_input)
+        return x + over_row_tiles(mlp, mlp_input, option.mlp_tile_tokens, mctx.group.size())
 
     if not option.recompute:
         return layer(x_local)

@@ -38,6 +38,7 @@ from megatron_paradyse.cost.allocations import (
     layer_memory,
     ring_steps,
     sublayer_memory,
+    tiled_mlp_memory,
 )
 
 __all__ = [
@@ -352,11 +353,11 @@ class LayerTerms:
 
 def layer_terms(option: LayerOption, d: Dims, layout: SequenceLayout, rank: int = 0) -> LayerTerms:
     """Terms and memory (:mod:`cost.allocations`) of one layer on ``rank``."""
-    memory = layer_memory(
-        sublayer_memory("attention", option.attention, d, layout, rank),
-        sublayer_memory("mlp", option.mlp, d, layout, rank),
-        d,
-    )
+    if option.mlp_tile_tokens:
+        mlp = tiled_mlp_memory(option.mlp, d, layout, option.mlp_tile_tokens)
+    else:
+        mlp = sublayer_memory("mlp", option.mlp, d, layout, rank)
+    memory = layer_memory(sublayer_memory("attention", option.attention, d, layout, rank), mlp, d)
     return LayerTerms(
         sublayer_terms("attention", option.attention, d, layout, rank),
         sublayer_terms("mlp", option.mlp, d, layout, rank),

@@ -57,6 +57,7 @@ from megatron_paradyse.strategies import (
     unsupported_reason,
 )
 from megatron_paradyse.strategies.recompute import recompute
+from megatron_paradyse.strategies.tiling import over_row_tiles
 
 __all__ = ["ParadyseMLP", "ParadyseSelfAttention", "ParadyseTransformerLayer", "config_problems"]
 
@@ -364,6 +365,10 @@ class ParadyseMLP(MLP):
             raise RuntimeError("ParadyseMLP must be built by ParadyseTransformerLayer (megatron_paradyse.spec)")
         step = current_micro_batch()
         ctx = MLPContext(group=self.tp_group, shape=self.shape, activation=self.activation)
-        name = step.plan[self.plan_index].mlp
-        x_local = _sublayer_input("mlp", name, hidden_states, self.linear_fc1, self.linear_fc2)
-        return run_mlp(name, x_local, MLPWeights.of(self.linear_fc1, self.linear_fc2), ctx), None
+        option = step.plan[self.plan_index]
+        x_local = _sublayer_input("mlp", option.mlp, hidden_states, self.linear_fc1, self.linear_fc2)
+        weights = MLPWeights.of(self.linear_fc1, self.linear_fc2)
+        if not option.mlp_tile_tokens:
+            return run_mlp(option.mlp, x_local, weights, ctx), None
+        mlp = lambda tile: run_mlp(option.mlp, tile, weights, ctx)  # noqa: E731
+        return over_row_tiles(mlp, x_local, option.mlp_tile_tokens, self.tp_group.size()), None

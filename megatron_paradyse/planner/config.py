@@ -33,6 +33,10 @@ class PlannerConfig:
     """Host memory (GiB per rank) that recomputed layers may keep their inputs in until their backward
     (:mod:`megatron_paradyse.core.offload`): the planner then also weighs each recomputed option offloaded
     ('+rc+off'), priced with the profile's host link. 0: never offload."""
+    mlp_tile_tokens: int = 0
+    """Let the planner also run a layer's MLP over sequence tiles of this many gathered tokens, each
+    recomputed in backward (``+tile<tokens>``, :mod:`megatron_paradyse.strategies.tiling`): its
+    intermediate activations bounded by the tile, for one more MLP forward. 0: never."""
     hysteresis: float = 0.05
     """Keep the previous plan while it fits and is predicted at most this fraction slower than the
     new optimum (the paper's gamma)."""
@@ -81,8 +85,12 @@ class PlannerConfig:
         if self.pairs is not None and (self.attention is not None or self.mlp is not None):
             raise ValueError("planner.pairs lists whole-layer pairs; leave planner.attention and planner.mlp unset")
         for pair in self.pairs or ():
-            if LayerOption.parse(pair).recompute:
-                raise ValueError(f"planner.pairs names strategies only ({pair!r}); recompute is planner.recompute")
+            option = LayerOption.parse(pair)
+            if option != LayerOption(option.attention, option.mlp):
+                raise ValueError(
+                    f"planner.pairs names strategies only ({pair!r}); recompute, offload and MLP tiles are "
+                    f"planner.recompute, planner.host_memory_gib and planner.mlp_tile_tokens"
+                )
         unknown = [
             f"planner.{field}: unknown {sublayer} strategy {name!r}; known: {', '.join(strategy_names(sublayer))}"
             for field, sublayer, name in self._named_strategies()
@@ -99,6 +107,10 @@ class PlannerConfig:
             raise ValueError(
                 "planner.host_memory_gib lets recomputed layers keep their inputs in host memory; it needs "
                 "planner.recompute: true (or set host_memory_gib: 0)"
+            )
+        if not isinstance(self.mlp_tile_tokens, int) or self.mlp_tile_tokens < 0:
+            raise ValueError(
+                f"planner.mlp_tile_tokens must be a non-negative int (0: never tile), got {self.mlp_tile_tokens!r}"
             )
         if not 0.0 <= self.hysteresis < 1.0:
             raise ValueError(f"planner.hysteresis must be in [0, 1), got {self.hysteresis}")
@@ -139,7 +151,7 @@ def layer_options(config: PlannerConfig, shape: ModelShape, p: int) -> tuple[tup
     Strategies whose preconditions fail for ``shape`` on ``p`` ranks are left out, whether listed
     in the config or not (unknown names never get this far: the config refuses them). Options come in
     the library's order (fastest first), each without then with recompute (then offloaded, where host
-    memory is given).
+    memory is given), then the same with the MLP in tiles (where a tile size is given).
     """
     allowed, excluded = {}, {}
     for sublayer, wanted in (("attention", config.attention), ("mlp", config.mlp)):
@@ -162,7 +174,8 @@ def layer_options(config: PlannerConfig, shape: ModelShape, p: int) -> tuple[tup
             else:
                 pairs.append((option.attention, option.mlp))
     kinds = [(False, False)] + [(True, False)] * config.recompute + [(True, True)] * bool(config.host_memory_gib)
-    options = tuple(LayerOption(a, m, rc, off) for a, m in pairs for rc, off in kinds)
+    tiles = (0, config.mlp_tile_tokens) if config.mlp_tile_tokens else (0,)
+    options = tuple(LayerOption(a, m, rc, off, tile) for a, m in pairs for tile in tiles for rc, off in kinds)
     if not options:
         reasons = "; ".join(f"{what}: {why}" for what, why in excluded.items()) or "none enabled"
         raise ValueError(f"no layer option is left for this model on p={p} ranks ({reasons})")

@@ -153,7 +153,8 @@ class _Job:
                 attention=None,
                 mlp=None,
                 recompute=option.recompute,
-                host_memory_gib=0.0,  # nor offload
+                host_memory_gib=0.0,  # nor offload, nor MLP tiles
+                mlp_tile_tokens=0,
                 hysteresis=0.0,
                 loss_chunk_tokens=0,  # Megatron's own loss, as a static run has it
             )

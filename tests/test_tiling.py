@@ -1,0 +1,106 @@
+"""MLPs in sequence tiles, single process: the mechanism, its price in the cost model, the planner's use of it.
+
+Exactness inside a Megatron model on gloo ranks is in test_megatron_spec.py, against the single-rank
+reference at p = 1..4 in test_strategies.py, the whole step's memory in test_step_memory.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from planner_cost_models import llama3_8b_head_planner
+from test_cost_model import GQA, synthetic_profile
+
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.memory import PeakMemory
+from megatron_paradyse.core.plan import LayerOption, mlp_tile_rows
+from megatron_paradyse.cost.analytic import AnalyticCostModel
+from megatron_paradyse.planner import Planner
+from megatron_paradyse.strategies.tiling import over_row_tiles
+
+
+def _mlp(w1: torch.Tensor, w2: torch.Tensor):
+    return lambda x: F.gelu(x @ w1) @ w2
+
+
+@pytest.mark.parametrize("tile_tokens", [2, 3, 4, 10])
+def test_tiles_give_the_whole_mlps_output_and_gradients(tile_tokens):
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(8, 32, requires_grad=True), torch.randn(32, 8, requires_grad=True)
+    x = torch.randn(10, 2, 8, requires_grad=True)
+    dy = torch.randn(10, 2, 8)
+    grads = []
+    for fn in (_mlp(w1, w2), lambda x: over_row_tiles(_mlp(w1, w2), x, tile_tokens, 1)):
+        y = fn(x)
+        y.backward(dy)
+        grads.append((y.detach(), *(t.grad.clone() for t in (x, w1, w2))))
+        for t in (x, w1, w2):
+            t.grad = None
+    for tiled, whole in zip(grads[1], grads[0]):
+        torch.testing.assert_close(tiled, whole, rtol=0, atol=1e-5)
+
+
+def test_a_tiled_mlp_keeps_only_its_input_and_works_in_a_tile():
+    """A 16x-wide MLP on 1024 rows: whole, its forward keeps the pre-activation and the GELU's output
+    (32 activations); tiled, nothing but the output and, in backward, one tile's working set."""
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(64, 1024, requires_grad=True), torch.randn(1024, 64, requires_grad=True)
+    activation = 1024 * 64 * 4
+
+    def run(fn):
+        x = torch.randn(1024, 64, requires_grad=True)
+        with PeakMemory() as memory:
+            y = fn(x)
+            kept = memory.current_bytes() - activation  # the output aside
+            y.sum().backward()
+        return kept, memory.peak_bytes
+
+    kept_whole, peak_whole = run(_mlp(w1, w2))
+    kept_tiled, peak_tiled = run(lambda x: over_row_tiles(_mlp(w1, w2), x, 128, 1))
+    assert kept_whole == 32 * activation and kept_tiled == 0
+    assert peak_tiled < peak_whole / 4
+
+
+def test_tile_rows_are_even_and_bounded_by_the_shard():
+    assert mlp_tile_rows(65536, 8, 500_000) == 8192
+    assert mlp_tile_rows(100, 8, 500_000) == 12  # 12.5 rows: even, rounded down
+    assert mlp_tile_rows(8, 8, 500_000) == 2  # at least two
+    assert mlp_tile_rows(65536, 8, 4096) == 4096
+
+
+def test_the_cost_model_trades_one_more_mlp_forward_for_a_tiles_working_set():
+    model = AnalyticCostModel(synthetic_profile(), GQA, 4)
+    layout = SequenceLayout.build(16384, 4, causal=True)
+    for mlp in ("tp_sp", "zero3", "lean"):
+        whole = model.layer_cost(LayerOption("lean", mlp, True), layout, 1)
+        tiled = model.layer_cost(LayerOption("lean", mlp, True, mlp_tile_tokens=1024), layout, 1)
+        assert tiled.transient_bytes < whole.transient_bytes, mlp
+        assert tiled.saved_bytes == whole.saved_bytes, mlp  # recomputed: the output only either way
+        assert tiled.time_s > whole.time_s, mlp
+    # one tile covering the shard is the MLP recomputed on its own: a forward more, no less memory than tiles
+    one = model.layer_cost(LayerOption("lean", "lean", mlp_tile_tokens=16384), layout, 1)
+    many = model.layer_cost(LayerOption("lean", "lean", mlp_tile_tokens=1024), layout, 1)
+    assert many.saved_bytes == one.saved_bytes and many.transient_bytes < one.transient_bytes
+
+
+def test_the_planner_tiles_only_where_memory_needs_it():
+    offloading = llama3_8b_head_planner(host_memory_gib=170)
+    tiling = Planner.for_model(
+        dataclasses.replace(offloading.config, mlp_tile_tokens=65536),
+        offloading.cost_model,
+        shape=offloading.cost_model.shape,
+        p=8,
+        num_layers=32,
+        budget_bytes=offloading.budget_bytes,
+    )
+    for tokens in (32768, 524288):
+        layout = SequenceLayout.build(tokens, 8, causal=True)
+        assert tiling.decide(layout).plan == offloading.decide(layout).plan
+    longest = offloading.max_feasible_length(8, causal=True)
+    assert tiling.max_feasible_length(8, causal=True) > 1.2 * longest
+    plan = tiling.decide(SequenceLayout.build(int(1.1 * longest) // 16 * 16, 8, causal=True)).plan
+    assert any(option.mlp_tile_tokens == 65536 for option in plan)
+    assert plan.predicted_peak_bytes <= tiling.budget_bytes
