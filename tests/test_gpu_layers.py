@@ -6,7 +6,8 @@ them). Written on a CPU-only machine and not yet run on a GPU (docs/gpu.md).
 - one rank of TP=8 on the fake process group (collectives move nothing, so the numbers are not
   compared): every strategy pair runs its CUDA kernels at that rank's shard shapes under
   ``torch.cuda.set_sync_debug_mode("error")`` (a host synchronisation raises), and allocates what the
-  memory model (:mod:`megatron_paradyse.cost.allocations`) predicts;
+  memory model (:mod:`megatron_paradyse.cost.allocations`) predicts, MLPs in tiles included;
+- offloaded and tiled layers equal to the plain recomputed one, and the offload's copies on pinned memory;
 - a step of a small GPT model with the Paradyse spec (embedding, layers, loss) under the same mode.
 """
 
@@ -20,6 +21,7 @@ import torch
 from megatron_paradyse.core import compat
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
+from megatron_paradyse.core.offload import ActivationOffload
 from megatron_paradyse.core.plan import LayerOption, Plan
 from megatron_paradyse.cost.terms import layer_terms
 from megatron_paradyse.mcore.trace import LayerModel, RankTracer, fake_world
@@ -107,7 +109,8 @@ def test_one_rank_of_eight_runs_every_strategy_without_host_syncs_in_the_memory_
     rank = 3
     found = {}
     with fake_world(rank, 8), RankTracer(MODEL, layer="megatron", device="cuda", fake=False, kernel="auto") as tracer:
-        for option in OPTIONS + [LayerOption("ring", "zero3", True), LayerOption("lean", "lean", True)]:
+        tiled = [LayerOption("lean", "lean", mlp_tile_tokens=2048), LayerOption("ulysses", "zero3", True, False, 4096)]
+        for option in OPTIONS + [LayerOption("ring", "zero3", True), LayerOption("lean", "lean", True), *tiled]:
             tracer.trace(option, layout)  # warm-up: kernels chosen, allocator and buffers filled
             torch.cuda.set_sync_debug_mode("error")
             try:
@@ -119,6 +122,43 @@ def test_one_rank_of_eight_runs_every_strategy_without_host_syncs_in_the_memory_
             found[str(option)] = (traced.saved_bytes, traced.peak_bytes, predicted.saved_bytes, predicted.peak_bytes)
     wrong = {o: v for o, v in found.items() if v[:2] != v[2:]}
     assert not wrong, f"(saved, peak) traced vs predicted: {wrong}"
+
+
+def test_offload_and_tiles_on_a_gpu_compute_what_the_layer_does_without_them():
+    """bf16, TP=1: a layer recomputed from its input in pinned host memory, or with its MLP in tiles,
+    gives the plain recomputed layer's output and gradients to the bit (the same kernels on the same
+    data)."""
+    layout = SequenceLayout.build(DOCUMENTS, 1, causal=True)
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(layout.padded_len, 1, MODEL.shape.hidden_size, generator=generator).cuda().bfloat16()
+    dy = torch.randn(x.shape, generator=generator).cuda().bfloat16()
+    with fake_world(0, 1):
+        layer, rope = _layer(torch.bfloat16)
+        try:
+            runs = {
+                text: _forward_backward(layer, rope, LayerOption.parse(text), layout, x, dy, "auto")
+                for text in ("ulysses/lean+rc", "ulysses/lean+rc+off", "ulysses/lean+tile1024+rc")
+            }
+        finally:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+    plain = runs.pop("ulysses/lean+rc")
+    for text, got in runs.items():
+        assert all(torch.equal(g, r) for g, r in zip(got, plain, strict=True)), text
+
+
+def test_offloaded_activations_go_to_pinned_memory_and_come_back_prefetched():
+    offload = ActivationOffload()
+    xs = [torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    handles = [offload.store(x) for x in xs]
+    assert offload.host_bytes == 3 * xs[0].nbytes
+    assert all(entry.host.is_pinned() for entry in offload._saved.values())
+    back = offload.restore(handles[2])
+    assert offload._saved[1].fetched is not None  # the next one on its way
+    assert torch.equal(back, xs[2])
+    assert all(torch.equal(offload.restore(h), x) for h, x in zip(handles[1::-1], xs[1::-1]))
+    assert offload.host_bytes == 0
 
 
 def test_a_gpt_step_makes_no_host_synchronisation():
