@@ -161,6 +161,14 @@ def test_a_profile_without_a_host_link_cannot_price_offload():
         model.layer_cost(LayerOption.parse("ring/zero3+rc+off"), SequenceLayout.build(512, 4, causal=True), 1)
 
 
+def test_a_planner_that_may_offload_needs_a_profile_with_a_host_link(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(synthetic_profile()))
+    assert "host_link" not in load_profile(path)
+    with pytest.raises(ProfileError, match=r"has no host_link .*planner.host_memory_gib > 0\); recalibrate"):
+        load_profile(path, host_link=True)
+
+
 def test_a_bad_host_link_is_named(tmp_path):
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({**synthetic_profile(), "host_link": {"latency_s": 1e-4, "per_byte_s": 1e-9}}))

@@ -508,7 +508,7 @@ def cached_quick_profile(cache_dir: str | os.PathLike, p: int, *, device: str, d
     name = str(dtype).removeprefix("torch.")
     path = Path(cache_dir) / f"cost-profile-quick-corrected-{device}-p{p}-{name}.json"
     try:
-        profile = load_profile(path, p=p)
+        profile = load_profile(path, p=p, host_link=True)  # one calibrated before offload is made again
         print(f"paradyse: no cost.profile: using the quick profile calibrated before, {path}", flush=True)
         return profile
     except ProfileError:

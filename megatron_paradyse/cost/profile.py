@@ -106,10 +106,16 @@ def save_profile(profile: dict[str, Any], path: str | os.PathLike) -> None:
 
 
 def load_profile(
-    path: str | os.PathLike, *, p: int | None = None, check_machine: bool = True, device: str | None = None
+    path: str | os.PathLike,
+    *,
+    p: int | None = None,
+    check_machine: bool = True,
+    device: str | None = None,
+    host_link: bool = False,
 ) -> dict[str, Any]:
     """Read and validate a profile; ``p``: require collectives for that group size; ``check_machine``:
-    require this machine's device and torch/megatron-core versions (what rates depend on)."""
+    require this machine's device and torch/megatron-core versions (what rates depend on); ``host_link``:
+    require the host-device copy rates (a planner that may offload layer inputs prices them)."""
     path = Path(path)
     if not path.is_file():
         raise ProfileError(f"cost profile {path} does not exist; make one with `paradyse calibrate --output {path}`")
@@ -122,6 +128,12 @@ def load_profile(
         raise ProfileError(
             f"cost profile {path} has no collectives for p={p} (calibrated for p in "
             f"{sorted(profile['collectives'], key=int)}); run `paradyse calibrate --p {p}`"
+        )
+    if host_link and "host_link" not in profile:
+        raise ProfileError(
+            f"cost profile {path} has no host_link (host-device copy rates, which price layer inputs offloaded "
+            f"to host memory: planner.host_memory_gib > 0); recalibrate with `paradyse calibrate`, or set "
+            f"planner.host_memory_gib: 0"
         )
     if check_machine:
         here = fingerprint(device or profile["fingerprint"]["device"])

@@ -232,7 +232,12 @@ def _profile(config: ParadyseConfig, p: int, dtype: torch.dtype, device: torch.d
     from megatron_paradyse.cost import ProfileError, load_profile
 
     if config.cost.profile is not None:
-        return load_profile(config.cost.profile, p=p, check_machine=config.cost.check_machine)
+        return load_profile(
+            config.cost.profile,
+            p=p,
+            check_machine=config.cost.check_machine,
+            host_link=config.planner.host_memory_gib > 0,
+        )
     from megatron_paradyse.cost.calibrate import cached_quick_profile
 
     message: list = [None]

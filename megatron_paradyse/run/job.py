@@ -282,7 +282,12 @@ def _read_profile(config: ParadyseConfig, args: argparse.Namespace) -> dict | No
 
     if config.cost.profile is None:
         return None
-    return load_profile(config.cost.profile, p=args.tensor_model_parallel_size, check_machine=config.cost.check_machine)
+    return load_profile(
+        config.cost.profile,
+        p=args.tensor_model_parallel_size,
+        check_machine=config.cost.check_machine,
+        host_link=config.planner.host_memory_gib > 0,
+    )
 
 
 def _budget_bytes(config: ParadyseConfig, device: torch.device) -> float:

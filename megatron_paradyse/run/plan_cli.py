@@ -123,7 +123,8 @@ class _Job:
             path = profile or config.cost.profile
             if path is None:
                 raise ValueError("no cost profile: pass --gpu or --profile, or name one in cost.profile")
-            rates, description = load_profile(path, p=tp, check_machine=False), f"calibrated profile {path}"
+            rates = load_profile(path, p=tp, check_machine=False, host_link=config.planner.host_memory_gib > 0)
+            description = f"calibrated profile {path}"
             device_bytes = None
         if config.memory.budget_gib is not None:
             budget = config.memory.budget_gib * _GIB
