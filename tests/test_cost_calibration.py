@@ -40,7 +40,7 @@ def test_calibrate_writes_a_profile_the_model_reads(tmp_path, monkeypatch, capfd
     monkeypatch.setitem(calibration.GRIDS, "quick", TINY)
     path = tmp_path / "profile.json"
     assert cli_main(["calibrate", "--output", str(path), "--p", "2", "--grid", "quick", "--fit-correction"]) == 0
-    assert "[##############################] 26/26" in capfd.readouterr().err  # rank 0's progress bar finished
+    assert "[##############################] 29/29" in capfd.readouterr().err  # rank 0's progress bar finished
 
     profile = load_profile(path, p=2)
     assert profile["grid"] == "quick" and profile["concurrency"] == 2 and profile["attention"]["kernel"] == "torch"
@@ -54,6 +54,10 @@ def test_calibrate_writes_a_profile_the_model_reads(tmp_path, monkeypatch, capfd
     for kind in ("all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast", "reduce"):
         assert profile["collectives"]["2"][kind]["latency_s"] + profile["collectives"]["2"][kind]["per_byte_s"] > 0
     assert 0.0 <= profile["ring_overlap"] <= 1.0
+    # offload's copies, to the host and back: in line on the CPU
+    assert [nbytes for nbytes, _ in profile["samples"]["host_link"]["points"]] == [4 << 10, 256 << 10]
+    link = profile["host_link"]
+    assert link["overlap"] == 0.0 and link["latency_s"] + link["per_byte_s"] > 0
     pairs = [f"{a}/{m}" for a in ("tp_sp", "ulysses", "ring", "lean") for m in ("tp_sp", "zero3", "lean")]
     assert profile["correction"]["fitted_on"] == [f"{option}@{s}" for s in (64, 128) for option in pairs]
 
@@ -70,7 +74,7 @@ def test_calibrate_for_one_rank(tmp_path, monkeypatch):
     monkeypatch.setitem(calibration.GRIDS, "quick", TINY)
     path = tmp_path / "profile.json"
     assert cli_main(["calibrate", "--output", str(path), "--p", "1", "--grid", "quick", "--quiet"]) == 0
-    profile = load_profile(path, p=1)
+    profile = load_profile(path, p=1, host_link=True)
     assert profile["collectives"] == {} and profile["ring_overlap"] == 0.0 and profile["concurrency"] == 1
     cost = AnalyticCostModel.from_file(path, MHA, 1).layer_cost(
         OPTIONS[0], SequenceLayout.build(256, 1, causal=True), 1
