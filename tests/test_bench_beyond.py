@@ -30,6 +30,13 @@ def test_a_sequence_beyond_the_whole_loss_trains_within_budget(capsys):
     assert measured <= float(fields["budget_mib"])
     assert abs(predicted / measured - 1) <= 0.01
     assert re.search(r"plan .*; loss in 512-token chunks", out)
+    _assert_it_trains(out)
+
+
+def _assert_it_trains(out: str) -> None:
+    """The SGD steps after the measured one lower the loss, step after step."""
+    losses = [float(v) for v in re.search(r"SGD steps \(lr [\d.]+\): loss (.*)", out)[1].split(" -> ")]
+    assert len(losses) == beyond.TRAIN_STEPS and all(a > b for a, b in zip(losses, losses[1:])), losses
 
 
 def test_a_sequence_beyond_device_memory_trains_with_offload_within_budget(capsys):
@@ -45,6 +52,7 @@ def test_a_sequence_beyond_device_memory_trains_with_offload_within_budget(capsy
     # what went to the host: the offloaded layers' inputs, as the model counts them
     host = re.search(r"host memory \(offloaded layer inputs\): predicted ([\d.]+) MiB, measured ([\d.]+) MiB", out)
     assert host and float(host[2]) > 0 and host[1] == host[2] == fields["host_mib"]
+    _assert_it_trains(out)
 
 
 def test_a_sequence_beyond_whole_mlps_trains_with_mlps_in_tiles_within_budget(capsys):
@@ -56,6 +64,7 @@ def test_a_sequence_beyond_whole_mlps_trains_with_mlps_in_tiles_within_budget(ca
     measured, predicted = float(fields["measured_peak_mib"]), float(fields["predicted_peak_mib"])
     assert measured <= float(fields["budget_mib"]) and abs(predicted / measured - 1) <= 0.01
     assert re.search(r"plan .*\+tile512", out)
+    _assert_it_trains(out)
 
 
 @pytest.mark.parametrize(

@@ -70,12 +70,14 @@ def build_cases(p: int) -> list[Case]:
     rng = random.Random(1000 + p)
 
     def random_plan(attn: list[str], mlp: list[str], offload: bool = False) -> tuple[LayerOption, ...]:
-        """Random strategies, recompute on random layers; with ``offload``, alternate layers recomputed from
-        host memory, so an offloaded layer feeds and is fed by others."""
+        """Random strategies, recompute on random layers; with ``offload``, every attention strategy in
+        turn and alternate layers recomputed from host memory, so an offloaded layer feeds and is fed by
+        others."""
         plan = []
         for i in range(NUM_LAYERS):
             off = offload and i % 2 == 1
-            plan.append(LayerOption(rng.choice(attn), rng.choice(mlp), off or rng.random() < 0.5, off))
+            attention = attn[i % len(attn)] if offload else rng.choice(attn)
+            plan.append(LayerOption(attention, rng.choice(mlp), off or rng.random() < 0.5, off))
         return tuple(plan)
 
     cases = []

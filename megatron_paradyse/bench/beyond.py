@@ -17,7 +17,8 @@ plan with it, for one sequence of ``--tokens`` tokens: the first planner cannot 
 point would refuse it before any work), the second can. It then runs one training step (forward, loss,
 backward; after a first one, so that nothing created once is counted) of that sequence under the second
 planner's plan and measures every rank's device peak (parameters and gradients, the step's inputs and
-everything the step allocates; host copies apart), beside the prediction. The time figures only rank the
+everything the step allocates; host copies apart), beside the prediction, and trains on it a few plain SGD
+steps under the same plan (their losses printed). The time figures only rank the
 plans (published A100 figures; this run is about memory). Last line: the longest sequence each planner
 fits (``unchunked_max_len chunked_max_len``, or ``device_max_len offload_max_len``), ``trained_len
 predicted_peak_mib measured_peak_mib budget_mib`` (and, offloading, ``host_mib``).
@@ -51,6 +52,9 @@ class _Settings:
 
 HOST_GIB = 1.0
 """Host memory per rank the offloading planner may use (far more than these layers' inputs)."""
+TRAIN_STEPS = 4
+LEARNING_RATE = 0.05
+"""After the measured step: plain SGD steps on the sequence under the plan (its loss printed)."""
 TILE_TOKENS = 512
 """Gathered tokens per MLP tile of the tiling planner."""
 LEVERS = {
@@ -139,7 +143,7 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
     plan = with_lever.decide(layout).plan
     host_peak = []
 
-    def step() -> None:
+    def step() -> float:
         micro_batch = MicroBatch(layout=layout, plan=plan)
         with micro_batch_scope(micro_batch):
             per_token = model(
@@ -149,14 +153,26 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
                 labels=batch["labels"],
                 output_processor=output_processor(plan),
             )
-        ((per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum()).backward()
+        loss = (per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+        loss.backward()
         host_peak.append(micro_batch.offload.host_peak_bytes)
+        return loss.item()
 
     step()
     release_step_buffers()  # as the training entry point does before each micro-batch
     inputs = [batch[k] for k in ("tokens", "labels", "loss_mask", "position_ids")] + list(layout.indices("cpu"))
     measured = [None] * p
     dist.all_gather_object(measured, static + storage_bytes(inputs) + peak_bytes_of(step))
+    losses = []
+    for _ in range(TRAIN_STEPS):  # then it trains: SGD on the sequence, the loss going down
+        for param in model.parameters():
+            param.grad.zero_()
+        losses.append(step())
+        with torch.no_grad():
+            for param in model.parameters():
+                if getattr(param, "sequence_parallel", False):  # replicated over the TP group, as Megatron sums
+                    dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
+                param -= LEARNING_RATE * param.grad
     parallel_state.destroy_model_parallel()
     return {
         "budget": budget,
@@ -171,6 +187,7 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
         "host_predicted": sum(cost.layer_cost(option, layout, 1).host_bytes for option in plan),
         "host_measured": host_peak[-1],
         "padded": layout.padded_len,
+        "losses": losses,
     }
 
 
@@ -213,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['predicted'] / MIB:.2f}); measured, per rank: "
         + ", ".join(f"{m / MIB:.2f}" for m in result["measured"])
         + f" MiB ({result['predicted_here'] / measured - 1:+.2%})"
+    )
+    print(
+        f"    trained under the plan, {TRAIN_STEPS} SGD steps (lr {LEARNING_RATE}): loss "
+        + " -> ".join(f"{loss:.3f}" for loss in result["losses"])
     )
     host = ""
     if args.lever == "offload":
