@@ -69,13 +69,13 @@ def model_shape(p: int, gqa: bool) -> ModelShape:
 def build_cases(p: int) -> list[Case]:
     rng = random.Random(1000 + p)
 
-    def random_plan(attn: list[str], mlp: list[str], offload: bool = False) -> tuple[LayerOption, ...]:
+    def random_plan(attn: list[str], mlp: list[str], offload: int = 0) -> tuple[LayerOption, ...]:
         """Random strategies, recompute on random layers; with ``offload``, every attention strategy in
-        turn and alternate layers recomputed from host memory, so an offloaded layer feeds and is fed by
-        others."""
+        turn and every ``offload``-th layer recomputed from host memory (2: an offloaded layer feeds and
+        is fed by others)."""
         plan = []
         for i in range(NUM_LAYERS):
-            off = offload and i % 2 == 1
+            off = bool(offload) and (i + 1) % offload == 0
             attention = attn[i % len(attn)] if offload else rng.choice(attn)
             plan.append(LayerOption(attention, rng.choice(mlp), off or rng.random() < 0.5, off))
         return tuple(plan)
@@ -99,13 +99,12 @@ def build_cases(p: int) -> list[Case]:
         cases.append(Case(f"{tag}-lean+lean-rc", gqa, causal, docs, plan, rng.randrange(10**6), qk_scale=True))
         for i in range(3):
             cases.append(Case(f"{tag}-mix{i}", gqa, causal, docs, random_plan(attn, mlp), rng.randrange(10**6)))
-        cases.append(
-            Case(f"{tag}-offload", gqa, causal, docs, random_plan(attn, mlp, offload=True), rng.randrange(10**6))
-        )
-        # MLPs in tiles of 6 rows (the last one 2) and of 2, recomputed or not, every MLP strategy
+        # every layer offloaded, each with its own attention strategy
+        cases.append(Case(f"{tag}-offload", gqa, causal, docs, random_plan(attn, mlp, offload=1), rng.randrange(10**6)))
+        # MLPs in tiles of 6 rows (the last one 2) and of 2, every MLP strategy, alternate layers offloaded
         tiled = [
             dataclasses.replace(option, mlp=mlp[i % len(mlp)], mlp_tile_tokens=(6 if i % 2 else 2) * p)
-            for i, option in enumerate(random_plan(attn, mlp, offload=True))
+            for i, option in enumerate(random_plan(attn, mlp, offload=2))
         ]
         cases.append(Case(f"{tag}-tiled", gqa, causal, docs, tuple(tiled), rng.randrange(10**6)))
         cases.append(

@@ -58,6 +58,8 @@ class FrontierResult:
     max_len: int
     """The whole model, the planner free to chunk the loss and to offload layer inputs to host memory."""
     host_gib_per_rank: float
+    node_host_bytes: int
+    """The node's system memory (published)."""
     plan_at_1m: str
     step_s_at_1m: float
     """Predicted forward and backward time of the layers (and a chunked loss's recompute) at 1M tokens."""
@@ -138,6 +140,7 @@ def frontier(gpu: NodeSpec, configs: Path) -> FrontierResult:
         chunked_loss_max_len=planner(vocab, chunking).max_feasible_length(p, causal=True),
         max_len=adaptive.max_feasible_length(p, causal=True),
         host_gib_per_rank=host_gib,
+        node_host_bytes=gpu.host_memory_bytes,
         plan_at_1m=decision.plan.compact(),
         step_s_at_1m=step_s,
         mfu_at_1m=flops / (step_s * p * gpu.peak_bf16_flops),
@@ -148,7 +151,8 @@ def print_frontier(results: list[FrontierResult]) -> None:
     print(
         f"\nLlama-3-8B on one node, the whole model (configs/llama3-8b.yaml, TP=8, vocabulary "
         f"{padded_vocab(LLAMA3_VOCAB, 8):,} padded), SIMULATED; longest sequence on device memory alone, "
-        f"then with {results[0].host_gib_per_rank:g} GiB of host memory per rank for offloaded layer inputs"
+        f"then with {results[0].host_gib_per_rank:g} GiB of host memory per rank for offloaded layer inputs "
+        f"(of {results[0].node_host_bytes / 1e12:g} TB per node)"
     )
     head = ["gpu", "layers only", "Megatron's loss", "chunked loss", "+ offload", "plan at 1M tokens", "step s", "MFU"]
     rows = [

@@ -91,6 +91,9 @@ class _Pass:
     def __add__(self, other: _Pass) -> _Pass:
         return _Pass(self.compute_s + other.compute_s, self.comm_s + other.comm_s, self.syncs + other.syncs)
 
+    def __mul__(self, times: int) -> _Pass:
+        return _Pass(times * self.compute_s, times * self.comm_s, times * self.syncs)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Sublayer:
@@ -388,11 +391,13 @@ class AnalyticCostModel:
             d = memo.dims
             rows = mlp_tile_rows(tile_tokens, self.p, d.t)
             forward, backward = _Pass(0.0, 0.0, 0), _Pass(0.0, 0.0, 0)
-            for start in range(0, d.t, rows):
-                sub = sublayer_terms("mlp", name, dataclasses.replace(d, s=min(rows, d.t - start) * self.p), layout)
-                tile_forward, tile_backward = self._pass(sub, backward=False), self._pass(sub, backward=True)
-                forward = forward + tile_forward
-                backward = backward + tile_forward + tile_backward
+            full, last = divmod(d.t, rows)
+            for tile_rows, tiles in ((rows, full), (last, 1 if last else 0)):
+                if tiles:
+                    sub = sublayer_terms("mlp", name, dataclasses.replace(d, s=tile_rows * self.p), layout)
+                    tile_forward, tile_backward = self._pass(sub, backward=False), self._pass(sub, backward=True)
+                    forward = forward + tile_forward * tiles
+                    backward = backward + (tile_forward + tile_backward) * tiles
             memory = tiled_mlp_memory(name, d, layout, tile_tokens)
             memory_key = (memory.saved_bytes, memory.fwd_peak, memory.bwd_peak)
             entry = memo.sublayers[key] = _Sublayer(forward, backward, memory, memory_key)
