@@ -8,6 +8,7 @@ profile at start-up into the shared cache, later runs reuse it.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -21,6 +22,7 @@ import torch
 import yaml
 
 from megatron_paradyse import pretrain_gpt
+from megatron_paradyse.cli import main as paradyse
 from megatron_paradyse.data import DocumentDataset
 from megatron_paradyse.data.corpora import build_code_corpus
 from megatron_paradyse.data.subset import spread_by_length
@@ -165,6 +167,32 @@ def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_s
     root_cause = second.stderr[second.stderr.index("Root Cause (first observed failure)") :]
     assert re.search(r"exitcode\s*: 2\b", root_cause), root_cause
     assert "InfeasibleSequenceError" not in second.stderr
+
+
+def test_the_training_job_trains_past_device_memory_with_offload_and_mlp_tiles(tmp_path, cache, capsys):
+    """The files of the test above on 6 layers, under a 32 MiB budget that the one of ~11K tokens fits only
+    with the planner free to keep layer inputs in host memory and to run MLPs in tiles: Megatron's training
+    loop runs it under a plan that uses them, within its predicted device peak."""
+    deeper = dict(memory={"budget_gib": 1 / 32}, data=SMALL_DOCS, megatron_args=[*SMALL_GPT, "--num-layers", "6"])
+    levers = {"on_infeasible": "skip", "host_memory_gib": 1.0, "mlp_tile_tokens": 512}
+    log = {"jsonl": "log.jsonl", "measure": True}
+    config = _write_config(tmp_path / "levers.yaml", cache, **deeper, planner=levers, log=log)
+    lengths = DocumentDataset(build_code_corpus(cache)).lengths
+    files = sorted(lengths[spread_by_length(lengths, *SMALL_DOCS.values())])
+    result = _torchrun(2, "--paradyse-config", str(config), "--train-iters", "5")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    trained = {mb.tokens: mb for r in read_jsonl(tmp_path / "log.jsonl") for mb in r.micro_batches}
+    beyond = trained[files[4]]
+    assert "+off" in beyond.plan or "+tile" in beyond.plan, beyond.plan
+    assert 0 < beyond.measured_peak_bytes <= beyond.predicted_peak_bytes <= 2**30 / 32
+    # the same job without them: no plan fits that file (`paradyse plan`, on the profile the run calibrated)
+    plain = _write_config(tmp_path / "plain.yaml", cache, **deeper, planner={"on_infeasible": "skip"})
+    profile = next(cache.glob("cost-profile-quick-corrected-cpu-p2-*.json"))
+    answer = tmp_path / "plan.json"
+    argv = ["plan", str(plain), "--profile", str(profile), "--lengths", str(files[4]), "--json", str(answer)]
+    assert paradyse(argv) == 0
+    capsys.readouterr()
+    assert json.loads(answer.read_text())["lengths"][0]["stage0"]["plan"] is None
 
 
 def test_validation_runs_forward_only_plans_on_held_out_documents(tmp_path, cache):
