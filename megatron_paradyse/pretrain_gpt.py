@@ -252,4 +252,11 @@ def _on_out_of_memory(handler: Callable[[torch.OutOfMemoryError], NoReturn]) -> 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code and torch.distributed.is_initialized():
+        # a rank that stops with an error leaves its process group's threads running, which the
+        # interpreter's shutdown may abort on ("terminate called without an active exception", exit -6)
+        from megatron_paradyse.run.fault import end_process
+
+        end_process(code)
+    sys.exit(code)

@@ -51,6 +51,7 @@ __all__ = [
     "BudgetState",
     "FaultWatch",
     "OutOfMemoryEvent",
+    "end_process",
     "read_state",
     "write_state",
 ]
@@ -292,7 +293,7 @@ class FaultWatch:
         self._store.set(self._wake_key, _STOP)  # this rank's own watcher: no wait left open on the store
         self._thread.join(_GATHER_TIMEOUT.total_seconds())
         self._leave(self._store, "done")
-        _exit(fault.exit_code)
+        end_process(fault.exit_code)
 
     def __enter__(self) -> FaultWatch:
         return self
@@ -339,7 +340,7 @@ class FaultWatch:
         self._fired.set()
         print(fault.peer_message(self.rank), file=sys.stderr, flush=True)
         self._leave(store, "done")
-        _exit(fault.exit_code)
+        end_process(fault.exit_code)
 
     def _leave(self, store, name: str) -> None:
         """Count this rank out of the store. Its server may live in rank 0 (it does without torchrun), and
@@ -361,7 +362,7 @@ class FaultWatch:
     def _wait_for_exit(self) -> NoReturn:
         """Let the watcher end the process; if it cannot (it has not heard of the fault in time), end it."""
         threading.Event().wait(3 * _GATHER_TIMEOUT.total_seconds())
-        _exit(FAULT_EXIT_CODE)
+        end_process(FAULT_EXIT_CODE)
 
 
 def _where(error: BaseException) -> str:
@@ -381,8 +382,9 @@ def _same_dir(a: str, b: str | None) -> bool:
     return b is not None and Path(a).resolve() == Path(b).resolve()
 
 
-def _exit(code: int) -> NoReturn:
-    """End the process now: its main thread may be blocked inside a collective that only exit frees."""
+def end_process(code: int) -> NoReturn:
+    """End the process now, its output flushed: its main thread may be blocked inside a collective that
+    only exit frees, and the interpreter's shutdown may abort on its process group's threads."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
