@@ -33,6 +33,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import multiprocessing
 import os
 import sys
 import threading
@@ -71,6 +72,8 @@ _WATCH_CHUNK = datetime.timedelta(hours=12)
 """A watcher renews its wait this often (a store's wait always has a timeout)."""
 _GATHER_TIMEOUT = datetime.timedelta(seconds=10)
 """How long rank 0 waits for the other ranks to count themselves out (and a rank for its watcher)."""
+_CHILD_EXIT_S = 5.0
+"""How long an ending rank waits for each process it started to stop when asked, before killing it."""
 
 
 # -- the persisted state ------------------------------------------------------------------------
@@ -383,8 +386,17 @@ def _same_dir(a: str, b: str | None) -> bool:
 
 
 def end_process(code: int) -> NoReturn:
-    """End the process now, its output flushed: its main thread may be blocked inside a collective that
-    only exit frees, and the interpreter's shutdown may abort on its process group's threads."""
+    """End the process now, its output flushed, and the processes it started (Megatron's checkpoint
+    writers, data-loader workers): its main thread may be blocked inside a collective that only exit
+    frees, the interpreter's shutdown may abort on its process group's threads, and a child left behind
+    would keep the launcher's pipes open (and the launcher waiting on them)."""
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(_CHILD_EXIT_S)
+        if child.is_alive():
+            child.kill()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
