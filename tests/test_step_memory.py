@@ -5,7 +5,7 @@ with biases, or LLaMA-style RMSNorm, GQA and SwiGLU without; each tied to its em
 and untied at the other) runs forward, Megatron's vocab-parallel loss and backward under
 :class:`PeakMemory`, after a first step (so nothing lazily created is counted) and after
 :func:`release_step_buffers` (Megatron's all-gather buffer and rotary tables are the step's own, as in
-the training entry point). The step's inputs and the layout's index tensors exist before the window and
+the training entry point), twice: the smaller peak counts (gloo's worker thread may free a buffer late). The step's inputs and the layout's index tensors exist before the window and
 are added to what it measures. The largest rank's measured peak must be the cost model's ``peak_bytes``
 for the plan (static bytes 0: the gradients exist before, as Megatron's buffer) within
 :data:`TOLERANCE`: embedding, every layer, the final norm, the output layer, the cross-entropy and the
@@ -157,11 +157,16 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
                         )
                     ((per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum()).backward()
 
+                def measured_step(step=step) -> int:
+                    release_step_buffers()  # the step's own, made inside the window
+                    return peak_bytes_of(step)
+
                 step()
-                release_step_buffers()
                 inputs = [batch[k] for k in ("tokens", "labels", "loss_mask", "position_ids")]
                 inputs += list(layout.indices("cpu"))
-                measured = storage_bytes(inputs) + peak_bytes_of(step)
+                # the smaller of two runs: gloo's worker thread now and then frees a finished collective's
+                # buffer after the code has dropped it, which only ever adds to a run's peak
+                measured = storage_bytes(inputs) + min(measured_step(), measured_step())
                 predicted = cost_model.plan_peak_bytes(plan, layout, 1)
                 case = f"p={tp} {dtype_name} {variant} {'tied' if tied else 'untied'} {documents} {plan_name}"
                 # every layer offloaded: the model keeps the stage's input beside the loss, which its

@@ -16,14 +16,22 @@ import contextlib
 import contextvars
 import dataclasses
 import gc
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-__all__ = ["GradientRoot", "MemoryEvent", "PeakMemory", "host_memory", "peak_bytes_of", "storage_bytes"]
+__all__ = [
+    "GradientRoot",
+    "MemoryEvent",
+    "PeakMemory",
+    "collective_buffers_freed_promptly",
+    "host_memory",
+    "peak_bytes_of",
+    "storage_bytes",
+]
 
 _ON_HOST: contextvars.ContextVar[bool] = contextvars.ContextVar("paradyse_on_host", default=False)
 
@@ -75,14 +83,16 @@ class _StorageTracker(TorchDispatchMode):
         self._ops += 1
         if _ON_HOST.get():
             return out
-        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if _has_storage(t)}
-        for t in tree_flatten(out)[0]:
-            if not _has_storage(t):
-                continue
+        inputs = None  # the storages the operator read, gathered only for an output not already counted
+        for t in _tensors(out):
             storage = t.untyped_storage()
             key = id(storage)
-            if key in inputs or key in self._known:
-                continue  # an in-place result, or a view of a storage already counted
+            if key in self._known:
+                continue  # a view of a storage already counted
+            if inputs is None:
+                inputs = {id(a.untyped_storage()) for a in _tensors((args, kwargs))}
+            if key in inputs:
+                continue  # an in-place result on a storage made before the window
             self._known.add(key)
             nbytes = storage.nbytes()
             self.live += nbytes
@@ -90,18 +100,28 @@ class _StorageTracker(TorchDispatchMode):
             self._created += 1
             if self.events is not None:
                 self.events.append(MemoryEvent(str(func), nbytes, self.live, self._ops - 1, self._created))
-            weakref.finalize(storage, self._freed, key, nbytes, str(func), self._created)
+            weakref.finalize(storage, self._freed, key, nbytes, func, self._created)
         return out
 
-    def _freed(self, key: int, nbytes: int, op: str, storage: int) -> None:
+    def _freed(self, key: int, nbytes: int, func, storage: int) -> None:
         self._known.discard(key)
         self.live -= nbytes
         if self.events is not None:
-            self.events.append(MemoryEvent(op, -nbytes, self.live, self._ops, storage))
+            self.events.append(MemoryEvent(str(func), -nbytes, self.live, self._ops, storage))
 
 
-def _has_storage(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.device.type != "meta"
+def _tensors(value) -> Iterator[torch.Tensor]:
+    """The tensors with storage in an operator's arguments or results (nested lists, tuples and dicts):
+    a walk of the few containers ATen uses, far cheaper per operator than a general pytree flatten."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "meta":
+            yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
 
 
 class PeakMemory:
@@ -144,14 +164,27 @@ class PeakMemory:
             self.peak_bytes = self._tracker.peak
 
 
+@contextlib.contextmanager
+def collective_buffers_freed_promptly() -> Iterator[None]:
+    """Inside, a finished gloo collective's buffers are freed when the code drops them, as a device's
+    are: gloo's worker thread drops its references only once it holds the GIL, so threads switch as
+    often as they can (otherwise a measured peak may hold the last collective's buffers a while longer)."""
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(switch_interval)
+
+
 def peak_bytes_of(work: Callable[[], object], device: torch.device | str = "cpu") -> int:
     """High-water mark of ``work()`` above what was allocated when it started, with Python's cycle
-    collector held off: a tensor freed only with a reference cycle stays counted until the end, as it
-    stays allocated until a collection runs."""
+    collector held off (a tensor freed only with a reference cycle stays counted until the end, as it
+    stays allocated until a collection runs) and gloo's buffers freed promptly."""
     gc.collect()
     gc.disable()
     try:
-        with PeakMemory(device) as window:
+        with collective_buffers_freed_promptly(), PeakMemory(device) as window:
             work()
     finally:
         gc.enable()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import sys
 import time
 
 import torch
@@ -31,7 +30,7 @@ from torch.distributed import ProcessGroup
 
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.core.layout import SequenceLayout
-from megatron_paradyse.core.memory import GradientRoot, PeakMemory
+from megatron_paradyse.core.memory import GradientRoot, PeakMemory, collective_buffers_freed_promptly
 from megatron_paradyse.core.offload import ActivationOffload
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.strategies import (
@@ -165,8 +164,9 @@ def measure_layer(
 
     Memory comes from ``memory_runs`` tracked runs (exact on CPU, the allocator's count on CUDA), the
     smallest. A finished collective's buffers are released by gloo's worker thread, which needs the
-    GIL for it: the runs switch threads every microsecond (:func:`sys.setswitchinterval`), or a buffer
-    the code has dropped would outlive it until this thread next waits, by chance and load. Time
+    GIL for it: the runs switch threads every microsecond
+    (:func:`~megatron_paradyse.core.memory.collective_buffers_freed_promptly`), or a buffer the code
+    has dropped would outlive it until this thread next waits, by chance and load. Time
     comes from ``repeats`` untracked runs after ``warmup`` (``repeats=0``: memory only;
     ``memory_runs=0``: time only, memory 0): per run the slowest rank's, then the median.
     """
@@ -195,9 +195,7 @@ def measure_layer(
     if p > 1:  # held outside the layer, as a step's other layers leave it
         reserve_gather_buffer(layout.padded_len * micro_batch_size, shape.hidden_size, dtype, device)
     saved, peak = [], []
-    switch_interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
+    with collective_buffers_freed_promptly():
         for _ in range(memory_runs):
             with PeakMemory(device) as memory:
                 y_local = run_layer(x_local, params, option, actx, mctx)
@@ -208,8 +206,6 @@ def measure_layer(
                 root.backward()
                 x_local.grad = None
             peak.append(memory.peak_bytes)
-    finally:
-        sys.setswitchinterval(switch_interval)
     saved, peak = min(saved, default=0), min(peak, default=0)
     times = []
     for _ in range(repeats):

@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
@@ -54,7 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.core import compat
 from megatron_paradyse.core.layout import SequenceLayout
-from megatron_paradyse.core.memory import GradientRoot, MemoryEvent, _StorageTracker
+from megatron_paradyse.core.memory import GradientRoot, MemoryEvent, _StorageTracker, collective_buffers_freed_promptly
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.allocations import Dims
 from megatron_paradyse.cost.measure import make_layer_params, run_layer
@@ -289,12 +288,8 @@ class RankTracer:
             rotary = self._rotary_table(layout.padded_len)
             gc.collect()
             gc.disable()
-            switch_interval = sys.getswitchinterval()
-            # gloo's worker thread releases a finished collective's buffers when it gets the GIL (see
-            # cost.measure.measure_layer): switch threads often so that happens when the code drops them
-            sys.setswitchinterval(1e-6)
             try:
-                with _AllocatorWindow(self.device, enabled=cuda) as allocator:
+                with collective_buffers_freed_promptly(), _AllocatorWindow(self.device, enabled=cuda) as allocator:
                     start = time.perf_counter()
                     with _StorageTracker(record=record) as tracker, watch or contextlib.nullcontext():
                         y_local = self._run(x_local, option, layout, rotary)
@@ -308,7 +303,6 @@ class RankTracer:
                         x_local.grad = None
                     seconds = time.perf_counter() - start
             finally:
-                sys.setswitchinterval(switch_interval)
                 gc.enable()
         return LayerTrace(
             saved_bytes=saved,
