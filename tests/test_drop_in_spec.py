@@ -70,3 +70,23 @@ def test_the_drop_in_spec_trains_in_megatrons_own_loop_like_the_stock_spec(tmp_p
     assert paradyse == pytest.approx(stock, rel=TOLERANCE)
     plans = re.findall(r"paradyse: stage 0: 512 tokens \(1 documents\) x 2: plan (.*) \(predicted", stdout)
     assert plans and all("lean" in plan or "+rc" in plan for plan in plans), stdout[-3000:]
+
+
+def test_a_config_that_asks_the_drop_in_spec_to_learn_the_time_model_is_refused(tmp_path, monkeypatch):
+    """The drop-in planner has no measured micro-batches to learn from: a config that asks for it is an error
+    (raised on every rank, which all read the same file), not a setting silently ignored."""
+    from megatron_paradyse.mcore import drop_in
+
+    config = tmp_path / "paradyse.yaml"
+    config.write_text(yaml.safe_dump({"memory": {"budget_gib": 1.0}, "planner": {"learn_time": True}}))
+    monkeypatch.setenv(drop_in.CONFIG_ENV, str(config))
+    with pytest.raises(ValueError) as error:
+        drop_in._paradyse_config()
+    assert str(error.value) == (
+        f"{config}: planner.learn_time: the drop-in spec cannot learn the time model (it plans inside the layers, "
+        "and Megatron's own loop gives the ranks no iteration boundary to agree on what they measured); set "
+        "planner.learn_time: false, or train with "
+        f"`python -m megatron_paradyse.pretrain_gpt --paradyse-config {config}`"
+    )
+    config.write_text(yaml.safe_dump({"memory": {"budget_gib": 1.0}, "planner": {"learn_time": False}}))
+    assert drop_in._paradyse_config().memory.budget_gib == 1.0

@@ -189,7 +189,15 @@ def _paradyse_config() -> ParadyseConfig:
     path = os.environ.get(CONFIG_ENV)
     if path is None:
         return ParadyseConfig(data=DataSection(cache_dir=str(_default_cache())))
-    return load_config(path)
+    config = load_config(path)
+    if config.planner.learn_time:  # every rank reads the same file: every rank stops here
+        raise ValueError(
+            f"{path}: planner.learn_time: the drop-in spec cannot learn the time model (it plans inside the "
+            f"layers, and Megatron's own loop gives the ranks no iteration boundary to agree on what they "
+            f"measured); set planner.learn_time: false, or train with "
+            f"`python -m megatron_paradyse.pretrain_gpt --paradyse-config {path}`"
+        )
+    return config
 
 
 def _default_cache() -> Path:
