@@ -5,8 +5,9 @@ with biases, or LLaMA-style RMSNorm, GQA and SwiGLU without; each tied to its em
 and untied at the other) runs forward, Megatron's vocab-parallel loss and backward under
 :class:`PeakMemory`, after a first step (so nothing lazily created is counted) and after
 :func:`release_step_buffers` (Megatron's all-gather buffer and rotary tables are the step's own, as in
-the training entry point), twice: the smaller peak counts (gloo's worker thread may free a buffer late). The step's inputs and the layout's index tensors exist before the window and
-are added to what it measures. The largest rank's measured peak must be the cost model's ``peak_bytes``
+the training entry point), twice: the smaller peak counts (gloo's worker thread may free a buffer
+late). The step's inputs and the layout's index tensors exist before the window and are added to what
+it measures. The largest rank's measured peak must be the cost model's ``peak_bytes``
 for the plan (static bytes 0: the gradients exist before, as Megatron's buffer) within
 :data:`TOLERANCE`: embedding, every layer, the final norm, the output layer, the cross-entropy and the
 backward's weight gradients included (host copies of offloaded layers' inputs are not device memory:
