@@ -1,6 +1,7 @@
 """Megatron's own flags under the entry point: ``--help``, TP=1, ``--overlap-grad-reduce`` and
 ``--overlap-param-gather`` with the distributed optimizer (the same losses and weights as without them),
-and the one combination refused at start-up.
+pipeline parallelism (PP=2 trains, and says what its budget leaves out), and the combinations refused
+at start-up.
 
 Multi-rank runs go through ``torchrun`` on gloo; the cost profile is calibrated once for the module
 (``PARADYSE_TEST_PROFILE`` names one to reuse).
@@ -154,10 +155,25 @@ def test_overlapped_reduction_is_refused_where_lean_would_break_it(tmp_path, cac
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
-def test_learning_the_time_model_is_refused_with_pipeline_parallelism(tmp_path, cache_p2):
-    config = _config(tmp_path / "cfg.yaml", cache_p2, planner={"on_infeasible": "skip", "learn_time": True})
+def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses_learning(tmp_path, cache_p2):
+    """PP=2 with two micro-batches per step trains; stage 0 holds both micro-batches' activations at once,
+    which the planner does not budget for: one line says so. Learning the time model is refused."""
     flags = [*SMALL_GPT, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
-    result = _torchrun(2, "--paradyse-config", str(config), *flags, "--global-batch-size", "2", "--train-iters", "2")
+    flags += ["--global-batch-size", "2", "--train-iters", "2"]
+    config = _config(tmp_path / "cfg.yaml", cache_p2)
+    result = _torchrun(2, "--paradyse-config", str(config), *flags)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = read_jsonl(tmp_path / "log.jsonl")
+    assert [r.iteration for r in records] == [1, 2] and all(len(r.micro_batches) == 2 for r in records)
+    assert result.stdout.count("paradyse: warning:") == 1
+    assert (
+        "paradyse: warning: PP=2 with 2 micro-batches per step: pipeline stage s holds up to min(PP - s, 2) "
+        "micro-batches' activations at once (stage 0: 2), and the planner budgets each micro-batch as if it were "
+        "alone; keep room for the others in memory.budget_gib (or memory.margin)\n" in result.stdout
+    ), result.stdout[-3000:]
+
+    config = _config(tmp_path / "cfg.yaml", cache_p2, planner={"on_infeasible": "skip", "learn_time": True})
+    result = _torchrun(2, "--paradyse-config", str(config), *flags)
     assert result.returncode != 0
     assert (
         "paradyse: error: the Megatron arguments do not fit this entry point:\n  - planner.learn_time learns from "

@@ -211,6 +211,12 @@ class TrainingRun:
                 f"data-parallel rank {mpu.get_data_parallel_rank()}, pipeline stage {stage}",
                 flush=True,
             )
+        if not self.iterators and torch.distributed.get_rank() == 0:  # on pipeline stage 0, which holds the most
+            _warn_of_in_flight_micro_batches(
+                mpu.get_pipeline_model_parallel_world_size(),
+                get_num_microbatches(),
+                interleaved=args.virtual_pipeline_model_parallel_size is not None,
+            )
         if job.args.iteration > 0:
             self._resume(iterator)
         self.iterators.append(iterator)
@@ -618,6 +624,22 @@ def _attempt(fn):
         return None, str(e)
     except OSError as e:
         return None, f"{type(e).__name__}: {e}"
+
+
+def _warn_of_in_flight_micro_batches(pp: int, micro_batches: int, *, interleaved: bool) -> None:
+    """Megatron's 1F1B schedule runs ``min(pp - s - 1, micro_batches)`` forwards on stage ``s`` before its
+    first backward (its interleaved schedule more): the stage holds that many micro-batches' activations
+    beside the one it plans. The planner budgets each micro-batch as if alone (README, Status): say so
+    where it matters."""
+    held = min(pp, micro_batches)
+    if held > 1:
+        print(
+            f"paradyse: warning: PP={pp} with {micro_batches} micro-batches per step: pipeline stage s holds up to "
+            f"min(PP - s, {micro_batches}) micro-batches' activations at once (stage 0: {held}"
+            f"{'; more with the interleaved schedule' if interleaved else ''}), and the planner budgets each "
+            f"micro-batch as if it were alone; keep room for the others in memory.budget_gib (or memory.margin)",
+            flush=True,
+        )
 
 
 def _calibrate_once(job: Job) -> dict:
