@@ -49,11 +49,20 @@ def _config(path: Path, cache_p2: Path, **sections) -> Path:
     return path
 
 
-def _torchrun(nproc: int, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+def _torchrun(nproc: int, *args: str, timeout: float = 400, log_dir: Path | None = None) -> subprocess.CompletedProcess:
+    """With ``log_dir``, each rank's output goes to its own files there (:func:`_rank_stdout`), whole lines
+    that another rank's writes to the shared pipe cannot split."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    if log_dir is not None:
+        command += ["--log-dir", str(log_dir), "--redirects", "3"]
     command += ["-m", "megatron_paradyse.pretrain_gpt", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _rank_stdout(log_dir: Path, rank: int) -> str:
+    (path,) = log_dir.glob(f"*/attempt_0/{rank}/stdout.log")
+    return path.read_text()
 
 
 def test_help_lists_megatrons_flags_and_ours(tmp_path):
@@ -161,16 +170,17 @@ def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses
     flags = [*SMALL_GPT, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
     flags += ["--global-batch-size", "2", "--train-iters", "2"]
     config = _config(tmp_path / "cfg.yaml", cache_p2)
-    result = _torchrun(2, "--paradyse-config", str(config), *flags)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = _torchrun(2, "--paradyse-config", str(config), *flags, log_dir=tmp_path / "logs")
+    stdout = [_rank_stdout(tmp_path / "logs", rank) for rank in range(2)]
+    assert result.returncode == 0, stdout[0][-3000:] + stdout[1][-3000:] + result.stderr[-3000:]
     records = read_jsonl(tmp_path / "log.jsonl")
     assert [r.iteration for r in records] == [1, 2] and all(len(r.micro_batches) == 2 for r in records)
-    assert result.stdout.count("paradyse: warning:") == 1
+    assert [out.count("paradyse: warning:") for out in stdout] == [1, 0]
     assert (
         "paradyse: warning: PP=2 with 2 micro-batches per step: pipeline stage s holds up to min(PP - s, 2) "
         "micro-batches' activations at once (stage 0: 2), and the planner budgets each micro-batch as if it were "
-        "alone; keep room for the others in memory.budget_gib (or memory.margin)\n" in result.stdout
-    ), result.stdout[-3000:]
+        "alone; keep room for the others in memory.budget_gib (or memory.margin)\n" in stdout[0]
+    ), stdout[0][-3000:]
 
     config = _config(tmp_path / "cfg.yaml", cache_p2, planner={"on_infeasible": "skip", "learn_time": True})
     result = _torchrun(2, "--paradyse-config", str(config), *flags)

@@ -9,7 +9,6 @@ layer's backward and the step: one layer's activations more for every recomputed
 
 from __future__ import annotations
 
-import sys
 import time
 
 import pytest
@@ -23,7 +22,7 @@ PAIRINGS = ("tp_sp/tp_sp", "ulysses/zero3", "ring/zero3", "lean/lean")
 def _bytes_left_after_backward(rank: int, p: int) -> dict[str, int]:
     import megatron_harness as H
 
-    from megatron_paradyse.core.memory import PeakMemory
+    from megatron_paradyse.core.memory import PeakMemory, collective_buffers_freed_promptly
     from megatron_paradyse.core.plan import LayerOption, Plan
     from megatron_paradyse.spec import get_paradyse_layer_spec
 
@@ -41,12 +40,8 @@ def _bytes_left_after_backward(rank: int, p: int) -> dict[str, int]:
     options = [LayerOption.parse(pairing + rc) for pairing in PAIRINGS for rc in ("", "+rc", "+rc+off")]
     for option in options:  # gradients and the layout's cached tensors exist before the measured runs
         step(option)
-    switch_interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # as cost.measure.measure_layer: gloo's thread frees buffers promptly
-    try:
+    with collective_buffers_freed_promptly():  # as cost.measure.measure_layer
         return {str(option): min(step(option) for _ in range(2)) for option in options}
-    finally:
-        sys.setswitchinterval(switch_interval)
 
 
 @pytest.fixture(scope="module")
