@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from megatron_paradyse.bench.costmodel import RankAgreement, length_line, rank_agreement, summary_line
+from megatron_paradyse.bench.costmodel import RankAgreement, length_line, main, rank_agreement, summary_line
 
 
 def test_identical_order_gives_tau_one_and_every_pair_right():
@@ -80,4 +80,13 @@ def test_summary_line_keys_in_order_worst_tau_and_pooled_pairs():
 def test_summary_line_with_nothing_to_rank():
     assert summary_line(1.0, 2.0, [rank_agreement([], [])]) == (
         "time_mape=1.0 mem_mape=2.0 rank_tau_min=nan pairs_ordered=nan"
+    )
+
+
+def test_save_profile_is_refused_beside_a_given_profile(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--profile", "given.json", "--save-profile", "kept.json"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "error: --save-profile keeps the profile calibrated here; with --profile nothing is calibrated\n"
     )

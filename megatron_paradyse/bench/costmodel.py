@@ -44,7 +44,7 @@ from megatron_paradyse.cost.calibrate import REFERENCE_SHAPE, calibrate
 from megatron_paradyse.cost.empirical import EmpiricalCostModel, Sample
 from megatron_paradyse.cost.fitting import mape
 from megatron_paradyse.cost.measure import measure_layer
-from megatron_paradyse.cost.profile import load_profile
+from megatron_paradyse.cost.profile import load_profile, save_profile
 
 __all__ = ["RankAgreement", "length_line", "main", "rank_agreement", "summary_line"]
 
@@ -175,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed passes over the grid (median)")
     parser.add_argument("--pairs", default=",".join(PAIRS), help="attention/mlp pairs, each with and without recompute")
     parser.add_argument("--json", help="write every measurement and prediction here")
+    parser.add_argument("--save-profile", help="without --profile: keep the profile calibrated here (for --profile)")
     args = parser.parse_args(argv)
+    if args.profile and args.save_profile:
+        parser.error("--save-profile keeps the profile calibrated here; with --profile nothing is calibrated")
     lengths = [int(v) for v in args.lengths.split(",")]
     options = [
         dataclasses.replace(LayerOption.parse(pair), recompute=rc)
@@ -191,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         profile = calibrate([args.p], grid="quick", fit_correction=True)
+        if args.save_profile:
+            save_profile(profile, args.save_profile)
     model = AnalyticCostModel(profile, REFERENCE_SHAPE, args.p)
     uncorrected = AnalyticCostModel(profile, REFERENCE_SHAPE, args.p, use_correction=False)
     samples = run_on_ranks(_measure_grid, args.p, args=(lengths, options, args.repeats), timeout_s=3600)[0]
