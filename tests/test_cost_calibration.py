@@ -6,10 +6,13 @@ The memory terms are checked against what the strategies allocate in ``tests/tes
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from megatron_paradyse.cli import main as cli_main
 from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost import calibrate as calibration
 from megatron_paradyse.cost.analytic import AnalyticCostModel
@@ -80,3 +83,15 @@ def test_calibrate_for_one_rank(tmp_path, monkeypatch):
         OPTIONS[0], SequenceLayout.build(256, 1, causal=True), 1
     )
     assert cost.time_s > 0 and cost.saved_bytes > 0
+
+
+def _sample_of_uneven_ranks(rank: int, world: int) -> float:
+    import torch
+
+    return calibration._median_time(lambda: time.sleep(0.001 + 0.004 * rank), 3, torch.device("cpu"))
+
+
+def test_a_sample_is_the_slowest_ranks_time():
+    """As in a job, where the ranks meet at every collective: rank 0 alone would read 1 ms per call."""
+    per_rank = run_on_ranks(_sample_of_uneven_ranks, 2, timeout_s=60)
+    assert per_rank[0] == per_rank[1] >= 0.005

@@ -121,7 +121,9 @@ def _median_time(fn: Callable[[], Any], repeats: int, device: torch.device, grou
 
     Each sample times enough back-to-back calls to last ~20 ms (the same count on every rank), so the
     ranks really overlap: a single short call would slip between the others' and look p/cores times
-    faster than it runs inside the job.
+    faster than it runs inside the job. A sample is the slowest rank's time, as in a job, where the
+    ranks meet at every collective: on an oversubscribed CPU one rank's own time depends on its share
+    of the cores (three calibrations read one rate from 33 to 58 ps), all ranks' wall time does not.
     """
     _sync(device)
     start = time.perf_counter()
@@ -139,7 +141,9 @@ def _median_time(fn: Callable[[], Any], repeats: int, device: torch.device, grou
             fn()
         _sync(device)
         times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return statistics.median(slowest.tolist())
 
 
 def _sync(device: torch.device) -> None:
