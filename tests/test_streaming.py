@@ -7,6 +7,7 @@ that no rank's own tensors are touched.
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 import torch
@@ -38,8 +39,10 @@ def _recording_step(rank: int):
     return step, seen
 
 
-def _idle_step(j, shard, grad) -> None:
-    pass
+def _yielding_step(j, shard, grad) -> None:
+    """Gives gloo's worker thread the GIL and a core to drop the last collective's buffers, as a device
+    frees them at once (on four ranks over two cores it may otherwise not run before the next shard)."""
+    time.sleep(0.001)
 
 
 def _run_schedules(rank: int, p: int) -> dict:
@@ -49,12 +52,13 @@ def _run_schedules(rank: int, p: int) -> dict:
     for name, schedule in SCHEDULES.items():
         step, seen = _recording_step(rank)
         grad = schedule(own, group, step, grads=True)
-        # The smaller of two runs, as layer measurements take: gloo's worker thread may hold a finished
-        # broadcast's buffer a while after the schedule drops it (seen in a first run), a device does not.
-        peak_forward = min(peak_bytes_of(functools.partial(schedule, own, group, _idle_step)) for _ in range(2))
-        peak_with_grads = min(
-            peak_bytes_of(functools.partial(schedule, own, group, _idle_step, grads=True)) for _ in range(2)
-        )
+        # After one run without gradients, as layer measurements run once before measuring: the first such
+        # run of a process held a finished broadcast's buffer until it returned (120 B for 80, every rank,
+        # p = 3). Then the smaller of two runs, as layer measurements take.
+        schedule(own, group, _yielding_step)
+        forward, backward = (functools.partial(schedule, own, group, _yielding_step, grads=g) for g in (False, True))
+        peak_forward = min(peak_bytes_of(forward) for _ in range(2))
+        peak_with_grads = min(peak_bytes_of(backward) for _ in range(2))
         results[name] = {
             "order": [j for j, _ in seen],
             "shards_match_owners": all(

@@ -97,8 +97,9 @@ the grid's ``correction_lengths``."""
 MIN_SCALE = 0.5
 """Smallest correction scale of the compute and communication terms."""
 _SAMPLE_S = 0.02  # each timing sample lasts at least this long
-# A difference of three times over the shortest: one sample of each read 0.0 and 1.0 in two calibrations
-# of the same quiet machine; the median of several, each from the three measured together, does not.
+# The ring overlap is a difference of three times over the shorter one: one estimate read 0.0 in some
+# calibrations of the same quiet machine and 1.0 in others; the median of 9, each from the three measured
+# side by side, read 0.0 to 0.25.
 _OVERLAP_SAMPLES = 9
 
 
