@@ -18,7 +18,7 @@ from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost import allocations
 from megatron_paradyse.cost.allocations import Dims, sublayer_memory
 from megatron_paradyse.cost.analytic import AnalyticCostModel
-from megatron_paradyse.cost.base import StageOptions
+from megatron_paradyse.cost.base import WHOLE_LOSS, StageOptions
 from megatron_paradyse.cost.empirical import EmpiricalCostModel, HybridRegressor, Sample, aic_polynomial
 from megatron_paradyse.cost.fitting import fit_nonnegative, mape
 from megatron_paradyse.cost.profile import PROFILE_SCHEMA, ProfileError, fingerprint, load_profile, save_profile
@@ -301,6 +301,34 @@ def test_time_is_compute_plus_synchronous_comm():
     corrected = AnalyticCostModel(profile, MHA, 4)
     assert corrected.time_breakdown(LayerOption("ring", "zero3"), layout, 1).syncs == 12 + 3 + 7
     assert corrected.layer_cost(LayerOption("tp_sp", "tp_sp"), layout, 1).time_s == pytest.approx(20 + 5 + 0.25)
+
+
+def test_the_stage_time_prices_the_output_layer_and_loss_under_every_plan():
+    """The stage's work outside its layers, counted by hand: per synchronisation 1 s (forward, the input's
+    all-gather and the cross-entropy's 3 all-reduces as a reduce-scatter and an all-gather each; backward,
+    the input gradient's reduce-scatter), per elementwise op 1 s (5 passes over the logits forward, 2
+    backward), the output GEMM's forward and backward at the profile's rates; a chunked loss adds one
+    forward per chunk. A stage without the output layer has none of it."""
+    profile = synthetic_profile()
+    zero = {"coef": [0.0, 0.0, 0.0]}
+    profile["gemm"] = {"forward": zero, "backward": zero}
+    profile["elementwise"] = {"per_byte_s": 0.0, "per_op_s": 0.0}
+    profile["collectives"]["4"] = {k: {"latency_s": 1.0, "per_byte_s": 0.0} for k in profile["collectives"]["4"]}
+    layout = SequenceLayout.build(2048, 4, causal=True)
+    chunked = StageOptions(loss_chunk_tokens=512)  # 4 chunks of 128 rows on each of the 4 ranks
+
+    def stage_time(profile: dict, stage: StageOptions = WHOLE_LOSS, vocab_size: int = 1024) -> float:
+        return AnalyticCostModel(profile, MHA, 4, vocab_size=vocab_size).stage_time_s(layout, 1, stage)
+
+    assert stage_time(profile) == pytest.approx(1 + 6 + 1)
+    assert stage_time(profile, chunked) == pytest.approx(8 + 4 * 7)
+    assert stage_time(profile, vocab_size=0) == stage_time(profile, chunked, vocab_size=0) == 0.0
+    profile["collectives"]["4"] = {k: {"latency_s": 0.0, "per_byte_s": 0.0} for k in profile["collectives"]["4"]}
+    profile["elementwise"] = {"per_byte_s": 0.0, "per_op_s": 1.0}
+    assert stage_time(profile) == pytest.approx(5 + 2)
+    profile["elementwise"] = {"per_byte_s": 0.0, "per_op_s": 0.0}
+    profile["gemm"] = {"forward": {"coef": [0.0, 1e-9, 0.0]}, "backward": {"coef": [3.0, 0.0, 0.0]}}
+    assert stage_time(profile) == pytest.approx(1e-9 * 2 * 2048 * 256 * 256 + 3.0)  # [2048, 256] x [256, 1024/4]
 
 
 def test_peak_bytes_adds_static_saved_and_the_larger_working_set():

@@ -44,6 +44,15 @@ def test_a_mixed_plan_moves_each_option_by_its_share_of_the_prediction():
     assert corrections.factor(B, 2048) == pytest.approx(math.exp(0.25 * math.log(2) / (0.25 + 0.5)))
 
 
+def test_the_stage_time_outside_the_layers_is_not_corrected():
+    # 4 layers of A predicted at 0.25 s each and 1 s of output layer and loss; measured 3 s: A takes 2x
+    corrections = TimeCorrections()
+    for _ in range(60):
+        corrections.observe(Plan.from_options([A] * 4), 1024, {A: 0.25}, 3.0, fixed_s=1.0)
+        corrections.agree()
+    assert corrections.factor(A, 1024) == pytest.approx(2.0, rel=1e-6)
+
+
 def test_unmeasured_buckets_and_options_fall_back_to_the_nearest_measured():
     corrections = TimeCorrections()
     assert corrections.factor(A, 512) == 1.0
@@ -137,7 +146,7 @@ def test_a_planner_follows_the_corrections_and_keeps_memory_as_it_was():
     for _ in range(10):  # the chosen plan runs 3x slower than predicted, the runner-up as predicted
         for plan, slower in ((before, 3.0), (runner_up, 1.0)):
             times = planner.cost_model.option_times(plan, bucket, 1)
-            corrections.observe(plan, bucket.padded_len, times, slower * sum(times[str(o)] for o in plan))
+            planner.observe_time(layout, plan, slower * sum(times[str(o)] for o in plan))
         assert corrections.agree()
         planner.clear_cache()
     after = planner.decide(layout).plan
@@ -247,3 +256,31 @@ def test_exploration_counts_are_saved_with_the_planner():
     resumed, _ = _exploring_planner(share=0.25, margin=0.5)
     resumed.load_state_dict(first.state_dict())
     assert [resumed.decide(layout).explored for _ in range(3)] == uninterrupted[5:] == [False, False, True]
+
+
+def test_for_model_with_time_corrections_builds_a_learning_planner():
+    from megatron_paradyse.bench.planner import bench_shape, build_cost_model
+    from megatron_paradyse.planner import Planner, PlannerConfig
+
+    cost, _ = build_cost_model(bench_shape(), 8, 8, gpu="h100")
+    kwargs = dict(shape=bench_shape(), p=8, num_layers=8, budget_bytes=60 * GIB)
+    layout = SequenceLayout.build([16384], 8, causal=True)
+    fixed = Planner.for_model(PlannerConfig(), cost, **kwargs)
+    assert fixed.cost_model is cost and fixed.exploration is None
+    with pytest.raises(TypeError, match=r"^observe_time: this planner does not learn; build it with Planner"):
+        fixed.observe_time(layout, fixed.decide(layout).plan, 1.0)
+
+    corrections = TimeCorrections()
+    learning = Planner.for_model(PlannerConfig(explore_share=0.25), cost, **kwargs, time_corrections=corrections)
+    assert learning.cost_model.base is cost and learning.cost_model.corrections is corrections
+    assert (learning.exploration.share, learning.exploration.margin) == (0.25, PlannerConfig().explore_margin)
+    no_exploring = Planner.for_model(PlannerConfig(explore_share=0.0), cost, **kwargs, time_corrections=corrections)
+    assert no_exploring.exploration is None
+
+    plan = learning.decide(layout).plan  # measured twice as slow as predicted: its factor at the bucket moves
+    assert len(set(plan)) == 1, plan.compact()
+    bucket = learning.bucket_layout(layout)
+    predicted = sum(cost.layer_cost(option, bucket, 1).time_s for option in plan)
+    learning.observe_time(layout, plan, 2 * predicted)
+    assert corrections.agree()
+    assert corrections.factor(plan[0], bucket.padded_len) == pytest.approx(math.sqrt(2.0))

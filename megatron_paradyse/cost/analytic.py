@@ -62,9 +62,10 @@ __all__ = ["AnalyticCostModel", "TimeBreakdown"]
 
 # Memory-bound ops a layer runs whatever the strategy: two norms and two residual adds, forward.
 _NORMS_AND_RESIDUALS_PASSES = 2 * 2 + 2 * 3
-# Passes of the cross-entropy over its fp32 logits (copy, max, exp, sum, softmax in place): the chunked
-# loss's recompute runs them once more.
+# Passes of the cross-entropy's forward over its fp32 logits (copy, max, exp, sum, softmax in place).
 _CROSS_ENTROPY_PASSES = 5
+# Its backward's passes over them (the softmax less the target's one-hot, scaled by the loss's gradient).
+_CROSS_ENTROPY_BACKWARD_PASSES = 2
 # Rough op counts per sublayer call (forward; backward about twice), for the per-op overhead.
 _OPS_PER_SUBLAYER = 12
 
@@ -230,20 +231,43 @@ class AnalyticCostModel:
         return tuple(options)
 
     def stage_time_s(self, layout: SequenceLayout, micro_batch_size: int, stage: StageOptions) -> float:
-        """A chunked loss's recompute: each chunk's output-layer GEMM, its gather (p > 1) and the
-        cross-entropy's passes over its fp32 logits, once more in backward."""
-        if not stage.loss_chunk_tokens:
+        """The stage's work outside its layers, the same under every plan of ``stage``: where the stage
+        holds the output layer (``vocab_size``), the output layer and the loss, forward and backward, and
+        a chunked loss's recompute, one more forward of each chunk. The embedding's lookup and its
+        reduce-scatter are left out (their share is small, and a micro-batch's measured window ends
+        before the embedding's backward: :class:`~megatron_paradyse.run.log.MicroBatchMeter`)."""
+        if not self.vocab_size:
             return 0.0
         d = self._memo(layout, micro_batch_size).dims
-        rows = loss_chunk_rows(stage.loss_chunk_tokens, self.p, d.t)
-        chunks = -(-d.t // rows)
-        tokens = rows * self.p * d.b
+        gathered = d.t * self.p * d.b
+        time = self._output_and_loss(gathered, backward=False) + self._output_and_loss(gathered, backward=True)
+        if stage.loss_chunk_tokens:
+            rows = loss_chunk_rows(stage.loss_chunk_tokens, self.p, d.t)
+            time += -(-d.t // rows) * self._output_and_loss(rows * self.p * d.b, backward=False)
+        return time
+
+    def _output_and_loss(self, tokens: int, *, backward: bool) -> float:
+        """One pass of the vocab-parallel output layer and cross-entropy over ``tokens`` gathered tokens:
+        forward, the input's all-gather, the GEMM into this rank's ``V/p`` fp32 logits, the loss's passes
+        over them and its three all-reduces (the logits' max, the sum of their exponentials, the target's
+        logit; each priced as a reduce-scatter and an all-gather); backward, the loss's passes, the GEMM's
+        two products and the input gradient's reduce-scatter."""
+        d_h, element = self.shape.hidden_size, self.element_size
         logits = tokens * (self.vocab_size // self.p)
         ew = self.profile["elementwise"]
-        compute = self._gemm(Gemm(tokens, self.vocab_size // self.p, d.h), "forward")
-        compute += _CROSS_ENTROPY_PASSES * 4 * logits * ew["per_byte_s"] + _CROSS_ENTROPY_PASSES * ew["per_op_s"]
-        comm = self._comms((Collective("all_gather", tokens * d.h * d.e),))
-        return chunks * (self._k_compute * compute + self._k_comm * comm)
+        gemm = Gemm(tokens, self.vocab_size // self.p, d_h)
+        if backward:
+            passes = _CROSS_ENTROPY_BACKWARD_PASSES
+            compute = self._gemm(gemm, "backward")
+            comms = (Collective("reduce_scatter", tokens * d_h * element),)
+        else:
+            passes = _CROSS_ENTROPY_PASSES
+            compute = self._gemm(gemm, "forward")
+            comms = (Collective("all_gather", tokens * d_h * element),)
+            comms += (Collective("reduce_scatter", 4 * tokens), Collective("all_gather", 4 * tokens)) * 3
+        compute += passes * (4 * logits * ew["per_byte_s"] + ew["per_op_s"])
+        syncs = len(comms) if self.p > 1 else 0
+        return self._k_compute * compute + self._k_comm * self._comms(comms) + self._per_sync * syncs
 
     def stage_bytes(self, layout: SequenceLayout, micro_batch_size: int, stage: StageOptions = WHOLE_LOSS) -> float:
         """What the stage keeps outside its layers for the whole step: the micro-batch's inputs on the

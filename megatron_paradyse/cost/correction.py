@@ -8,6 +8,9 @@ option ``o`` the plan uses by its share of the prediction, in log space::
     w_o = f_o * t_o / P              (the option's share of the predicted time)
     log f_o  +=  sum(w_o * log(m / P)) / (sum(w_o) + prior)
 
+where ``P`` also holds the predicted time of the stage's work outside its layers (the output layer and
+loss, :meth:`CostModel.stage_time_s`), which no factor corrects.
+
 summed over the micro-batches measured since the last update. ``prior`` (in micro-batches) keeps one
 noisy step from swinging a factor; a plan of one option converges to the geometric mean of measured
 over predicted.
@@ -83,16 +86,20 @@ class TimeCorrections:
         return math.fsum(logs) / len(logs)
 
     # -- learning ---------------------------------------------------------------------------------
-    def observe(self, plan: Plan, bucket: int, option_times: dict[str, float], measured_s: float) -> None:
+    def observe(
+        self, plan: Plan, bucket: int, option_times: dict[str, float], measured_s: float, fixed_s: float = 0.0
+    ) -> None:
         """Account one micro-batch of ``plan`` measured at ``measured_s`` (its bucket edge ``bucket``;
-        ``option_times``: each option's uncorrected predicted time for one layer at that bucket)."""
+        ``option_times``: each option's uncorrected predicted time for one layer at that bucket;
+        ``fixed_s``: the predicted time of the work the measurement holds outside the layers, the same
+        under every plan, which no factor corrects)."""
         if not (measured_s > 0 and math.isfinite(measured_s)):
             raise ValueError(f"a measured time must be a positive finite number of seconds, got {measured_s!r}")
         layers: dict[str, int] = {}
         for option in plan:
             layers[str(option)] = layers.get(str(option), 0) + 1
         shares = {o: n * option_times[o] * self.factor(o, bucket) for o, n in sorted(layers.items())}
-        predicted = math.fsum(shares.values())
+        predicted = math.fsum(shares.values()) + fixed_s
         if not predicted > 0:
             return
         log_ratio = math.log(measured_s / predicted)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption, Plan
 from megatron_paradyse.cost.base import WHOLE_LOSS, CostModel, LayerCost, StageOptions
+from megatron_paradyse.cost.correction import CorrectedCostModel, TimeCorrections
 from megatron_paradyse.planner.buckets import LengthBuckets
 from megatron_paradyse.planner.config import PlannerConfig, layer_options
 from megatron_paradyse.planner.exact import solve_exact
@@ -176,16 +177,24 @@ class Planner:
         p: int,
         num_layers: int,
         budget_bytes: float,
+        time_corrections: TimeCorrections | None = None,
     ) -> Planner:
         """A planner over the options ``config`` enables for ``shape`` on ``p`` ranks.
 
-        Strategies the model cannot use are logged once, here, and kept in :attr:`excluded`.
+        Strategies the model cannot use are logged once, here, and kept in :attr:`excluded`. With
+        ``time_corrections`` the planner learns: it prices time with ``cost_model``'s times corrected by
+        them (:meth:`observe_time` feeds them), and explores as ``config.explore_share`` allows.
         """
         options, excluded = layer_options(config, shape, p)
         for what, why in excluded.items():
             logger.warning("planner: %s is left out of the plan space: %s", what, why)
+        if time_corrections is not None:
+            cost_model = CorrectedCostModel(cost_model, time_corrections)
         planner = cls(config, cost_model, options=options, num_layers=num_layers, budget_bytes=budget_bytes)
         planner.excluded = excluded
+        if time_corrections is not None and config.explore_share > 0:
+            share, margin = config.explore_share, config.explore_margin
+            planner.exploration = Exploration(time_corrections, share=share, margin=margin)
         return planner
 
     @property
@@ -230,6 +239,19 @@ class Planner:
         self._previous = None if previous is None else (stage, tuple(int(n) for n in previous))
         if self.exploration is not None and "exploration" in state:
             self.exploration.load_state_dict(state["exploration"])
+
+    def observe_time(self, layout: SequenceLayout, plan: Plan, measured_s: float, micro_batch_size: int = 1) -> None:
+        """Account a micro-batch laid out as ``layout`` that ran ``plan`` in ``measured_s`` (forward and
+        backward of the stage's layers) in the time corrections of a planner built to learn; the ranks
+        then agree on them (:meth:`TimeCorrections.agree`) before any plan uses them."""
+        if not isinstance(self.cost_model, CorrectedCostModel):
+            raise TypeError(
+                "observe_time: this planner does not learn; build it with Planner.for_model(..., time_corrections=...)"
+            )
+        bucket = self.bucket_layout(layout, micro_batch_size)
+        times = self.cost_model.option_times(plan, bucket, micro_batch_size)
+        fixed = self.cost_model.stage_time_s(bucket, micro_batch_size, StageOptions.of(plan))
+        self.cost_model.corrections.observe(plan, bucket.padded_len, times, measured_s, fixed)
 
     def bucket_layout(self, layout: SequenceLayout, micro_batch_size: int = 1) -> SequenceLayout:
         """The layout :meth:`decide` costs ``layout`` at: its bucket's upper edge."""

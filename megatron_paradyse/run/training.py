@@ -131,10 +131,8 @@ class TrainingRun:
         from megatron.core import parallel_state as mpu
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-        from megatron_paradyse.cost.correction import CorrectedCostModel
         from megatron_paradyse.data import DynamicSequenceLoader, LoaderConfig
         from megatron_paradyse.planner import Planner
-        from megatron_paradyse.planner.exploration import Exploration
         from megatron_paradyse.planner.planner import ForwardOnlyCost
         from megatron_paradyse.run.log import MicroBatchMeter
         from megatron_paradyse.run.planned_loader import PlannedMicroBatches
@@ -173,8 +171,6 @@ class TrainingRun:
         cost_models = self.cost_models
         if evaluation:
             cost_models = [ForwardOnlyCost(cost) for cost in cost_models]
-        elif learning:
-            cost_models = [CorrectedCostModel(cost, self.time_corrections) for cost in cost_models]
         planners = [
             Planner.for_model(
                 planner_config,
@@ -183,14 +179,10 @@ class TrainingRun:
                 p=job.tp,
                 num_layers=footprint.layers,
                 budget_bytes=job.budget_bytes,
+                time_corrections=self.time_corrections if learning else None,
             )
             for cost, footprint in zip(cost_models, self.footprints)
         ]
-        if learning and planner_config.explore_share > 0:
-            for planner in planners:
-                planner.exploration = Exploration(
-                    self.time_corrections, share=planner_config.explore_share, margin=planner_config.explore_margin
-                )
         stage = mpu.get_pipeline_model_parallel_rank()
         iterator = PlannedMicroBatches(
             loader,
@@ -486,11 +478,8 @@ class TrainingRun:
 
         planner = self.iterators[0].planners[mpu.get_pipeline_model_parallel_rank()]
         for micro_batch, seconds in zip(planned, measured):
-            if seconds is None or not seconds > 0:
-                continue
-            bucket = planner.bucket_layout(micro_batch.layout)
-            times = planner.cost_model.option_times(micro_batch.decision.plan, bucket, 1)
-            self.time_corrections.observe(micro_batch.decision.plan, bucket.padded_len, times, seconds)
+            if seconds is not None and seconds > 0:
+                planner.observe_time(micro_batch.layout, micro_batch.decision.plan, seconds)
         if self.time_corrections.agree():
             for iterator in self.iterators:
                 for stage_planner in iterator.planners:
