@@ -37,9 +37,11 @@ P = 2
 DP = 2
 PACK = 512
 LOSS_TOLERANCE = 1e-4
+LEARN_PASSES = 2
 LAST_LINE = (
     r"adaptive_vs_best_static=(\S+) adaptive_vs_megatron=(\S+) max_len_ratio=(\S+) "
-    r"adaptive_vs_best_per_bucket_max=(\S+) step_mem_err_max=(\S+)"
+    r"adaptive_vs_best_per_bucket_max=(\S+) step_mem_err_max=(\S+) learn_vs_adaptive=(\S+) "
+    r"learn_vs_best_per_bucket_max=(\S+)"
 )
 STEP_MEMORY_TOLERANCE_PERCENT = 2.0
 """Issue 15's target for the whole step's peak against the cost model's (the CPU runs agree within 0.5%)."""
@@ -52,7 +54,8 @@ def _bench(tmp_path_factory, name: str, argv: list[str]) -> tuple[str, dict]:
     profile.update(dtype="float32", allocator_slack=0.0)
     save_profile(profile, tmp / "profile.json")
     argv = ["--p", str(P), "--corpora", "dna", "--min-len", "64", "--max-len", "512", *argv]
-    argv += ["--repeats", "1", "--profile", str(tmp / "profile.json"), "--cache-dir", str(tmp / "cache")]
+    argv += ["--repeats", "1", "--learn-passes", str(LEARN_PASSES)]
+    argv += ["--profile", str(tmp / "profile.json"), "--cache-dir", str(tmp / "cache")]
     argv += ["--json", str(tmp / "result.json")]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -80,7 +83,7 @@ def test_small_run_output_and_accounting(run):
     budget_mib = result["budget_bytes"] / 2**20
     assert re.search(rf"^== dna corpus: 6 documents of \d+\.\.\d+ tokens; budget {budget_mib:.1f} MiB", out, re.M)
     arms = result["arms"]
-    assert list(arms) == [*e2e.PAIRINGS, e2e.MEGATRON, e2e.ADAPTIVE]
+    assert list(arms) == [*e2e.PAIRINGS, e2e.MEGATRON, e2e.ADAPTIVE, e2e.LEARNING]
     for name in arms:
         assert re.search(rf"^{re.escape(name)}\s+\d/6\s+\d+\s", out, re.M), name
     for arm in arms.values():
@@ -113,19 +116,28 @@ def test_small_run_output_and_accounting(run):
     assert re.search(r"^adaptive / the fastest static arm of each length bin: \[", out, re.M)
     static_longest = max(results.arms[n].longest() for n in e2e.PAIRINGS)
     assert ratios["max_len_ratio"] == results.arms[e2e.ADAPTIVE].longest() / static_longest
+    learning = results.arms[e2e.LEARNING]
+    both = learning.trained().keys() & adaptive.trained().keys()
+    learn_vs_adaptive = learning.time_on(both) / adaptive.time_on(both)
+    learn_worst_bin = max(ratio for *_, ratio in results.per_bucket(e2e.LEARNING) if not math.isnan(ratio))
+    assert printed[5:] == pytest.approx([learn_vs_adaptive, learn_worst_bin], abs=1e-3)
+    _check_learning_arm(out, result)
 
     assert _compare_losses_across_arms(results) >= 5  # at least the shortest document, trained by every arm
 
 
 def test_adaptive_stays_within_budget(run, packed_dp_run):
-    """The planner's predicted peaks hold on the ranks: no adaptive sequence is an OOM, and every step's
+    """The planner's predicted peaks hold on the ranks: no sequence of a planned arm is an OOM, and every step's
     measured peak (weights, gradients, Adam, inputs, embedding, layers, output layer, loss) is within 2% of
     the cost model's for its plan."""
     for out, result in (run, packed_dp_run):
         step_mem_err = float(re.fullmatch(LAST_LINE, out.strip().splitlines()[-1]).group(5))
         assert step_mem_err <= STEP_MEMORY_TOLERANCE_PERCENT, out
-        over = [s for s in result["arms"][e2e.ADAPTIVE]["sequences"] if s["status"] == e2e.OOM]
-        assert not over, [(s["document_tokens"], s["plans"], s["peak_bytes"], s["predicted_peak_bytes"]) for s in over]
+        for name in (e2e.ADAPTIVE, e2e.LEARNING):  # the learning arm: every plan it ran, measured after
+            over = [s for s in result["arms"][name]["sequences"] if s["status"] == e2e.OOM]
+            assert not over, [
+                (s["document_tokens"], s["plans"], s["peak_bytes"], s["predicted_peak_bytes"]) for s in over
+            ]
 
 
 def test_packed_documents_on_two_dp_ranks(packed_dp_run):
@@ -138,7 +150,7 @@ def test_packed_documents_on_two_dp_ranks(packed_dp_run):
     assert not math.isnan(float(last.group(3)))
     assert (result["tp"], result["dp"], result["pack_tokens"]) == (P, DP, PACK)
     arms = result["arms"]
-    assert list(arms) == [*e2e.PAIRINGS, e2e.ADAPTIVE]
+    assert list(arms) == [*e2e.PAIRINGS, e2e.ADAPTIVE, e2e.LEARNING]
     _check_budget_accounting(result, ranks=P * DP)
 
     # Packed: consecutive documents in curriculum order, several in some micro-batches, none over the budget.
@@ -171,13 +183,30 @@ def test_packed_documents_on_two_dp_ranks(packed_dp_run):
     assert _compare_losses_across_arms(_corpus_result(result)) >= 3  # the first step, trained by every arm
 
 
+def _check_learning_arm(out: str, result: dict) -> None:
+    """The adaptive+learn arm trains what the adaptive arm trains within budget, records the plan of every
+    step it timed and the peak of the plan of highest peak (within the budget), and prints what it learned."""
+    adaptive, learning = (result["arms"][name]["sequences"] for name in (e2e.ADAPTIVE, e2e.LEARNING))
+    assert [s["status"] for s in learning] == [s["status"] for s in adaptive]
+    for s in learning:
+        if s["status"] == e2e.TRAINED:
+            assert len(s["times_s"]) == 1 and len(s["plans_run"]) == LEARN_PASSES + 1
+            assert tuple(s["plans"]) in map(tuple, s["plans_run"])
+            assert len(s["predicted_peak_bytes"]) == len(s["plans"]) and not s["creates_optimizer_state"]
+    learned = re.search(r"^adaptive\+learn: time corrections learned \(option x\[bucket: factor\]\): (.*)$", out, re.M)
+    assert learned and learned.group(1) == result["arms"][e2e.LEARNING]["time_corrections"]
+    assert re.fullmatch(r"(\S+ x\[\d+:[\d.e+-]+(, \d+:[\d.e+-]+)*\](; )?)+", learned.group(1)), learned.group(1)
+    steps = sum(s["status"] == e2e.TRAINED for s in learning) * (LEARN_PASSES + 1)
+    assert re.search(rf"^adaptive\+learn plans, last repeat: .*; explored in \d+ of {steps} steps$", out, re.M)
+
+
 def _check_budget_accounting(result: dict, *, ranks: int) -> None:
     """Every run sequence has a peak per rank; trained if and only if every peak is within the budget."""
     budget = result["budget_bytes"]
     for name, arm in result["arms"].items():
         for s in arm["sequences"]:
             if s["status"] == e2e.INFEASIBLE:
-                assert name == e2e.ADAPTIVE and not s["peak_bytes"]
+                assert name in (e2e.ADAPTIVE, e2e.LEARNING) and not s["peak_bytes"]
                 continue
             assert len(s["peak_bytes"]) == ranks
             over = max(s["peak_bytes"]) > budget

@@ -19,6 +19,17 @@ same initial weights:
 - ``adaptive``: the :class:`~megatron_paradyse.planner.Planner` (every attention x MLP strategy per
   layer, per-layer recompute) on the calibrated :class:`~megatron_paradyse.cost.AnalyticCostModel`,
   planning each micro-batch within the budget. A sequence it finds no plan for is skipped and reported.
+- ``adaptive+learn``: the same planner learning from the run, as ``planner.learn_time`` makes a training
+  run do (:mod:`megatron_paradyse.cost.correction`): each step's forward + backward is measured as the
+  training loop measures a micro-batch (:class:`~megatron_paradyse.run.log.MicroBatchMeter`), corrects
+  the predicted time of the options its plan ran, and the ranks agree on the corrections after the step
+  (one gather); now and then it runs a plan the model cannot tell from its choice
+  (:mod:`megatron_paradyse.planner.exploration`, the config's default share and margin). What it learned
+  carries over from one pass to the next, as from one epoch to the next: ``--learn-passes`` untimed
+  passes (a run's earlier epochs) come before its timed repeats, which go on learning. It trains the
+  sequences the adaptive arm's memory pass found within budget; its plans change as it learns, so after
+  its timed passes every plan it ran is measured again for its peak (as in a memory pass, with Adam's
+  moments made), and a sequence one of them takes over the budget is an OOM.
 
 **Micro-batches.** One document each by default. With ``--pack TOKENS``, consecutive documents (in
 curriculum order) packed greedily into micro-batches of at most TOKENS tokens in all, by the loader's
@@ -82,6 +93,10 @@ length ratio; its five keys are always printed, nan where a ratio has nothing to
                               embedding, layers, output layer and loss, optimizer step) against the cost
                               model's peak for its plan at the step's exact length (target <= 2, which
                               lets the adaptive arm plan at ``--plan-margin 0.03``)
+    learn_vs_adaptive       = adaptive+learn time / adaptive time, over the sequences both trained
+    learn_vs_best_per_bucket_max
+                            = adaptive_vs_best_per_bucket_max for the adaptive+learn arm
+                              (both nan without the arm)
 
 Everything here is measured on this machine; nothing is simulated (``bench simulate`` is).
 """
@@ -111,6 +126,7 @@ __all__ = ["ArmResult", "CorpusResult", "SequenceResult", "main"]
 
 MIB = 2**20
 ADAPTIVE = "adaptive"
+LEARNING = "adaptive+learn"
 MEGATRON = "megatron"
 TRAINED, OOM, INFEASIBLE = "trained", "oom", "infeasible"
 MEGATRON_PLAN = "megatron local spec"
@@ -162,6 +178,11 @@ class SequenceResult:
     predicted_peak_bytes: tuple[float, ...] = ()
     """Per DP rank, the cost model's peak for its plan at its micro-batch's exact length (none for Megatron's
     layers)."""
+    plans_run: list[tuple[str, ...]] = dataclasses.field(default_factory=list)
+    """The adaptive+learn arm: per timed repeat, per DP rank, the plan its TP group ran (it learns, so they
+    change; ``plans``, ``predicted_peak_bytes`` and ``peak_bytes`` are those of the plan of highest peak)."""
+    explored: int = 0
+    """The adaptive+learn arm: timed repeats in which this step ran a plan to measure it, not its choice."""
     creates_optimizer_state: bool = False
     """The arm's first step: Adam makes its moments in the optimizer step, after the activations are
     freed, so its peak is below the steady state's, which the cost model gives (it counts the moments as
@@ -200,6 +221,8 @@ class ArmResult:
     """The planner's decisions in the memory pass: each length bucket planned for the first time."""
     weight_checksums: tuple[float, ...] = ()
     """Per rank, in rank order, the float64 sum of the parameters it holds after training."""
+    time_corrections: str = ""
+    """The adaptive+learn arm: what it learned, per option and length bucket (rank 0's; every rank agrees)."""
 
     def trained(self) -> dict[int, SequenceResult]:
         return {i: s for i, s in enumerate(self.sequences) if s.status == TRAINED}
@@ -251,23 +274,28 @@ class CorpusResult:
         statics = [self.arms[name] for name in PAIRINGS if name in self.arms]
         complete = [a for a in statics if a.completes()]
         best = min(complete, key=lambda a: a.time_on(a.trained()), default=None)
-        per_bucket = [ratio for _, _, _, ratio in self.per_bucket() if not math.isnan(ratio)]
         megatron = self.arms.get(MEGATRON)
+        learning = self.arms.get(LEARNING)
         return {
             "adaptive_vs_best_static": _time_ratio(adaptive, best) if best else math.nan,
             "adaptive_vs_megatron": _time_ratio(adaptive, megatron) if megatron else math.nan,
             "max_len_ratio": adaptive.longest() / max(max(a.longest() for a in statics), 1),
-            "adaptive_vs_best_per_bucket_max": max(per_bucket, default=math.nan),
+            "adaptive_vs_best_per_bucket_max": self._worst_bucket(ADAPTIVE),
+            "learn_vs_adaptive": _time_ratio(learning, adaptive) if learning else math.nan,
+            "learn_vs_best_per_bucket_max": self._worst_bucket(LEARNING) if learning else math.nan,
         }
+
+    def _worst_bucket(self, arm: str) -> float:
+        return max((ratio for _, _, _, ratio in self.per_bucket(arm) if not math.isnan(ratio)), default=math.nan)
 
     def bins(self) -> list[tuple[int, int]]:
         return _bins([s.tokens for s in self.arms[ADAPTIVE].sequences])
 
-    def per_bucket(self) -> list[tuple[int, int, str, float]]:
+    def per_bucket(self, arm: str = ADAPTIVE) -> list[tuple[int, int, str, float]]:
         """Per length bin: ``(low, high, best, ratio)``: the fastest static arm that trains every sequence
-        of the bin, and adaptive's time over its time on the bin's sequences adaptive trained (``best``
-        empty and ``ratio`` nan where no static arm trains the whole bin, or adaptive trains none of it)."""
-        adaptive = self.arms[ADAPTIVE]
+        of the bin, and ``arm``'s time over its time on the bin's sequences ``arm`` trained (``best``
+        empty and ``ratio`` nan where no static arm trains the whole bin, or ``arm`` trains none of it)."""
+        adaptive = self.arms[arm]
         trained = adaptive.trained()
         rows = []
         for low, high in self.bins():
@@ -318,6 +346,8 @@ class Settings:
     arms: tuple[str, ...]
     plan_margin: float
     """The adaptive arm plans to ``budget * (1 - plan_margin)``: room for the memory model's error."""
+    learn_passes: int
+    """Untimed passes of the adaptive+learn arm before its timed repeats."""
 
 
 def _bench_on_rank(rank: int, world_size: int, corpora: list[Corpus], settings: Settings) -> list[CorpusResult]:
@@ -416,8 +446,8 @@ class _CorpusBench:
     def run(self) -> CorpusResult:
         names = self.settings.arms
         results = {}
-        for name in (n for n in names if n != ADAPTIVE):  # adaptive plans within the budget their peaks set
-            self._progress(f"memory pass, {name}")
+        for name in (n for n in names if n not in (ADAPTIVE, LEARNING)):  # the planners plan within the
+            self._progress(f"memory pass, {name}")  # budget the static arms' peaks set
             results[name] = self._memory_pass(name)
         budget, rule = self._budget(results)
         self._progress(f"memory pass, {ADAPTIVE} (budget {budget / MIB:.1f} MiB)")
@@ -426,10 +456,25 @@ class _CorpusBench:
             for s in arm.sequences:
                 if s.status == TRAINED and max(s.peak_bytes) > budget:
                     s.status = OOM
+        if LEARNING in names:  # it trains what the adaptive arm holds within budget; its peaks come after
+            from megatron_paradyse.run.log import MicroBatchMeter
+
+            self.learning_planner = self._planner(budget, learn=True)
+            self.learning_meter = MicroBatchMeter(torch.device("cpu"), 0.0, memory=False)  # time only
+            self.learning_meter.attach(self.paradyse.decoder)
+            adaptive = results[ADAPTIVE].sequences
+            results[LEARNING] = ArmResult(LEARNING, [SequenceResult(s.document_tokens, s.status) for s in adaptive])
+            self._learned_plans: dict[tuple[int, int], object] = {}  # (sequence, repeat): this rank's plan
+            for learn_pass in range(self.settings.learn_passes):
+                self._progress(f"untimed pass {learn_pass + 1}/{self.settings.learn_passes}, {LEARNING}")
+                self._timed_pass(results[LEARNING], first=False, timed=False)
         for repeat in range(self.settings.repeats):
             for name in names:
                 self._progress(f"timed pass {repeat + 1}/{self.settings.repeats}, {name}")
                 self._timed_pass(results[name], first=repeat == 0)
+        if LEARNING in names:
+            self._progress(f"memory pass, {LEARNING}: every plan it ran")
+            self._learned_peaks(results[LEARNING], budget)
         arms = {n: results[n] for n in names}
         s = self.settings
         return CorpusResult(
@@ -453,16 +498,19 @@ class _CorpusBench:
             )
         return (lean + fast) / 2, "midway between lean/lean's largest peak and tp_sp/tp_sp's on the longest sequence"
 
-    def _planner(self, budget: float):
+    def _planner(self, budget: float, *, learn: bool = False):
+        from megatron_paradyse.cost.correction import TimeCorrections
         from megatron_paradyse.planner import Planner, PlannerConfig
 
+        config = PlannerConfig(on_infeasible="skip", learn_time=learn)
         return Planner.for_model(
-            PlannerConfig(on_infeasible="skip"),
+            config,
             self.cost_model,
             shape=self.cost_model.shape,
             p=self.p,
             num_layers=self.footprint.layers,
             budget_bytes=budget * (1.0 - self.settings.plan_margin),
+            time_corrections=TimeCorrections(config.learn_prior) if learn else None,
         )
 
     def _arm_plan(self, name: str, planner, layout):
@@ -471,7 +519,7 @@ class _CorpusBench:
 
         if name == MEGATRON:
             return None
-        if name == ADAPTIVE:
+        if name in (ADAPTIVE, LEARNING):
             decision = planner.decide(layout)
             if decision is None:
                 raise _Infeasible
@@ -509,8 +557,6 @@ class _CorpusBench:
     # -- passes -----------------------------------------------------------------------------------
     def _memory_pass(self, name: str, budget: float | None = None) -> ArmResult:
         """Every sequence once, untimed, under the storage tracker: the peak of each rank."""
-        from megatron_paradyse.core.memory import peak_bytes_of
-
         model, optimizer, grads = self._reset(name)
         planner = self._planner(budget) if name == ADAPTIVE else None
         if planner is not None:
@@ -536,11 +582,7 @@ class _CorpusBench:
                 results.append(SequenceResult(document_tokens, INFEASIBLE))
                 continue
             creates_optimizer_state = not optimizer.state
-            release_step_buffers()  # Megatron's all-gather buffer and rotary tables: the step's own
-            resident = _resident_bytes(model, optimizer) + _input_bytes(batch, plan)
-            forward_backward = peak_bytes_of(functools.partial(self._forward_backward, model, grads, batch, plan))
-            step = peak_bytes_of(lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=False)))
-            peaks = self._gather(resident + max(forward_backward, step))
+            peaks = self._measured_peaks(model, optimizer, grads, batch, plan)
             results.append(
                 SequenceResult(
                     document_tokens,
@@ -553,34 +595,93 @@ class _CorpusBench:
             )
         return ArmResult(name, results, first_decisions_s=deciding if planner is not None else 0.0)
 
-    def _timed_pass(self, arm: ArmResult, *, first: bool) -> None:
-        """Train from the initial weights on the sequences ``arm`` holds within budget; time each step."""
+    def _measured_peaks(self, model, optimizer, grads: torch.Tensor, batch: dict, plan) -> list[int]:
+        """Every rank's peak of one step of ``plan`` (None: Megatron's layers) on ``batch``: what it holds
+        before the step, plus the high-water mark of forward + backward + all-reduces or of Adam's step."""
+        from megatron_paradyse.core.memory import peak_bytes_of
+
+        release_step_buffers()  # Megatron's all-gather buffer and rotary tables: the step's own
+        resident = _resident_bytes(model, optimizer) + _input_bytes(batch, plan)
+        forward_backward = peak_bytes_of(functools.partial(self._forward_backward, model, grads, batch, plan))
+        step = peak_bytes_of(lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=False)))
+        return self._gather(resident + max(forward_backward, step))
+
+    def _timed_pass(self, arm: ArmResult, *, first: bool, timed: bool = True) -> None:
+        """Train from the initial weights on the sequences ``arm`` holds within budget; time each step
+        (``timed``: record the times; ``first``: the losses too)."""
         model, optimizer, grads = self._reset(arm.name)
-        planner = None
+        planner, meter = None, None
         if arm.name == ADAPTIVE:  # plans cached by the memory pass, as in a run where length buckets recur
             planner = self.adaptive_planner
+        if arm.name == LEARNING:  # what it learned in the passes before, as in a run's later epochs
+            planner, meter = self.learning_planner, self.learning_meter
+        if planner is not None:
             planner.forget_previous()
-        for batch, result in zip(self.batches, arm.sequences):
+        for index, (batch, result) in enumerate(zip(self.batches, arm.sequences)):
             if result.status != TRAINED:
                 if planner is not None:  # the planner sees every sequence, as in the memory pass (hysteresis)
                     planner.decide(batch["layout"])
                 continue
+            explored = planner.exploration.explored if meter is not None else 0
             dist.barrier()
             start = time.perf_counter()
             plan = self._arm_plan(arm.name, planner, batch["layout"])
+            if meter is not None:
+                meter.begin()
             loss = self._forward_backward(model, grads, batch, plan)
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
+            if meter is not None:
+                self._learn(planner, meter, batch["layout"], plan)
             dist.barrier()
-            result.times_s.append(time.perf_counter() - start)
+            if timed:
+                result.times_s.append(time.perf_counter() - start)
             if first:
                 result.losses = tuple(self._gather(loss)[:: self.p])
-            if plan is not None and plan.compact() != result.plans[self.dp_rank]:
+            if meter is not None:
+                self._learned_plans[(index, len(result.plans_run))] = plan
+                result.plans_run.append(self._per_dp_rank(self._gather(plan.compact())))
+                result.explored += planner.exploration.explored > explored
+            elif plan is not None and plan.compact() != result.plans[self.dp_rank]:
                 raise RuntimeError(
                     f"{arm.name}: plan {plan.compact()} differs from the memory pass's {result.plans[self.dp_rank]}"
                 )
         arm.resident_bytes = _resident_bytes(model, optimizer)
         arm.weight_checksums = tuple(self._gather(sum(float(param.double().sum()) for param in model.parameters())))
+
+    @staticmethod
+    def _learn(planner, meter, layout, plan) -> None:
+        """What the training loop does with a measured micro-batch when ``planner.learn_time`` is on, here
+        after every step: correct the time model, agree on it across the ranks, and plan with it."""
+        ((seconds, _),) = meter.collect()
+        planner.observe_time(layout, plan, seconds)
+        if planner.cost_model.corrections.agree():
+            planner.clear_cache()
+
+    def _learned_peaks(self, arm: ArmResult, budget: float) -> None:
+        """Measure each plan the adaptive+learn arm ran on each sequence, in the steady state (Adam's
+        moments made); a sequence one of them takes over ``budget`` on any rank becomes an OOM."""
+        model, optimizer, grads = self._reset(arm.name)
+        optimizer.step()  # makes Adam's moments; the gradients are zero, so the weights do not move
+        for index, result in enumerate(arm.sequences):
+            if result.status != TRAINED:
+                continue
+            measured = {}  # the plans of every DP rank -> (every rank's peak, each DP rank's predicted peak)
+            for repeat, plans in enumerate(result.plans_run):
+                if plans not in measured:
+                    plan, batch = self._learned_plans[(index, repeat)], self.batches[index]
+                    peaks = self._measured_peaks(model, optimizer, grads, batch, plan)
+                    predicted = self._gather(self.cost_model.plan_peak_bytes(plan, batch["layout"], 1))
+                    measured[plans] = (tuple(peaks), self._per_dp_rank(predicted))
+            result.plans, (result.peak_bytes, result.predicted_peak_bytes) = max(
+                measured.items(), key=lambda item: max(item[1][0])
+            )
+            if max(result.peak_bytes) > budget:  # as any arm's OOM: not trained, its time not counted
+                result.status, result.times_s, result.losses = OOM, [], ()
+        learned = self._gather(self.learning_planner.cost_model.corrections.summary())
+        if any(summary != learned[0] for summary in learned):
+            raise RuntimeError(f"{LEARNING}: the ranks learned different time corrections: {learned}")
+        arm.time_corrections = learned[0]
 
     def _forward_backward(self, model, grads: torch.Tensor, batch: dict, plan) -> float:
         """Mean loss per token of one micro-batch, backward, Megatron's TP all-reduce of the gradients of
@@ -654,6 +755,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the adaptive arm plans to the budget times 1 - this, room for the memory model's error (default 0.03)",
     )
     parser.add_argument("--arms", help="arms to run (default: all; no megatron with --pack)")
+    parser.add_argument(
+        "--learn-passes",
+        type=int,
+        default=10,
+        help="untimed passes of the adaptive+learn arm before its timed repeats, learning (default 10)",
+    )
     parser.add_argument("--cache-dir", type=Path, default=Path("paradyse-bench-cache"), help="corpora, profile")
     parser.add_argument("--profile", type=Path, help="cost profile (default: calibrated once into --cache-dir)")
     parser.add_argument("--json", type=Path, help="write every sequence's result here")
@@ -668,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         given = set(argv or ())
-        quick = {"sequences": 6, "min_len": 128, "max_len": 1024, "repeats": 1}
+        quick = {"sequences": 6, "min_len": 128, "max_len": 1024, "repeats": 1, "learn_passes": 1}
         for name, value in quick.items():
             if f"--{name.replace('_', '-')}" not in given:
                 setattr(args, name, value)
@@ -677,6 +784,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(
                 f"--repeats, --p, --dp and --pack must be >= 1, got {args.repeats}, {args.p}, {args.dp}, {args.pack}"
             )
+        if args.learn_passes < 0:
+            raise ValueError(f"--learn-passes must be >= 0, got {args.learn_passes}")
         arms = _arms(args.arms, args.budget_mib, packed=args.pack is not None)
         corpora = [_corpus(name, args) for name in _names(args.corpora)]
         for corpus in corpora:
@@ -696,6 +805,7 @@ def main(argv: list[str] | None = None) -> int:
         profile=profile,
         arms=arms,
         plan_margin=args.plan_margin,
+        learn_passes=args.learn_passes,
     )
     data_parallel = f"; DP={args.dp}, gradients averaged over the DP ranks" if args.dp > 1 else ""
     micro_batches = (
@@ -706,7 +816,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"bench e2e: {args.p * args.dp} gloo ranks (TP={args.p}, sequence parallel{data_parallel}), GPT "
         f"{_model_text()}, fp32, Adam lr={LEARNING_RATE}, b=1, {micro_batches}, curriculum order; {args.repeats} "
-        f"timed repeat(s), medians; cost profile: {where}; adaptive plans to {1 - args.plan_margin:.0%} of the budget",
+        f"timed repeat(s), medians; cost profile: {where}; adaptive plans to {1 - args.plan_margin:.0%} of the budget"
+        + (f"; {LEARNING} learns over {args.learn_passes} untimed passes first" if LEARNING in arms else ""),
         flush=True,
     )
     print(
@@ -741,7 +852,7 @@ def _names(text: str) -> list[str]:
 
 
 def _arms(text: str | None, budget_mib: float | None, *, packed: bool) -> tuple[str, ...]:
-    known = (*PAIRINGS, MEGATRON, ADAPTIVE)
+    known = (*PAIRINGS, MEGATRON, ADAPTIVE, LEARNING)
     if text is None:
         return tuple(a for a in known if not (packed and a == MEGATRON))
     arms = tuple(a for a in text.split(",") if a)
@@ -863,22 +974,28 @@ def _print_corpus(result: CorpusResult, corpus: Corpus) -> None:
     if skipped:
         print(f"adaptive: no plan fits the budget for {len(skipped)} sequence(s): {skipped} tokens (skipped)")
     _print_predictions(adaptive)
-    plans: dict[str, int] = {}
-    for s in adaptive.trained().values():
-        for plan in s.plans:
-            plans[plan] = plans.get(plan, 0) + 1
-    print("adaptive plans: " + "; ".join(f"{n}x [{plan}]" for plan, n in plans.items()))
+    print("adaptive plans: " + _plan_counts(s.plans for s in adaptive.trained().values()))
     print(
         f"adaptive: the planner's first decision of each length bucket took {adaptive.first_decisions_s:.3f} s "
         f"in all (memory pass); timed passes reuse its cached plans (decisions included in their times)"
     )
-    print(
-        "adaptive / the fastest static arm of each length bin: "
-        + "; ".join(
-            f"[{_fmt_len(low)},{_fmt_len(high)}) " + (f"{ratio:.3f} vs {best}" if best else "-")
-            for low, high, best, ratio in result.per_bucket()
+    learning = arms.get(LEARNING)
+    if learning is not None:
+        done = learning.trained().values()
+        print(
+            f"{LEARNING} plans, last repeat: {_plan_counts(s.plans_run[-1] for s in done)}; every pass: "
+            f"{_plan_counts(plans for s in done for plans in s.plans_run)}; explored in "
+            f"{sum(s.explored for s in done)} of {sum(len(s.plans_run) for s in done)} steps"
         )
-    )
+        print(f"{LEARNING}: time corrections learned (option x[bucket: factor]): {learning.time_corrections}")
+    for name in (n for n in (ADAPTIVE, LEARNING) if n in arms):
+        print(
+            f"{name} / the fastest static arm of each length bin: "
+            + "; ".join(
+                f"[{_fmt_len(low)},{_fmt_len(high)}) " + (f"{ratio:.3f} vs {best}" if best else "-")
+                for low, high, best, ratio in result.per_bucket(name)
+            )
+        )
     for name, arm in arms.items():
         if name != ADAPTIVE:
             both = adaptive.trained().keys() & arm.trained().keys()
@@ -891,6 +1008,15 @@ def _print_corpus(result: CorpusResult, corpus: Corpus) -> None:
             + ", ".join(f"{name} {arm.replica_difference(result.tp):.1e}" for name, arm in arms.items())
         )
     print(" ".join(f"{k}={v:.3f}" for k, v in result.ratios().items()) + f" ({result.corpus})")
+
+
+def _plan_counts(plans_per_step) -> str:
+    """``"3x [plan]; 1x [other plan]"`` over the DP ranks' plans of each step, in order of first use."""
+    counts: dict[str, int] = {}
+    for plans in plans_per_step:
+        for plan in plans:
+            counts[plan] = counts.get(plan, 0) + 1
+    return "; ".join(f"{n}x [{plan}]" for plan, n in counts.items())
 
 
 def _print_steps(result: CorpusResult, corpus: Corpus) -> None:
@@ -957,7 +1083,9 @@ def _summary_line(results: list[CorpusResult]) -> str:
         f"adaptive_vs_megatron={worst('adaptive_vs_megatron', max):.3f} "
         f"max_len_ratio={worst('max_len_ratio', min):.3f} "
         f"adaptive_vs_best_per_bucket_max={worst('adaptive_vs_best_per_bucket_max', max):.3f} "
-        f"step_mem_err_max={max(errors, default=math.nan) * 100:.2f}"
+        f"step_mem_err_max={max(errors, default=math.nan) * 100:.2f} "
+        f"learn_vs_adaptive={worst('learn_vs_adaptive', max):.3f} "
+        f"learn_vs_best_per_bucket_max={worst('learn_vs_best_per_bucket_max', max):.3f}"
     )
 
 
