@@ -284,3 +284,30 @@ def test_for_model_with_time_corrections_builds_a_learning_planner():
     learning.observe_time(layout, plan, 2 * predicted)
     assert corrections.agree()
     assert corrections.factor(plan[0], bucket.padded_len) == pytest.approx(math.sqrt(2.0))
+
+
+def test_replanning_after_an_agreement_prices_nothing_again():
+    planner = physical_planner(8, 60 * GIB, hysteresis=0.0)
+    base = planner.cost_model
+    calls = []
+    price = base.layer_cost
+
+    def counted(option, layout, micro_batch_size):
+        calls.append(option)
+        return price(option, layout, micro_batch_size)
+
+    corrections = TimeCorrections()
+    planner.cost_model = CorrectedCostModel(base, corrections)
+    base.layer_cost = counted
+    layout = SequenceLayout.build([16384], 8, causal=True)
+    plan = planner.decide(layout).plan
+    priced = len(calls)
+    assert priced >= len(planner.options)
+    planner.observe_time(layout, plan, 3 * plan.predicted_time_s)
+    assert corrections.agree()
+    planner.clear_cache()
+    bucket = planner.bucket_layout(layout)  # a new layout object of the same value
+    assert planner.decide(layout).plan and len(calls) == priced  # the base model priced nothing again
+    for option in planner.options:
+        corrected = planner.cost_model.layer_cost(option, bucket, 1)
+        assert corrected.time_s == price(option, bucket, 1).time_s * corrections.factor(option, bucket.padded_len)

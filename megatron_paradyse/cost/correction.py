@@ -27,6 +27,7 @@ bucket, else 1. The factors are saved with the data's position in each checkpoin
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Iterable
@@ -175,16 +176,32 @@ class CorrectedCostModel:
     """A cost model whose layer times are ``base``'s times the corrections; memory is ``base``'s.
 
     The planner evaluates costs at a bucket's upper edge (``layout.padded_len``): the key of the factor.
+    Every agreement that moves a factor makes the planner plan again; ``base``'s costs do not move, so
+    the last ``cache_size`` of them are kept and re-planning only multiplies.
     """
 
-    def __init__(self, base: CostModel, corrections: TimeCorrections) -> None:
+    def __init__(self, base: CostModel, corrections: TimeCorrections, cache_size: int = 1 << 16) -> None:
         self.base = base
         self.corrections = corrections
+        self._base_costs: collections.OrderedDict[tuple, LayerCost] = collections.OrderedDict()
+        self._cache_size = cache_size
 
     def layer_cost(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> LayerCost:
-        cost = self.base.layer_cost(option, layout, micro_batch_size)
+        cost = self._base_cost(option, layout, micro_batch_size)
         factor = self.corrections.factor(option, layout.padded_len)
         return dataclasses.replace(cost, time_s=cost.time_s * factor)
+
+    def _base_cost(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> LayerCost:
+        # the layout's value, not its identity: the planner builds a new layout for every bucket
+        key = (option, layout.doc_lengths, layout.p, layout.causal, layout.order, layout.padded_len, micro_batch_size)
+        cost = self._base_costs.get(key)
+        if cost is None:
+            cost = self._base_costs[key] = self.base.layer_cost(option, layout, micro_batch_size)
+            if len(self._base_costs) > self._cache_size:
+                self._base_costs.popitem(last=False)
+        else:
+            self._base_costs.move_to_end(key)
+        return cost
 
     def peak_bytes(
         self,
@@ -198,7 +215,7 @@ class CorrectedCostModel:
 
     def option_times(self, plan: Plan, layout: SequenceLayout, micro_batch_size: int) -> dict[str, float]:
         """The uncorrected time of one layer of each option of ``plan`` (``layout``: the bucket's)."""
-        return {str(o): self.base.layer_cost(o, layout, micro_batch_size).time_s for o in set(plan)}
+        return {str(o): self._base_cost(o, layout, micro_batch_size).time_s for o in set(plan)}
 
     def __getattr__(self, name: str):
         return getattr(self.base, name)  # the rest of the base model's interface (shape, profile, ...)
