@@ -622,7 +622,7 @@ class _CorpusBench:
                 if planner is not None:  # the planner sees every sequence, as in the memory pass (hysteresis)
                     planner.decide(batch["layout"])
                 continue
-            explored = planner.exploration.explored if meter is not None else 0
+            explored = _explorations(planner)
             dist.barrier()
             start = time.perf_counter()
             plan = self._arm_plan(arm.name, planner, batch["layout"])
@@ -641,7 +641,7 @@ class _CorpusBench:
             if meter is not None:
                 self._learned_plans[(index, len(result.plans_run))] = plan
                 result.plans_run.append(self._per_dp_rank(self._gather(plan.compact())))
-                result.explored += planner.exploration.explored > explored
+                result.explored += _explorations(planner) > explored
             elif plan is not None and plan.compact() != result.plans[self.dp_rank]:
                 raise RuntimeError(
                     f"{arm.name}: plan {plan.compact()} differs from the memory pass's {result.plans[self.dp_rank]}"
@@ -707,6 +707,11 @@ class _CorpusBench:
             dist.all_reduce(grads, group=self.dp_group)
             grads.div_(self.settings.dp)
         return loss.item()
+
+
+def _explorations(planner) -> int:
+    """How many of ``planner``'s decisions ran a plan to measure it (0 where it does not explore)."""
+    return 0 if planner is None or planner.exploration is None else planner.exploration.explored
 
 
 class _Infeasible(Exception):
