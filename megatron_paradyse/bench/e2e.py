@@ -295,11 +295,11 @@ class CorpusResult:
         """Per length bin: ``(low, high, best, ratio)``: the fastest static arm that trains every sequence
         of the bin, and ``arm``'s time over its time on the bin's sequences ``arm`` trained (``best``
         empty and ``ratio`` nan where no static arm trains the whole bin, or ``arm`` trains none of it)."""
-        adaptive = self.arms[arm]
-        trained = adaptive.trained()
+        planned = self.arms[arm]
+        trained = planned.trained()
         rows = []
         for low, high in self.bins():
-            inside = [i for i, s in enumerate(adaptive.sequences) if low <= s.tokens < high]
+            inside = [i for i, s in enumerate(planned.sequences) if low <= s.tokens < high]
             if not inside:
                 continue
             statics = [self.arms[name] for name in PAIRINGS if name in self.arms]
@@ -309,7 +309,7 @@ class CorpusResult:
                 rows.append((low, high, "", math.nan))
                 continue
             best = min(whole, key=lambda a: a.time_on(inside))
-            rows.append((low, high, best.name, adaptive.time_on(both) / best.time_on(both)))
+            rows.append((low, high, best.name, planned.time_on(both) / best.time_on(both)))
         return rows
 
 

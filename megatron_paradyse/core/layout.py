@@ -135,6 +135,12 @@ class SequenceLayout:
         docs = (int(doc_lengths),) if isinstance(doc_lengths, int) else tuple(map(int, doc_lengths))
         return cls(docs, p, causal, padded_length(sum(docs), p), order)
 
+    @property
+    def value(self) -> tuple:
+        """What defines the layout, for the keys of caches that outlive one layout object: layouts
+        compare by identity (they cache index tensors), and the planner builds a new one per bucket."""
+        return (self.doc_lengths, self.p, self.causal, self.padded_len, self.order)
+
     # -- sizes ------------------------------------------------------------------------------------
     @property
     def valid_len(self) -> int:

@@ -373,8 +373,7 @@ class AnalyticCostModel:
         every option of one layout in a row), so memory stays bounded."""
         if layout.p != self.p:
             raise ValueError(f"the layout is for p={layout.p}, the cost model for p={self.p}")
-        # the layout's value, not its identity: the planner builds a new layout for every bucket
-        key = (layout.doc_lengths, layout.causal, layout.order, layout.padded_len, micro_batch_size)
+        key = (layout.value, micro_batch_size)
         memo = self._last_memo
         if memo is None or memo.key != key:
             dims = Dims(

@@ -192,8 +192,7 @@ class CorrectedCostModel:
         return dataclasses.replace(cost, time_s=cost.time_s * factor)
 
     def _base_cost(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> LayerCost:
-        # the layout's value, not its identity: the planner builds a new layout for every bucket
-        key = (option, layout.doc_lengths, layout.p, layout.causal, layout.order, layout.padded_len, micro_batch_size)
+        key = (option, layout.value, micro_batch_size)
         cost = self._base_costs.get(key)
         if cost is None:
             cost = self._base_costs[key] = self.base.layer_cost(option, layout, micro_batch_size)

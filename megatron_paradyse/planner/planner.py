@@ -241,9 +241,10 @@ class Planner:
             self.exploration.load_state_dict(state["exploration"])
 
     def observe_time(self, layout: SequenceLayout, plan: Plan, measured_s: float, micro_batch_size: int = 1) -> None:
-        """Account a micro-batch laid out as ``layout`` that ran ``plan`` in ``measured_s`` (forward and
-        backward of the stage's layers) in the time corrections of a planner built to learn; the ranks
-        then agree on them (:meth:`TimeCorrections.agree`) before any plan uses them."""
+        """Account a micro-batch laid out as ``layout`` that ran ``plan`` in ``measured_s`` (its forward and
+        backward on this stage, as :class:`~megatron_paradyse.run.log.MicroBatchMeter` measures it) in the
+        time corrections of a planner built to learn; the ranks then agree on them
+        (:meth:`TimeCorrections.agree`) before any plan uses them."""
         if not isinstance(self.cost_model, CorrectedCostModel):
             raise TypeError(
                 "observe_time: this planner does not learn; build it with Planner.for_model(..., time_corrections=...)"
