@@ -252,6 +252,7 @@ def _corpus_result(data: dict) -> e2e.CorpusResult:
         (["--corpora", "code,wiki"], "--corpora takes code and/or dna, got 'code,wiki'"),
         (["--pack", "512", "--arms", "tp_sp/tp_sp,lean/lean,megatron,adaptive"], "megatron cannot run with --pack"),
         (["--dp", "0"], "--repeats, --p, --dp and --pack must be >= 1"),
+        (["--learn-passes", "-1"], "--learn-passes must be >= 0, got -1"),
     ],
 )
 def test_bad_arguments_exit_2_before_any_work(argv, message, capsys):

@@ -331,6 +331,23 @@ def test_the_stage_time_prices_the_output_layer_and_loss_under_every_plan():
     assert stage_time(profile) == pytest.approx(1e-9 * 2 * 2048 * 256 * 256 + 3.0)  # [2048, 256] x [256, 1024/4]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_stage_time_moves_activations_in_the_model_dtype_and_the_loss_statistics_in_fp32(dtype):
+    """Per byte only: the output layer's input gathered forward and its gradient reduce-scattered backward,
+    [2048, 256] in the model's dtype each; the cross-entropy's three all-reduces of one fp32 value per
+    token, each a reduce-scatter and an all-gather."""
+    profile = synthetic_profile()
+    profile["dtype"] = str(dtype).removeprefix("torch.")
+    zero = {"coef": [0.0, 0.0, 0.0]}
+    profile["gemm"] = {"forward": zero, "backward": zero}
+    profile["elementwise"] = {"per_byte_s": 0.0, "per_op_s": 0.0}
+    profile["collectives"]["4"] = {k: {"latency_s": 0.0, "per_byte_s": 1.0} for k in profile["collectives"]["4"]}
+    model = AnalyticCostModel(profile, MHA, 4, dtype=dtype, vocab_size=1024)
+    layout = SequenceLayout.build(2048, 4, causal=True)
+    element = torch.empty((), dtype=dtype).element_size()
+    assert model.stage_time_s(layout, 1, WHOLE_LOSS) == 2 * 2048 * 256 * element + 3 * 2 * 4 * 2048
+
+
 def test_peak_bytes_adds_static_saved_and_the_larger_working_set():
     """The whole step's terms written out by hand for one shape (``tests/test_step_memory.py`` measures
     them on gloo ranks); p=4, s=1024, b=2, h=256, V=32000, LayerNorm on the CPU."""
