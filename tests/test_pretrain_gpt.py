@@ -109,6 +109,32 @@ def test_megatron_arguments_that_cannot_work_are_refused_before_any_process_grou
         "steps per evaluation, N > 0), or leave --eval-interval out\n"
     )
 
+    result = _single_rank(config, *one_rank, "--optimizer", "lion")  # its memory is not counted
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.endswith(
+        "paradyse: error: the Megatron arguments do not fit this entry point:\n"
+        "  - --optimizer lion: the planner counts the memory of adam and sgd only; use one of them\n"
+    )
+
+    # 1 MiB per rank: less than the weights, gradients and Adam state (16 B per parameter, fp32) and the
+    # step's working set (torch's for-loop AdamW on CPU: three fp32 copies of the largest parameter)
+    small = _write_config(tmp_path / "small.yaml", cache, data={"max_len": 512}, memory={"budget_gib": 1 / 1024})
+    result = _single_rank(small, *one_rank)
+    assert result.returncode == 2, result.stderr[-3000:]
+    refused = re.search(
+        r"paradyse: error: the memory budget \(0.000977 GiB per rank\) cannot hold what every plan holds:\n"
+        r"  - pipeline stage 0: ([\d.e-]+) GiB of weights, gradients and optimizer state, and ([\d.e-]+) GiB more "
+        r"while the optimizer steps\n"
+        r"what would fit: more tensor- or pipeline-parallel ranks, the distributed optimizer over data-parallel ranks "
+        r"\(--use-distributed-optimizer\), Transformer Engine or apex installed \(a fused optimizer step needs no "
+        r"working set\), or a larger memory.budget_gib\n$",
+        result.stderr,
+    )
+    assert refused, result.stderr[-3000:]
+    step = float(refused.group(2)) * 2**30
+    assert step == pytest.approx(3 * 4 * 384 * 64, rel=5e-3)  # the embedding: 258 tokens padded to 384 rows, fp32
+    assert "initializing torch distributed" not in result.stdout
+
     result = _single_rank(config, *one_rank, "--save", str(tmp_path / "ckpt"))  # Megatron's own check
     assert result.returncode == 2
     assert result.stderr.endswith(

@@ -91,7 +91,8 @@ length ratio; its five keys are always printed, nan where a ratio has nothing to
     step_mem_err_max        = over both corpora, the largest |predicted - measured| / measured peak of the
                               adaptive arm's steps, in percent: the whole step (weights, gradients, Adam,
                               embedding, layers, output layer and loss, optimizer step) against the cost
-                              model's peak for its plan at the step's exact length (target <= 2, which
+                              model's peak for its plan at the step's exact length, or its optimizer
+                              step's, whichever is larger (target <= 2, which
                               lets the adaptive arm plan at ``--plan-margin 0.03``)
     learn_vs_adaptive       = adaptive+learn time / adaptive time, over the sequences both trained
     learn_vs_best_per_bucket_max
@@ -379,7 +380,11 @@ class _CorpusBench:
         from megatron_paradyse.data import make_micro_batch
         from megatron_paradyse.mcore.model_shape import model_shape, rotary_dim
         from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
-        from megatron_paradyse.mcore.static_memory import pipeline_footprints
+        from megatron_paradyse.mcore.static_memory import (
+            OptimizerSetup,
+            pipeline_footprints,
+            torch_optimizer_implementation,
+        )
         from megatron_paradyse.mcore.stock_spec import stock_block_spec
 
         p, dp = settings.tp, settings.dp
@@ -411,9 +416,8 @@ class _CorpusBench:
             vocab_size=self.vocab_size,
             tied_embeddings=True,
             learned_positions=0,
-            optimizer_states=2,
+            optimizer=OptimizerSetup(torch_optimizer_implementation("cpu"), weight_decay=False),  # _reset's Adam
             grads_in_fp32=True,
-            optimizer_shards=1,
         )
         self.cost_model = AnalyticCostModel(
             settings.profile,
@@ -571,9 +575,7 @@ class _CorpusBench:
                 finally:
                     deciding += time.perf_counter() - start
                 planned = (
-                    (MEGATRON_PLAN, None)
-                    if plan is None
-                    else (plan.compact(), self.cost_model.plan_peak_bytes(plan, layout, 1))
+                    (MEGATRON_PLAN, None) if plan is None else (plan.compact(), self._predicted_peak(plan, layout))
                 )
             except _Infeasible:
                 planned = None
@@ -594,6 +596,12 @@ class _CorpusBench:
                 )
             )
         return ArmResult(name, results, first_decisions_s=deciding if planner is not None else 0.0)
+
+    def _predicted_peak(self, plan, layout) -> float:
+        """The cost model's peak of one step of ``plan`` at ``layout``: its micro-batch's, or the optimizer
+        step's (the footprint's), whichever is larger."""
+        step = self.footprint.static_bytes + self.footprint.optimizer_step_bytes
+        return max(self.cost_model.plan_peak_bytes(plan, layout, 1), step)
 
     def _measured_peaks(self, model, optimizer, grads: torch.Tensor, batch: dict, plan) -> list[int]:
         """Every rank's peak of one step of ``plan`` (None: Megatron's layers) on ``batch``: what it holds
@@ -671,7 +679,7 @@ class _CorpusBench:
                 if plans not in measured:
                     plan, batch = self._learned_plans[(index, repeat)], self.batches[index]
                     peaks = self._measured_peaks(model, optimizer, grads, batch, plan)
-                    predicted = self._gather(self.cost_model.plan_peak_bytes(plan, batch["layout"], 1))
+                    predicted = self._gather(self._predicted_peak(plan, batch["layout"]))
                     measured[plans] = (tuple(peaks), self._per_dp_rank(predicted))
             result.plans, (result.peak_bytes, result.predicted_peak_bytes) = max(
                 measured.items(), key=lambda item: max(item[1][0])

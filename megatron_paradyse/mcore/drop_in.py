@@ -40,24 +40,35 @@ _GIB = 2**30
 
 
 # -- a Megatron job's planner inputs --------------------------------------------------------------------
-def stage_footprints(args: argparse.Namespace, transformer):
-    """Static memory of every pipeline stage of a job with Megatron arguments ``args``."""
-    from megatron_paradyse.mcore.static_memory import pipeline_footprints
+def stage_footprints(args: argparse.Namespace, transformer, device_type: str):
+    """Static memory of every pipeline stage of a job with Megatron arguments ``args``, its optimizer
+    stepping as Megatron's would on a ``device_type`` machine."""
+    from megatron_paradyse.mcore.static_memory import (
+        OptimizerSetup,
+        megatron_optimizer_implementation,
+        pipeline_footprints,
+    )
 
-    states = {"adam": 2, "sgd": 1 if args.sgd_momentum else 0}.get(args.optimizer, 2)
+    optimizer = OptimizerSetup(
+        megatron_optimizer_implementation(device_type),
+        name=args.optimizer,
+        sgd_momentum=bool(args.sgd_momentum),
+        weight_decay=args.weight_decay > 0,
+        shards=args.data_parallel_size if args.use_distributed_optimizer else 1,
+    )
     return pipeline_footprints(
         transformer,
         vocab_size=args.padded_vocab_size,
         tied_embeddings=not args.untie_embeddings_and_output_weights,
         learned_positions=args.max_position_embeddings if args.position_embedding_type == "learned_absolute" else 0,
-        optimizer_states=states,
+        optimizer=optimizer,
         grads_in_fp32=args.accumulate_allreduce_grads_in_fp32 or not (args.bf16 or args.fp16),
-        optimizer_shards=args.data_parallel_size if args.use_distributed_optimizer else 1,
     )
 
 
-def stage_cost_models(args: argparse.Namespace, transformer, profile: dict):
-    """One analytic cost model per pipeline stage of the job, priced by ``profile``."""
+def stage_cost_models(args: argparse.Namespace, transformer, profile: dict, footprints) -> list:
+    """One analytic cost model per pipeline stage of the job (``footprints``: :func:`stage_footprints`),
+    priced by ``profile``."""
     from megatron_paradyse.cost import AnalyticCostModel
     from megatron_paradyse.mcore.model_shape import model_shape, rotary_dim
 
@@ -77,7 +88,7 @@ def stage_cost_models(args: argparse.Namespace, transformer, profile: dict):
             and not args.untie_embeddings_and_output_weights
             and not transformer.gradient_accumulation_fusion,
         )
-        for f in stage_footprints(args, transformer)
+        for f in footprints
     ]
 
 
@@ -140,7 +151,8 @@ class _Stage:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         profile = _profile(config, p, transformer.params_dtype, device, layer.tp_group)
         pp_rank = get_pg_rank(layer.pg_collection.pp)
-        cost = stage_cost_models(args, transformer, profile)[pp_rank]
+        footprints = stage_footprints(args, transformer, device.type)
+        cost = stage_cost_models(args, transformer, profile, footprints)[pp_rank]
         # Megatron's own forward step computes the loss: whole, never in chunks
         planner_config = dataclasses.replace(config.planner, loss_chunk_tokens=0)
         if p == 1:

@@ -149,6 +149,7 @@ class Job:
             pad_id=_megatron_pad_id() if pad_id is None else pad_id,
             budget_state=budget_state,
         )
+        job.check_static_memory()  # fail here, on every rank, not after start-up
         job.cost_models()  # the profile fits the model (group size, dtype): fail here, not after start-up
         return job
 
@@ -172,19 +173,40 @@ class Job:
     def footprints(self):
         from megatron_paradyse.mcore.drop_in import stage_footprints
 
-        return stage_footprints(self.args, self.model_config.transformer)
+        return stage_footprints(self.args, self.model_config.transformer, self.device.type)
+
+    def check_static_memory(self) -> None:
+        """Every pipeline stage's weights, gradients and optimizer state, and its optimizer step's working
+        set, fit the budget: else no micro-batch could train."""
+        over = [f for f in self.footprints() if f.static_bytes + f.optimizer_step_bytes > self.budget_bytes]
+        if over:
+            stages = "\n  - ".join(
+                f"pipeline stage {f.stage}: {f.static_bytes / _GIB:.3g} GiB of weights, gradients and optimizer "
+                f"state, and {f.optimizer_step_bytes / _GIB:.3g} GiB more while the optimizer steps"
+                for f in over
+            )
+            raise ValueError(
+                f"the memory budget ({self.budget_bytes / _GIB:.3g} GiB per rank) cannot hold what every plan "
+                f"holds:\n  - {stages}\nwhat would fit: more tensor- or pipeline-parallel ranks, the distributed "
+                f"optimizer over data-parallel ranks (--use-distributed-optimizer), Transformer Engine or apex "
+                f"installed (a fused optimizer step needs no working set), or a larger memory.budget_gib"
+            )
 
     def cost_models(self, profile: dict | None = None):
         """One cost model per pipeline stage (``profile``: instead of the configured one)."""
         from megatron_paradyse.mcore.drop_in import stage_cost_models
 
         profile = profile or self.profile
-        return None if profile is None else stage_cost_models(self.args, self.model_config.transformer, profile)
+        if profile is None:
+            return None
+        return stage_cost_models(self.args, self.model_config.transformer, profile, self.footprints())
 
 
 def _argument_problems(args: argparse.Namespace, config: ParadyseConfig, flags: list[str]) -> list[str]:
     """What of Megatron's arguments this entry point cannot run (``flags``: the ones the user gave, the
     config's ``megatron_args`` and the command line's)."""
+    from megatron_paradyse.mcore.static_memory import optimizer_problem
+
     problems = []
     longest = config.data.token_budget or config.data.max_len
     wanted = {
@@ -204,6 +226,8 @@ def _argument_problems(args: argparse.Namespace, config: ParadyseConfig, flags: 
             f"--eval-micro-batch-size: a micro-batch is one row; got {args.eval_micro_batch_size}, leave it out "
             f"or set 1"
         )
+    if problem := optimizer_problem(args.optimizer):
+        problems.append(problem)
     if "--eval-interval" in given and not args.eval_iters:
         problems.append(
             f"--eval-interval {args.eval_interval} without --eval-iters: no validation would run; add --eval-iters N "

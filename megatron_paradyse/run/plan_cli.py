@@ -159,8 +159,8 @@ class _Job:
                 hysteresis=0.0,
                 loss_chunk_tokens=0,  # Megatron's own loss, as a static run has it
             )
-        costs = stage_cost_models(self.args, self.transformer, self.profile)
-        footprints = stage_footprints(self.args, self.transformer)
+        footprints = stage_footprints(self.args, self.transformer, "cuda")  # as Megatron would step on the GPUs
+        costs = stage_cost_models(self.args, self.transformer, self.profile, footprints)
         return [
             Planner.for_model(
                 planner_config, c, shape=c.shape, p=self.tp, num_layers=f.layers, budget_bytes=self.budget_bytes

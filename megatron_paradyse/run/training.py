@@ -198,7 +198,8 @@ class TrainingRun:
             print(
                 f"paradyse: TP={job.tp} PP={mpu.get_pipeline_model_parallel_world_size()} "
                 f"DP={mpu.get_data_parallel_world_size()}; per rank: budget {job.budget_bytes / _GIB:.3f} GiB, "
-                f"static {self.footprints[stage].static_bytes / _GIB:.3f} GiB; layer options: "
+                f"static {self.footprints[stage].static_bytes / _GIB:.3f} GiB (the optimizer step "
+                f"{self.footprints[stage].optimizer_step_bytes / _GIB:.3f} GiB more); layer options: "
                 f"{', '.join(str(o) for o in planners[stage].options)}. The table shows the micro-batches of "
                 f"data-parallel rank {mpu.get_data_parallel_rank()}, pipeline stage {stage}",
                 flush=True,
