@@ -17,11 +17,15 @@ with and without recompute at TP=2, and the recompute choices TP=1 plans from; e
 and one offloaded after one recomputed; MLPs in tiles (uneven: 256 gathered tokens of 500 and 1000 rows);
 the output layer and loss in chunks
 (:mod:`megatron_paradyse.mcore.chunked_loss`) beside Megatron's whole-sequence buffer (``tp_sp``) and
-without it; one document and three packed.
+without it; one document and three packed. At TP=1 the two ranks are data-parallel replicas, and the
+plans run again under Megatron's DDP (the distributed optimizer's gradient buffer in fp32, reduce-scatters
+of several buckets overlapped with backward, finished inside the window): the gradients then go to DDP's
+buffer, and the peak must still be the model's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 
@@ -62,10 +66,12 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
 
     compat.install()
     from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
+    from megatron_paradyse.core.compat import cuda_to_cpu
     from megatron_paradyse.core.memory import peak_bytes_of, storage_bytes
     from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
     from megatron_paradyse.core.plan import Plan
@@ -87,6 +93,11 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
             num_query_groups=2,
         ),
     }
+    # the distributed optimizer's reduce-scatters, overlapped with backward, over buckets of about 20K
+    # elements (4 buckets of these models)
+    DDP_CONFIG = DistributedDataParallelConfig(
+        overlap_grad_reduce=True, use_distributed_optimizer=True, bucket_size=20_000, grad_reduce_in_fp32=True
+    )
     results = []
     for tp in sorted(PLANS, reverse=True):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -137,44 +148,60 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
                 normalization=config.normalization,
                 tied_unfused_output=tied and not config.gradient_accumulation_fusion,
             )
-            rng = np.random.default_rng(0)
-            for documents, plan_name in itertools.product(DOCUMENTS, PLANS[tp]):
-                pieces = [rng.integers(0, vocab, n) for n in DOCUMENTS[documents]]
-                batch = make_micro_batch(pieces, [False] * len(pieces), p=tp, causal=True, pad_id=0)
-                layout = batch["layout"]
-                options, chunked, _ = plan_name.partition(CHUNKED)
-                options = options.split(", ")
-                plan = Plan.from_options(options * (config.num_layers // len(options)))
-                plan = dataclasses.replace(plan, loss_chunk_tokens=64 if chunked else 0)
+            # at TP=1 the two ranks are data-parallel replicas: the plans run again under Megatron's DDP
+            for data_parallel in (False, True) if tp == 1 else (False,):
+                runner = model
+                if data_parallel:
+                    for param in model.parameters():
+                        param.grad = None  # DDP's buffer holds the gradients
+                    runner = DistributedDataParallel(config, DDP_CONFIG, model)
+                rng = np.random.default_rng(0)
+                for documents, plan_name in itertools.product(DOCUMENTS, PLANS[tp]):
+                    pieces = [rng.integers(0, vocab, n) for n in DOCUMENTS[documents]]
+                    batch = make_micro_batch(pieces, [False] * len(pieces), p=tp, causal=True, pad_id=0)
+                    layout = batch["layout"]
+                    options, chunked, _ = plan_name.partition(CHUNKED)
+                    options = options.split(", ")
+                    plan = Plan.from_options(options * (config.num_layers // len(options)))
+                    plan = dataclasses.replace(plan, loss_chunk_tokens=64 if chunked else 0)
 
-                def step(model=model, batch=batch, plan=plan):
-                    with micro_batch_scope(MicroBatch(layout=batch["layout"], plan=plan)):
-                        per_token = model(
-                            batch["tokens"],
-                            batch["position_ids"],
-                            None,
-                            labels=batch["labels"],
-                            output_processor=output_processor(plan),
-                        )
-                    ((per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum()).backward()
+                    def step(runner=runner, batch=batch, plan=plan, data_parallel=data_parallel):
+                        # DDP's gradient sync waits on CUDA streams: none on CPU
+                        with cuda_to_cpu() if data_parallel else contextlib.nullcontext():
+                            with micro_batch_scope(MicroBatch(layout=batch["layout"], plan=plan)):
+                                per_token = runner(
+                                    batch["tokens"],
+                                    batch["position_ids"],
+                                    None,
+                                    labels=batch["labels"],
+                                    output_processor=output_processor(plan),
+                                )
+                            ((per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum()).backward()
+                            if data_parallel:
+                                runner.finish_grad_sync()  # the buckets' reduce-scatters, started in backward
 
-                def measured_step(step=step) -> int:
-                    release_step_buffers()  # the step's own, made inside the window
-                    return peak_bytes_of(step)
+                    def measured_step(step=step) -> int:
+                        release_step_buffers()  # the step's own, made inside the window
+                        return peak_bytes_of(step)
 
-                step()
-                inputs = [batch[k] for k in ("tokens", "labels", "loss_mask", "position_ids")]
-                inputs += list(layout.indices("cpu"))
-                # the smaller of two runs: gloo's worker thread now and then frees a finished collective's
-                # buffer after the code has dropped it, which only ever adds to a run's peak
-                measured = storage_bytes(inputs) + min(measured_step(), measured_step())
-                predicted = cost_model.plan_peak_bytes(plan, layout, 1)
-                case = f"p={tp} {dtype_name} {variant} {'tied' if tied else 'untied'} {documents} {plan_name}"
-                # every layer offloaded: the model keeps the stage's input beside the loss, which its
-                # backward no longer has (stage_layer_bytes): up to one activation over
-                everything_offloaded = all(option.offload for option in plan)
-                headroom = layout.padded_len // tp * config.hidden_size * dtype.itemsize if everything_offloaded else 0
-                results.append((case, measured, predicted, headroom))
+                    step()
+                    if data_parallel:  # the gradients went to DDP's buffer, not to the parameters
+                        assert all(p.grad is None and p.main_grad.count_nonzero() for p in model.parameters())
+                    inputs = [batch[k] for k in ("tokens", "labels", "loss_mask", "position_ids")]
+                    inputs += list(layout.indices("cpu"))
+                    # the smaller of two runs: gloo's worker thread now and then frees a finished collective's
+                    # buffer after the code has dropped it, which only ever adds to a run's peak
+                    measured = storage_bytes(inputs) + min(measured_step(), measured_step())
+                    predicted = cost_model.plan_peak_bytes(plan, layout, 1)
+                    case = f"p={tp} {dtype_name} {variant} {'tied' if tied else 'untied'} {documents} {plan_name}"
+                    case += " DDP" if data_parallel else ""
+                    # every layer offloaded: the model keeps the stage's input beside the loss, which its
+                    # backward no longer has (stage_layer_bytes): up to one activation over
+                    everything_offloaded = all(option.offload for option in plan)
+                    headroom = (
+                        layout.padded_len // tp * config.hidden_size * dtype.itemsize if everything_offloaded else 0
+                    )
+                    results.append((case, measured, predicted, headroom))
         parallel_state.destroy_model_parallel()
     return results
 
@@ -187,7 +214,7 @@ def steps() -> list[list[tuple]]:
 def test_whole_step_peak_is_the_cost_models(steps):
     """The model's peak is the largest of any rank's (ring steps differ between ranks): it is compared with
     the largest measured."""
-    cases = len(DTYPES) * len(VARIANTS) * len(DOCUMENTS) * sum(map(len, PLANS.values()))
+    cases = len(DTYPES) * len(VARIANTS) * len(DOCUMENTS) * (sum(map(len, PLANS.values())) + len(PLANS[1]))  # + DDP
     assert all(len(results) == cases for results in steps)
     off = []
     for per_rank in zip(*steps):
