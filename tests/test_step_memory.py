@@ -73,12 +73,12 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
 
     from megatron_paradyse.core.compat import cuda_to_cpu
     from megatron_paradyse.core.memory import peak_bytes_of, storage_bytes
-    from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
+    from megatron_paradyse.core.micro_batch import MicroBatch
     from megatron_paradyse.core.plan import Plan
     from megatron_paradyse.cost import AnalyticCostModel
     from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
     from megatron_paradyse.data import make_micro_batch
-    from megatron_paradyse.mcore.chunked_loss import output_processor
+    from megatron_paradyse.mcore.chunked_loss import micro_batch_loss
     from megatron_paradyse.mcore.model_shape import model_shape, rotary_dim
     from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
     from megatron_paradyse.mcore.step_buffers import release_step_buffers
@@ -168,15 +168,7 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
                     def step(runner=runner, batch=batch, plan=plan, data_parallel=data_parallel):
                         # DDP's gradient sync waits on CUDA streams: none on CPU
                         with cuda_to_cpu() if data_parallel else contextlib.nullcontext():
-                            with micro_batch_scope(MicroBatch(layout=batch["layout"], plan=plan)):
-                                per_token = runner(
-                                    batch["tokens"],
-                                    batch["position_ids"],
-                                    None,
-                                    labels=batch["labels"],
-                                    output_processor=output_processor(plan),
-                                )
-                            ((per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum()).backward()
+                            micro_batch_loss(runner, batch, MicroBatch(layout=batch["layout"], plan=plan)).backward()
                             if data_parallel:
                                 runner.finish_grad_sync()  # the buckets' reduce-scatters, started in backward
 

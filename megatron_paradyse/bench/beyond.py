@@ -76,11 +76,11 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
 
     from megatron_paradyse.bench.e2e import demo_config
     from megatron_paradyse.core.memory import peak_bytes_of, storage_bytes
-    from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
+    from megatron_paradyse.core.micro_batch import MicroBatch
     from megatron_paradyse.cost import AnalyticCostModel
     from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
     from megatron_paradyse.data import make_micro_batch
-    from megatron_paradyse.mcore.chunked_loss import output_processor
+    from megatron_paradyse.mcore.chunked_loss import micro_batch_loss
     from megatron_paradyse.mcore.model_shape import model_shape, rotary_dim
     from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
     from megatron_paradyse.mcore.step_buffers import release_step_buffers
@@ -145,15 +145,7 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
 
     def step() -> float:
         micro_batch = MicroBatch(layout=layout, plan=plan)
-        with micro_batch_scope(micro_batch):
-            per_token = model(
-                batch["tokens"],
-                batch["position_ids"],
-                None,
-                labels=batch["labels"],
-                output_processor=output_processor(plan),
-            )
-        loss = (per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+        loss = micro_batch_loss(model, batch, micro_batch)
         loss.backward()
         host_peak.append(micro_batch.offload.host_peak_bytes)
         return loss.item()

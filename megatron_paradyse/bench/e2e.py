@@ -695,18 +695,15 @@ class _CorpusBench:
         """Mean loss per token of one micro-batch, backward, Megatron's TP all-reduce of the gradients of
         parameters every rank holds whole (norms, row-parallel biases), and the average over the DP ranks
         of every gradient (``grads``: the flat buffer they live in)."""
-        from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
-        from megatron_paradyse.mcore.chunked_loss import output_processor
+        from megatron_paradyse.core.micro_batch import MicroBatch
+        from megatron_paradyse.mcore.chunked_loss import micro_batch_loss
 
-        keys = ("tokens", "labels", "loss_mask", "position_ids")
         if plan is None:  # Megatron's own layers: natural token order (padding last), its causal mask
-            tokens, labels, loss_mask, positions = (batch["natural"][k] for k in keys)
-            per_token = model(tokens, positions, None, labels=labels)
+            natural = batch["natural"]
+            per_token = model(natural["tokens"], natural["position_ids"], None, labels=natural["labels"])
+            loss = (per_token * natural["loss_mask"]).sum() / natural["loss_mask"].sum()
         else:
-            tokens, labels, loss_mask, positions = (batch[k] for k in keys)
-            with micro_batch_scope(MicroBatch(layout=batch["layout"], plan=plan)):
-                per_token = model(tokens, positions, None, labels=labels, output_processor=output_processor(plan))
-        loss = (per_token * loss_mask).sum() / loss_mask.sum()
+            loss = micro_batch_loss(model, batch, MicroBatch(layout=batch["layout"], plan=plan))
         loss.backward()
         for param in model.parameters():
             if getattr(param, "sequence_parallel", False) and self.p > 1:

@@ -22,16 +22,32 @@ import functools
 import torch
 from torch import Tensor
 
+from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
 from megatron_paradyse.core.plan import Plan, loss_chunk_rows
 from megatron_paradyse.strategies.recompute import recompute
 
-__all__ = ["ChunkedLanguageModelLoss", "output_processor"]
+__all__ = ["ChunkedLanguageModelLoss", "micro_batch_loss", "output_processor"]
 
 
 def output_processor(plan: Plan) -> ChunkedLanguageModelLoss | None:
     """What to pass as ``GPTModel.forward(..., output_processor=...)`` for a micro-batch of ``plan``:
     None (Megatron's own output layer and loss) unless the plan chunks the loss."""
     return ChunkedLanguageModelLoss(plan.loss_chunk_tokens) if plan.loss_chunk_tokens else None
+
+
+def micro_batch_loss(model, batch: dict, micro_batch: MicroBatch) -> Tensor:
+    """The mean loss over ``batch``'s loss mask of a Paradyse ``GPTModel`` (or a wrapper that calls it)
+    running ``micro_batch`` (its layout and plan; the plan's output processor); ``batch``: the tensors of
+    :func:`~megatron_paradyse.data.make_micro_batch`."""
+    with micro_batch_scope(micro_batch):
+        per_token = model(
+            batch["tokens"],
+            batch["position_ids"],
+            None,
+            labels=batch["labels"],
+            output_processor=output_processor(micro_batch.plan),
+        )
+    return (per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
