@@ -14,7 +14,9 @@ compares them with the scripts for its rank, to the byte:
 - the whole layer (norms, residuals, recompute): every option, in fp32, bf16 and fp16 in turn, GQA,
   packed documents;
 - Megatron's layer as training runs it (``megatron_paradyse.spec``: LayerNorm or RMSNorm, RoPE, no
-  biases), bf16: options with every attention and MLP strategy, recompute among them.
+  biases), bf16: options with every attention and MLP strategy, recompute among them; and with q/k
+  norms (``qk_layernorm``: MHA, where the norms keep views of the projection, and GQA, where the q
+  norm keeps q's copy) under every attention strategy, in fp32, bf16 and fp16, one and packed documents.
 
 A finished collective's buffers are released by gloo's worker thread, which needs the GIL: the
 measurements switch threads every microsecond and keep the smallest of a few runs (as
@@ -54,11 +56,16 @@ OPTIONS = [
 ]
 
 
-def model_shape(kind: str, p: int) -> ModelShape:
+def model_shape(kind: str, p: int, qk_norm: bool = False) -> ModelShape:
     """Heads, groups and MLP units divisible by p: MHA with GELU, or GQA (2 query heads a group) with SwiGLU."""
     if kind == "mha":
         return ModelShape(
-            hidden_size=64, num_attention_heads=2 * p, num_query_groups=2 * p, kv_channels=16, ffn_hidden_size=64 * p
+            hidden_size=64,
+            num_attention_heads=2 * p,
+            num_query_groups=2 * p,
+            kv_channels=16,
+            ffn_hidden_size=64 * p,
+            qk_norm=qk_norm,
         )
     return ModelShape(
         hidden_size=48,
@@ -67,6 +74,7 @@ def model_shape(kind: str, p: int) -> ModelShape:
         kv_channels=8,
         ffn_hidden_size=24 * p,
         gated_mlp=True,
+        qk_norm=qk_norm,
     )
 
 
@@ -90,6 +98,7 @@ class Cell:
     bias: bool
     norm: str = "LayerNorm"
     batch: int = 1
+    qk_norm: bool = False
 
 
 def cells(p: int) -> list[Cell]:
@@ -113,6 +122,12 @@ def cells(p: int) -> list[Cell]:
     ):
         shape = "gqa" if norm == "RMSNorm" else "mha"
         out.append(Cell("megatron", option, shape, "packed", True, "bf16", bias=False, norm=norm))
+    for i, (norm, option) in enumerate(
+        itertools.product(("LayerNorm", "RMSNorm"), ("tp_sp/tp_sp", "ulysses/zero3+rc", "ring/lean", "lean/lean"))
+    ):
+        shape = "gqa" if norm == "RMSNorm" else "mha"
+        dtype, docs = ("fp32", "bf16", "fp16")[i % 3], ("one", "packed")[(i + i // 4) % 2]
+        out.append(Cell("megatron", option, shape, docs, True, dtype, bias=False, norm=norm, qk_norm=True))
     return out
 
 
@@ -187,7 +202,7 @@ def _settle(tracker: _StorageTracker) -> None:
 def _measure_megatron(cell: Cell, rank: int, p: int) -> tuple[int, int]:
     from megatron_paradyse.mcore.trace import LayerModel, RankTracer
 
-    model = LayerModel(shape=model_shape(cell.shape, p), normalization=cell.norm, bias=cell.bias)
+    model = LayerModel(shape=model_shape(cell.shape, p, cell.qk_norm), normalization=cell.norm, bias=cell.bias)
     layout = layout_of(cell.docs, p, cell.causal)
     option = LayerOption.parse(cell.name)
     with RankTracer(model, layer="megatron", dtype=DTYPES[cell.dtype], fake=False, kernel="torch") as tracer:
@@ -220,7 +235,7 @@ def _measure_cell(cell: Cell, rank: int, p: int) -> tuple[int, ...]:
 
 
 def predicted(cell: Cell, rank: int, p: int) -> tuple[float, ...]:
-    shape, layout = model_shape(cell.shape, p), layout_of(cell.docs, p, cell.causal)
+    shape, layout = model_shape(cell.shape, p, cell.qk_norm), layout_of(cell.docs, p, cell.causal)
     e = DTYPES[cell.dtype].itemsize
     if cell.kind == "megatron":
         d = Dims(shape, p, layout.padded_len, 1, e, shape.kv_channels, bias=cell.bias, normalization=cell.norm)
@@ -268,7 +283,8 @@ def measured(request):
 
 
 def _describe(cell: Cell) -> str:
-    what = {"attention": "attention", "mlp": "MLP", "layer": "layer", "megatron": f"Megatron layer ({cell.norm})"}
+    norms = f"{cell.norm}{', q/k norms' if cell.qk_norm else ''}"
+    what = {"attention": "attention", "mlp": "MLP", "layer": "layer", "megatron": f"Megatron layer ({norms})"}
     mask = "causal" if cell.causal else "bidirectional"
     where = f"{cell.shape}, {cell.docs} {mask}, {cell.dtype}, bias={cell.bias}, b={cell.batch}"
     return f"{what[cell.kind]} {cell.name}, {where}"

@@ -122,12 +122,20 @@ class Dims:
 
     @property
     def norm_stats(self) -> int:
-        """Bytes of the statistics one norm of ``[t, b]`` tokens keeps for its backward: LayerNorm's mean
+        """Bytes of the statistics one norm of ``[t, b]`` tokens keeps for its backward."""
+        return self.norm_stats_of(self.t * self.b)
+
+    def norm_stats_of(self, vectors: int) -> int:
+        """Bytes of the statistics a norm of ``vectors`` vectors keeps for its backward: LayerNorm's mean
         and rstd (fp32 on CUDA, the input's dtype on the CPU), RMSNorm's rstd (fp32)."""
-        tokens = self.t * self.b
         if self.normalization == "LayerNorm":
-            return 2 * tokens * (self.acc if self.device == "cuda" else self.e)
-        return tokens * self.acc
+            return 2 * vectors * (self.acc if self.device == "cuda" else self.e)
+        return vectors * self.acc
+
+    @property
+    def qk_transformed(self) -> bool:
+        """Queries and keys are transformed (RoPE, q/k norms) into tensors of their own."""
+        return bool(self.rotary_dim) or self.shape.qk_norm
 
     def q_copied(self, groups: int) -> bool:
         """Whether ``split_qkv`` copies q out of a QKV tensor holding ``groups`` key/value groups: the
@@ -539,14 +547,122 @@ def _accumulate_block_grads(m: _Memory, d: Dims, block: _Block, heads: int, kv_h
         m.free(*(("seg_lse",) if copied else ()), "seg_dq", "seg_dk", "seg_dv")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Normed:
+    """What one norm normalises: ``vectors`` vectors of ``width`` features."""
+
+    vectors: int
+    width: int
+
+    @classmethod
+    def hidden(cls, d: Dims) -> _Normed:
+        """A ``[t, b, h]`` activation: the layer's norms."""
+        return cls(d.t * d.b, d.h)
+
+    @classmethod
+    def heads(cls, d: Dims, rows: int, heads: int) -> _Normed:
+        """``[rows, b, heads, hn]`` queries or keys, normalised per head: the q/k norms."""
+        return cls(rows * d.b * heads, d.hn)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _QK:
+    """Queries and keys after :func:`_qk_forward`, by name (``qkv``'s own where they are its
+    untransformed views), and what the transform's backward needs: ``kept`` (the norms' statistics,
+    q's copy that the q norm keeps, RoPE's ``cos``/``sin``), freed by :func:`_qk_backward`;
+    ``norms_keep_qkv``: the norms keep views of the projection, which then outlives the attention's
+    backward until theirs."""
+
+    qkv: str
+    q: str
+    k: str
+    kept: tuple[str, ...] = ()
+    norms_keep_qkv: bool = False
+
+    @property
+    def transformed(self) -> tuple[str, ...]:
+        """The names of q and k that are tensors of their own (not views of the projection)."""
+        return tuple(name for name in dict.fromkeys((self.q, self.k)) if name != self.qkv)
+
+    @property
+    def saved(self) -> tuple[str, ...]:
+        """What the transform keeps alive for its backward."""
+        return (*self.kept, *((self.qkv,) if self.norms_keep_qkv else ()))
+
+
+def _qk_forward(m: _Memory, d: Dims, rows: int, heads: int, kv_heads: int, qkv: str, *, grad: bool = True) -> _QK:
+    """``split_qkv`` and Megatron's query/key transform (``modules._QKTransform``) of the projection
+    ``qkv`` ``[rows, b, ...]`` (alive) into q ``[rows, b, heads, hn]`` and k ``[rows, b, kv_heads,
+    hn]``: q is copied out where several groups' query heads are gathered (k, v are views); the q
+    then the k norm (``shape.qk_norm``: each a new tensor, keeping its input and statistics); RoPE
+    (:func:`_rope_forward`). ``grad``: autograd records the transform (without, as in ``lean``'s
+    forward, nothing is kept). What the transform made and no longer needs dies when it returns: the
+    caller holds q's copy until then, and the norms' outputs live until both rotations are done."""
+    q = k = qkv
+    made = []
+    if d.q_copied(kv_heads):
+        m.alloc(q_copy=rows * d.b * heads * d.hn * d.e)
+        q = "q_copy"
+        made.append(q)
+    kept: list[str] = []
+    if d.shape.qk_norm:
+        for name, n in (("q", heads), ("k", kv_heads)):
+            _norm_forward(m, d, f"{name}_norm", _Normed.heads(d, rows, n))
+            made.append(f"{name}_norm_out")
+            if grad:
+                kept.append(f"{name}_norm_stats")
+            else:
+                m.free(f"{name}_norm_stats")
+        if grad and q != qkv:
+            kept.append(q)
+        q, k = "q_norm_out", "k_norm_out"
+    if d.rotary_dim:
+        q, k = _rope_forward(m, d, rows, heads, kv_heads, grad=grad)
+        if grad:
+            kept += ["rope_q_cos", "rope_q_sin", "rope_k_cos", "rope_k_sin"]
+    m.free(*(name for name in made if name not in (q, k, *kept)))
+    return _QK(qkv, q, k, tuple(kept), norms_keep_qkv=grad and d.shape.qk_norm)
+
+
+def _qk_backward(
+    m: _Memory,
+    d: Dims,
+    rows: int,
+    heads: int,
+    kv_heads: int,
+    qk: _QK,
+    dq: str | None,
+    dk: str | None,
+    *,
+    caller_holds_qkv: bool = False,
+) -> tuple[str | None, str | None]:
+    """The backward of :func:`_qk_forward` from the gradients of the transformed q and k (None: the
+    caller holds it), k's nodes before q's (autograd runs the later-made first): through the
+    rotations, then the norms; frees ``qk.kept`` and, once no norm keeps it and unless
+    ``caller_holds_qkv``, the projection. Returns the gradients of the split's q and k (new tensors,
+    or the given ones where nothing transformed them)."""
+    grads = {"q": dq, "k": dk}
+    if d.rotary_dim:
+        for name, n in (("k", kv_heads), ("q", heads)):
+            grads[name] = _rope_backward(m, d, rows, n, name, grads[name])
+    if d.shape.qk_norm:
+        q_input = "q_copy" if "q_copy" in qk.kept else qk.qkv
+        for name, n, norm_input in (("k", kv_heads, qk.qkv), ("q", heads, q_input)):
+            _norm_backward(m, d, f"{name}_norm", grads[name], _Normed.heads(d, rows, n))
+            grads[name] = f"{name}_norm_dx"
+            still_kept = name == "k" and q_input == norm_input  # by the q norm, still to run
+            if not still_kept and not (norm_input == qk.qkv and caller_holds_qkv):
+                m.free(norm_input)
+    return grads["q"], grads["k"]
+
+
 def _rope_forward(m: _Memory, d: Dims, rows: int, heads: int, kv_heads: int, *, grad: bool = True) -> tuple[str, str]:
-    """The query/key transform of Megatron's layer (``modules._QKTransform``) with RoPE and no q/k
-    norm, on q ``[rows, b, heads, hn]`` and k ``[rows, b, kv_heads, hn]`` (alive): both tables'
-    rows selected (fp32 ``[rows, 1, 1, rot]``), then per tensor Megatron's unfused
-    ``apply_rotary_pos_emb`` (:func:`_rotate`). With ``grad``, autograd keeps each tensor's ``cos``
-    and ``sin`` in the activations' dtype for backward (``rope_q_cos``...); without, they die with the
-    rotation. The tables die when it returns. Returns the names of the rotated q and k (new
-    tensors)."""
+    """RoPE in the query/key transform of Megatron's layer, on q ``[rows, b, heads, hn]`` and k
+    ``[rows, b, kv_heads, hn]`` (alive): both tables' rows selected (fp32 ``[rows, 1, 1, rot]``), then
+    per tensor Megatron's unfused ``apply_rotary_pos_emb`` (:func:`_rotate`). With ``grad``, autograd
+    keeps each tensor's ``cos`` and ``sin`` in the activations' dtype for backward (``rope_q_cos``...);
+    without, they die with the rotation. The tables die when it returns. Returns the names of the
+    rotated q and k (new tensors)."""
     table = rows * d.rotary_dim * 4
     m.alloc(rope_q_table=table, rope_k_table=table)
     rotated = tuple(_rotate(m, d, rows, n, name) for n, name in ((heads, "q"), (kv_heads, "k")))
@@ -609,26 +725,19 @@ def _rope_backward(m: _Memory, d: Dims, rows: int, heads: int, name: str, grad: 
 
 def _full_attention_forward(
     m: _Memory, d: Dims, layout: SequenceLayout, qkv: str, heads: int, kv_heads: int
-) -> tuple[tuple[str, ...], str]:
-    """``attend_full_sequence`` of ``qkv`` ``[s, b, (heads + 2 kv_heads) hn]`` (alive): q (a copy when
-    several groups' query heads are gathered), the query/key transform (RoPE: new q and k), q/k/v
-    put in natural order (causal: copies), the attention (several documents: FlashAttention's one
-    variable-length call, :func:`_varlen_forward`; elsewhere one kernel call per document, written
-    into a zeroed output), the output as ``[s, b, heads hn]`` in canonical order (causal: a copy;
-    otherwise a view, the kernel lays its output out sequence-major, but for the variable-length
-    call's sample-major output of several samples: a copy). Returns what the attention keeps for
-    backward and the name of that output."""
+) -> tuple[tuple[str, ...], _QK, str]:
+    """``attend_full_sequence`` of ``qkv`` ``[s, b, (heads + 2 kv_heads) hn]`` (alive): q, k and their
+    transform (:func:`_qk_forward`), q/k/v put in natural order (causal: copies), the attention (several
+    documents: FlashAttention's one variable-length call, :func:`_varlen_forward`; elsewhere one kernel
+    call per document, written into a zeroed output), the output as ``[s, b, heads hn]`` in canonical
+    order (causal: a copy; otherwise a view, the kernel lays its output out sequence-major, but for the
+    variable-length call's sample-major output of several samples: a copy). Returns what the attention
+    keeps for backward (the transform's own kept apart, in the :class:`_QK`) and the name of that
+    output."""
     core = d.s * d.b * heads * d.hn * d.e
     kv = d.s * d.b * kv_heads * d.hn * d.e
-    q, k, rope = (qkv, qkv, ())
-    if d.q_copied(kv_heads):
-        m.alloc(q_copy=core)
-        q = "q_copy"
-    if d.rotary_dim:
-        q_rotated, k_rotated = _rope_forward(m, d, d.s, heads, kv_heads)
-        m.free(*(("q_copy",) if q == "q_copy" else ()))
-        q, k = q_rotated, k_rotated
-        rope = ("rope_q_cos", "rope_q_sin", "rope_k_cos", "rope_k_sin")
+    qk = _qk_forward(m, d, d.s, heads, kv_heads, qkv)
+    q, k = qk.q, qk.k
     if layout.is_identity:
         kept = tuple(dict.fromkeys((q, k, qkv)))
     else:
@@ -648,9 +757,9 @@ def _full_attention_forward(
             _kernel_forward(m, d, "seg_out", "seg_lse", heads, kv_heads, rows, rows)
             m.free("seg_out", "seg_lse")
     if layout.is_identity and not (varlen and d.b > 1):
-        return (*kept, *rope, "attn_out", "lse"), "attn_out"
+        return (*kept, "attn_out", "lse"), qk, "attn_out"
     m.alloc(core=core)
-    return (*kept, *rope, "attn_out", "lse"), "core"
+    return (*kept, "attn_out", "lse"), qk, "core"
 
 
 def _varlen_call(m: _Memory, d: Dims, docs: int, inputs: dict[str, float], **results: float) -> None:
@@ -666,7 +775,7 @@ def _varlen_call(m: _Memory, d: Dims, docs: int, inputs: dict[str, float], **res
 
 
 def _full_attention_backward(
-    m: _Memory, d: Dims, layout: SequenceLayout, dcore: str, kept: tuple[str, ...], heads: int, kv_heads: int
+    m: _Memory, d: Dims, layout: SequenceLayout, dcore: str, kept: tuple[str, ...], qk: _QK, heads: int, kv_heads: int
 ) -> str:
     """The backward of :func:`_full_attention_forward` from ``dcore``: releases it and what was kept,
     leaves ``d_qkv`` ``[s, b, (heads + 2 kv_heads) hn]``."""
@@ -685,7 +794,7 @@ def _full_attention_backward(
         for seg in segments:
             rows = seg.q_end - seg.q_start
             _accumulate_block_grads(m, d, ((rows, rows),), heads, kv_heads, d.s)
-    m.free(dcore, *(name for name in kept if not name.startswith("rope_") or name in ("rope_q", "rope_k")))
+    m.free(dcore, *(name for name in kept if name not in qk.saved))
     grads = {"q": "dq", "k": "dk", "v": "dv"}
     if not layout.is_identity:  # back to canonical order, v, k then q
         for name, nbytes in (("v", kv), ("k", kv), ("q", core)):
@@ -693,9 +802,7 @@ def _full_attention_backward(
             m.alloc(**{f"{grad}_zeros": nbytes, f"{grad}_canonical": nbytes})
             m.free(f"{grad}_zeros", grad)
             grads[name] = f"{grad}_canonical"
-    if d.rotary_dim:  # through the rotation, k then q
-        grads["k"] = _rope_backward(m, d, d.s, kv_heads, "k", grads["k"])
-        grads["q"] = _rope_backward(m, d, d.s, heads, "q", grads["q"])
+    grads["q"], grads["k"] = _qk_backward(m, d, d.s, heads, kv_heads, qk, grads["q"], grads["k"])
     m.alloc(d_qkv=core + 2 * kv)  # split's backward: one tensor
     m.free(*grads.values())
     return "d_qkv"
@@ -754,15 +861,15 @@ def _tp_sp_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemo
 
     fwd = _Memory(x_local=d.x)
     _column_forward(fwd, d, "qkv_out", s * b * d.qkv // p * e, d.bias)
-    kept, core_name = _full_attention_forward(fwd, d, layout, "qkv_out", heads, kv_heads)
+    kept, qk, core_name = _full_attention_forward(fwd, d, layout, "qkv_out", heads, kv_heads)
     _row_forward(fwd, d, d.bias)
     proj_input = () if core_name in kept else (core_name,)  # kept by linear_proj
-    saved = fwd.returns("y_local", "x_local", *kept, *proj_input)
+    saved = fwd.returns("y_local", "x_local", *dict.fromkeys((*kept, *qk.saved)), *proj_input)
 
     bwd = _Memory(dy_local=0.0, **saved)
     _bias_grad(bwd, d, d.bias)
     _row_backward(bwd, d, "d_core", core, d.h * d.a // p * e, release=proj_input)
-    d_qkv = _full_attention_backward(bwd, d, layout, "d_core", kept, heads, kv_heads)
+    d_qkv = _full_attention_backward(bwd, d, layout, "d_core", kept, qk, heads, kv_heads)
     _column_backward(bwd, d, d_qkv, d.qkv // p * d.h * e, d.qkv // p * e if d.bias else 0.0)
     return _sublayer(fwd.peak, bwd, saved, prelude=_gathered_gradient(d))
 
@@ -781,14 +888,14 @@ def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMe
         fwd.alloc(a2a_send=qkv_local, qkv_full=qkv_local)
         fwd.free("a2a_send")
         qkv_full = "qkv_full"
-    kept, core = _full_attention_forward(fwd, d, layout, qkv_full, heads, kv_heads)
+    kept, qk, core = _full_attention_forward(fwd, d, layout, qkv_full, heads, kv_heads)
     if p > 1:  # heads -> sequence: the receive (the output is contiguous as laid out), then permuted
         fwd.alloc(a2a_recv=core_local, core_local=core_local)
         fwd.free("a2a_recv")
         core = "core_local"
     _zero3_forward(fwd, d, "proj", "proj_out", d.x, w_proj, row=True)
     _add_bias(fwd, d, "proj_out")
-    saved = fwd.returns("y_local", "x_local", *dict.fromkeys((*kept, core)))
+    saved = fwd.returns("y_local", "x_local", *dict.fromkeys((*kept, *qk.saved, core)))
 
     bwd = _Memory(dy_local=0.0, **saved)
     _bias_grad(bwd, d, d.bias)
@@ -798,7 +905,7 @@ def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMe
         bwd.alloc(a2a_send=core_local, d_core_full=core_local)
         bwd.free("a2a_send", "d_core")
         bwd.rename(d_core_full="d_core")
-    d_qkv = _full_attention_backward(bwd, d, layout, "d_core", kept, heads, kv_heads)
+    d_qkv = _full_attention_backward(bwd, d, layout, "d_core", kept, qk, heads, kv_heads)
     if p > 1:
         bwd.alloc(a2a_recv=qkv_local, d_qkv_local=qkv_local)
         bwd.free("a2a_recv", d_qkv)
@@ -901,38 +1008,27 @@ def _ring_attention_memory(d: Dims, ring_forward: _Call, ring_backward: _Call) -
     e = d.e
     w_qkv, w_proj, qkv_bias = d.qkv * d.h * e, d.h * d.a * e, d.qkv * e if d.bias else 0.0
     qkv_local, core_local = d.t * d.b * d.qkv * e, d.t * d.b * d.a * e
-    q_copy = d.q_copied(d.ng)
 
     fwd = _Memory(x_local=d.x)
     _zero3_forward(fwd, d, "qkv", "qkv_local", qkv_local, w_qkv, bias=qkv_bias)
-    if q_copy:
-        fwd.alloc(q_copy=core_local)
-    qk: tuple[str, ...] = ("q_copy",) if q_copy else ()  # q and k beside the projection's views
-    if d.rotary_dim:
-        qk = _rope_forward(fwd, d, d.t, d.nq, d.ng)
-        fwd.free(*(("q_copy",) if q_copy else ()))
-        qk = (*qk, "rope_q_cos", "rope_q_sin", "rope_k_cos", "rope_k_sin")
+    qk = _qk_forward(fwd, d, d.t, d.nq, d.ng, "qkv_local")
     fwd.call(ring_forward)
     fwd.alloc(core=core_local)  # [s/p, b, nq hn]: the output permuted
     _zero3_forward(fwd, d, "proj", "proj_out", d.x, w_proj, row=True)
     _add_bias(fwd, d, "proj_out")
-    # v (and q, k without RoPE) are views of the projection
-    saved = fwd.returns("y_local", "x_local", "qkv_local", *qk, "out", "lse", "core")
+    # v (and q, k untransformed) are views of the projection
+    saved = fwd.returns("y_local", "x_local", "qkv_local", *qk.transformed, *qk.kept, "out", "lse", "core")
 
     bwd = _Memory(dy_local=0.0, **saved)
     _bias_grad(bwd, d, d.bias)
     _zero3_backward(bwd, d, "proj", "d_core", core_local, w_proj, row=True, release=("core",))
     bwd.call(ring_backward)
-    rotated = ("rope_q", "rope_k") if d.rotary_dim else ()
-    bwd.free("d_core", "qkv_local", *(("q_copy",) if q_copy and not d.rotary_dim else ()), *rotated, "out", "lse")
+    bwd.free("d_core", *(() if qk.norms_keep_qkv else ("qkv_local",)), *qk.transformed, "out", "lse")
     grads = [name for name, _ in ring_backward.leaves]
-    if d.rotary_dim:  # k then q; for full precision dk is a view of the arrived accumulator
-        half = d.half
-        grads.append(_rope_backward(bwd, d, d.t, d.ng, "k", "dk" if half else None))
-        if half:
-            grads.remove("dk")
-        grads.remove("dq")
-        grads.append(_rope_backward(bwd, d, d.t, d.nq, "q", "dq"))
+    # for full precision dk is a view of the arrived accumulator
+    dq, dk = _qk_backward(bwd, d, d.t, d.nq, d.ng, qk, "dq", "dk" if d.half else None)
+    if d.qk_transformed:  # the ring's dq (and a half-precision dk) died in the transform's backward
+        grads = [name for name in grads if name not in ("dq", "dk")] + [dq, dk]
     bwd.alloc(d_qkv_local=qkv_local)  # split's backward: one tensor
     bwd.free(*grads)
     _zero3_backward(bwd, d, "qkv", "dx_local", d.x, w_qkv, bias=qkv_bias, release=("d_qkv_local", "x_local"))
@@ -988,7 +1084,6 @@ def _lean_attention_forward(d: Dims, ring_forward: _Call) -> tuple[float, _State
     output and log-sum-exp). It depends on the rank only through ``ring_forward`` (the same for
     every group), which ranks often share: memoised."""
     shard, qkv_group, core_group = _lean_attention_sizes(d)
-    copies_q = d.q_copied(d.ng // d.p)
     p = d.p
     fwd = _Memory(x_local=d.x)
     fwd.alloc(y_sum=d.x, shard0=shard)
@@ -998,15 +1093,10 @@ def _lean_attention_forward(d: Dims, ring_forward: _Call) -> tuple[float, _State
         if j + 1 < p:
             fwd.alloc(**{f"shard{j + 1}": shard})
         fwd.alloc(qkv=qkv_group)
-        if copies_q:
-            fwd.alloc(q_copy=core_group)
-        qk = ("q_copy",) if copies_q else ()
-        if d.rotary_dim:  # no autograd inside the function's forward: cos and sin die with it
-            qk = _rope_forward(fwd, d, d.t, d.nq // p, d.ng // p, grad=False)
-            fwd.free(*(("q_copy",) if copies_q else ()))
+        qk = _qk_forward(fwd, d, d.t, d.nq // p, d.ng // p, "qkv", grad=False)  # no autograd inside
         fwd.call(ring_forward, prefix=f"g{j}_")
         fwd.temporary(core_rows=core_group)  # the output as [t b, heads hn] for y.addmm_
-        fwd.free("qkv", *qk)
+        fwd.free("qkv", *qk.transformed)
     fwd.free(f"shard{p - 1}")
     _add_bias(fwd, d, "y_sum")
     saved = fwd.returns("y_local", "x_local", *(f"g{j}_{name}" for j in range(p) for name, _ in ring_forward.leaves))
@@ -1034,23 +1124,17 @@ def _lean_attention_backward_group(d: Dims, ring_backward: _Call, state: _State,
     _add_matmul(m, d, d.h * d.a // p * d.e)
     m.free("core_rows")
     m.alloc(dout=core_group, qkv=qkv_group)  # dy proj_j, the recomputed projection
-    copies_q = d.q_copied(d.ng // p)
-    if copies_q:
-        m.alloc(q_copy=core_group)
-    qk = ("q_copy",) if copies_q else ()
-    if d.rotary_dim:  # recomputed with autograd
-        qk = _rope_forward(m, d, d.t, d.nq // p, d.ng // p)
-        m.free(*(("q_copy",) if copies_q else ()))
+    heads, kv_heads = d.nq // p, d.ng // p
+    qk = _qk_forward(m, d, d.t, heads, kv_heads, "qkv")  # recomputed with autograd
     m.call(ring_backward)
-    through = ()  # autograd.backward through the rotation, k then q (the ring's gradients stay the step's)
-    if d.rotary_dim:
-        through = (_rope_backward(m, d, d.t, d.ng // p, "k", None), _rope_backward(m, d, d.t, d.nq // p, "q", None))
+    # autograd.backward through the transform (the ring's gradients stay the step's)
+    through = _qk_backward(m, d, d.t, heads, kv_heads, qk, None, None, caller_holds_qkv=True)
     m.alloc(d_qkv=qkv_group)  # qkv.grad, through split
-    m.free(*through)
+    m.free(*(name for name in through if name))
     _add_matmul(m, d, qkv_rows * d.h * d.e)
     if d.bias:
         m.temporary(bias_sum=qkv_rows * d.acc)
-    m.free("dout", "qkv", *qk, *(n for n, _ in ring_backward.leaves), "d_qkv")
+    m.free("dout", "qkv", *qk.transformed, *(n for n, _ in ring_backward.leaves), "d_qkv")
     if "reducing" in m.sizes:
         m.free("reducing")  # its reduce is complete
     m.rename(grad="own" if own else "reducing", shard="shard_prev")
@@ -1213,32 +1297,30 @@ def tiled_mlp_memory(name: str, d: Dims, layout: SequenceLayout, tile_tokens: in
     return SublayerMemory((("x_local", x),), max(x + forward, 3 * x), max(backward, 2 * x))
 
 
-def _norm_forward(m: _Memory, d: Dims, name: str) -> None:
-    """One norm (``megatron_paradyse.mcore.norm``) of a ``[t, b, h]`` activation: its output ``{name}_out``
-    and the statistics it keeps, ``{name}_stats`` (it keeps its input too: the caller's). LayerNorm
-    keeps mean and rstd (the input's dtype on the CPU, fp32 on CUDA), RMSNorm an fp32 rstd; torch's
-    fused RMSNorm kernel is one kernel on CUDA, a chain of operators on the CPU (in the accumulation
-    dtype: the input's square, ``x rstd``, times the weight)."""
-    tokens = d.t * d.b
-    if d.normalization == "LayerNorm":
-        m.alloc(**{f"{name}_out": d.x, f"{name}_stats": d.norm_stats})
+def _norm_forward(m: _Memory, d: Dims, name: str, normed: _Normed | None = None) -> None:
+    """One norm (``megatron_paradyse.mcore.norm``) of ``normed`` (default: a ``[t, b, h]`` activation):
+    its output ``{name}_out`` and the statistics it keeps, ``{name}_stats`` (it keeps its input too:
+    the caller's). LayerNorm keeps mean and rstd (the input's dtype on the CPU, fp32 on CUDA), RMSNorm
+    an fp32 rstd; torch's fused RMSNorm kernel is one kernel on CUDA, a chain of operators on the CPU
+    (in the accumulation dtype: the input's square, ``x rstd``, times the weight)."""
+    n = normed or _Normed.hidden(d)
+    out, stats = n.vectors * n.width * d.e, d.norm_stats_of(n.vectors)
+    if d.normalization == "LayerNorm" or d.device == "cuda":
+        m.alloc(**{f"{name}_out": out, f"{name}_stats": stats})
         return
-    x_acc = tokens * d.h * d.acc
-    if d.device == "cuda":
-        m.alloc(**{f"{name}_out": d.x, f"{name}_stats": d.norm_stats})
-        return
+    x_acc = n.vectors * n.width * d.acc
     if d.half:
         m.alloc(norm_x=x_acc)
-    m.alloc(norm_square=x_acc, norm_mean=tokens * d.acc, **{f"{name}_stats": d.norm_stats})
+    m.alloc(norm_square=x_acc, norm_mean=n.vectors * d.acc, **{f"{name}_stats": stats})
     m.free("norm_square", "norm_mean")
     m.alloc(norm_x_hat=x_acc)
     if d.half:
         m.alloc(norm_scaled=x_acc)
         m.free("norm_x_hat", "norm_x")
-        m.alloc(**{f"{name}_out": d.x})
+        m.alloc(**{f"{name}_out": out})
         m.free("norm_scaled")
     else:
-        m.alloc(**{f"{name}_out": d.x})
+        m.alloc(**{f"{name}_out": out})
         m.free("norm_x_hat")
 
 
@@ -1255,25 +1337,27 @@ def norm_peak(d: Dims) -> float:
     return max(forward, m.peak)
 
 
-def _norm_backward(m: _Memory, d: Dims, name: str, dy: str) -> None:
-    """The backward of :func:`_norm_forward` from ``dy``: leaves ``{name}_dx``; the weight's (and
-    bias's) gradient is accumulated; ``dy`` and the statistics die. RMSNorm on the CPU runs
-    ``norm._RMSNorm``'s own backward: ``x_hat``, ``g = dy w`` and two products in the accumulation
-    dtype."""
-    weight = d.h * d.e
+def _norm_backward(m: _Memory, d: Dims, name: str, dy: str | None, normed: _Normed | None = None) -> None:
+    """The backward of :func:`_norm_forward` from ``dy`` (None: the caller holds it): leaves
+    ``{name}_dx``; the weight's (and bias's) gradient is accumulated; ``dy`` and the statistics die.
+    RMSNorm on the CPU runs ``norm._RMSNorm``'s own backward: ``x_hat``, ``g = dy w`` and two products
+    in the accumulation dtype."""
+    n = normed or _Normed.hidden(d)
+    weight, dx = n.width * d.e, n.vectors * n.width * d.e
+    released = (dy,) if dy else ()
     if d.normalization == "LayerNorm" or d.device == "cuda":
         grads = {"norm_dw": weight, **({"norm_db": weight} if d.normalization == "LayerNorm" else {})}
-        m.alloc(**{f"{name}_dx": d.x}, **grads)
-        m.free(*grads, dy, f"{name}_stats")
+        m.alloc(**{f"{name}_dx": dx}, **grads)
+        m.free(*grads, *released, f"{name}_stats")
         return
-    x_acc, stats = d.t * d.b * d.h * d.acc, d.t * d.b * d.acc
+    x_acc, stats = n.vectors * n.width * d.acc, n.vectors * d.acc
     m.alloc(norm_x_hat=x_acc)
     if d.half:
         m.alloc(norm_dy=x_acc, norm_g=x_acc)
         m.free("norm_dy")
     else:
         m.alloc(norm_g=x_acc)
-    m.alloc(norm_product=x_acc, norm_dw=d.h * d.acc)
+    m.alloc(norm_product=x_acc, norm_dw=n.width * d.acc)
     m.free("norm_product")
     if d.half:
         m.alloc(norm_dw_cast=weight)
@@ -1282,11 +1366,11 @@ def _norm_backward(m: _Memory, d: Dims, name: str, dy: str) -> None:
     m.alloc(norm_product=x_acc, norm_mean=stats)
     m.free("norm_product")
     if d.half:
-        m.alloc(**{f"{name}_dx": d.x})
+        m.alloc(**{f"{name}_dx": dx})
         m.free("norm_g")
     else:
         m.rename(norm_g=f"{name}_dx")
-    m.free("norm_x_hat", "norm_mean", "norm_dw", dy, f"{name}_stats")
+    m.free("norm_x_hat", "norm_mean", "norm_dw", *released, f"{name}_stats")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

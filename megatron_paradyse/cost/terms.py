@@ -184,6 +184,12 @@ def _gathered(w: int, d: Dims) -> tuple[tuple[Collective, ...], tuple[Collective
 
 
 # -- attention ------------------------------------------------------------------------------------
+def _qk_norm_bytes(d: Dims) -> float:
+    """What the q/k norms (``shape.qk_norm``) read and write in a forward: each strategy normalises
+    ``s (nq + ng) hn / p`` elements of q and k on a rank, whichever way it splits them."""
+    return 2 * d.s * d.b * (d.nq + d.ng) * d.hn // d.p * d.e if d.shape.qk_norm else 0.0
+
+
 def _tp_sp_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
     s, b, e, p = d.s, d.b, d.e, d.p
     x_full, core = s * b * d.h * e, s * b * d.nq // p * d.hn * e
@@ -198,7 +204,7 @@ def _tp_sp_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerm
             Collective("reduce_scatter", x_full),
             Collective("all_gather", x_full),
         ),
-        elementwise_bytes=2 * (s * b * d.qkv // p * e) * (2 if layout.causal else 1) + 4 * core,
+        elementwise_bytes=2 * (s * b * d.qkv // p * e) * (2 if layout.causal else 1) + 4 * core + _qk_norm_bytes(d),
     )
 
 
@@ -213,7 +219,7 @@ def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTe
         attention=attention_calls(layout, b, d.nq // d.p, d.hn),
         fwd_comm=(*qkv_fwd, a2a_qkv, a2a_core, *proj_fwd),
         bwd_comm=(*proj_bwd, a2a_core, a2a_qkv, *qkv_bwd),
-        elementwise_bytes=4 * qkv_local * (2 if layout.causal else 1) + 6 * core_local,
+        elementwise_bytes=4 * qkv_local * (2 if layout.causal else 1) + 6 * core_local + _qk_norm_bytes(d),
     )
 
 
@@ -228,7 +234,7 @@ def _ring_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
         fwd_comm=(*qkv_fwd, *proj_fwd),
         bwd_comm=(*proj_bwd, *qkv_bwd),
         # per step: the block's partial output and lse merged into the running ones
-        elementwise_bytes=p * 8 * t * b * d.a * d.acc + 4 * t * b * d.a * e + 2 * ring.hop.nbytes,
+        elementwise_bytes=p * 8 * t * b * d.a * d.acc + 4 * t * b * d.a * e + 2 * ring.hop.nbytes + _qk_norm_bytes(d),
     )
 
 
@@ -253,7 +259,7 @@ def _lean_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
         bwd_comm=(broadcast, reduce) if p > 1 else (),
         bwd_streamed=(broadcast, reduce) * (p - 1),
         # per group and step a merge, the output copied to rows, the shard packed
-        elementwise_bytes=p * 8 * t * b * d.a * d.acc + 2 * t * b * d.a * e + 2 * shard,
+        elementwise_bytes=p * 8 * t * b * d.a * d.acc + 2 * t * b * d.a * e + 2 * shard + _qk_norm_bytes(d),
     )
 
 

@@ -18,6 +18,7 @@ def model_shape(config: TransformerConfig) -> ModelShape:
         kv_channels=config.kv_channels,
         ffn_hidden_size=config.ffn_hidden_size,
         gated_mlp=config.gated_linear_unit,
+        qk_norm=config.qk_layernorm,
     )
 
 

@@ -79,6 +79,8 @@ class LayerModel:
     """One transformer layer as a Megatron model configures it: what a trace builds."""
 
     shape: ModelShape
+    """The layer's dimensions; its ``qk_norm`` is Megatron's ``qk_layernorm`` (``run_layer`` has no q/k
+    norms: its traces leave it out)."""
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     norm_epsilon: float = 1e-5
     rotary_base: int | None = 10000
@@ -105,7 +107,7 @@ class LayerModel:
         megatron = layer == "megatron"
         rotary_dim = self.shape.kv_channels if megatron and self.rotary_base is not None else 0
         return Dims(
-            self.shape,
+            self.shape if megatron else dataclasses.replace(self.shape, qk_norm=False),
             p,
             layout.padded_len,
             micro_batch_size,
@@ -133,6 +135,7 @@ class LayerModel:
             ffn_hidden_size=s.ffn_hidden_size,
             gated_linear_unit=s.gated_mlp,
             activation_func=F.silu if s.gated_mlp else F.gelu,
+            qk_layernorm=s.qk_norm,
             normalization=self.normalization,
             layernorm_epsilon=self.norm_epsilon,
             add_bias_linear=self.bias,

@@ -84,6 +84,7 @@ def model_shape_from_args(args: argparse.Namespace) -> ModelShape:
         kv_channels=args.kv_channels or args.hidden_size // heads,
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
         gated_mlp=args.swiglu,
+        qk_norm=args.qk_layernorm,
     )
 
 

@@ -48,6 +48,9 @@ class ModelShape:
     ffn_hidden_size: int
     gated_mlp: bool = False
     """SwiGLU-style MLP: ``linear_fc1`` produces gate and up projections."""
+    qk_norm: bool = False
+    """Queries and keys are normalised per head before RoPE (Megatron's ``qk_layernorm``); the
+    strategies run the norms their context's ``qk_transform`` brings, the cost model prices them."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
