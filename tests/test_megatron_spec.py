@@ -418,6 +418,7 @@ def _errors(p: int, models: dict, batch) -> dict[str, str]:
             lambda: build(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         ),
         "unshardable": message(lambda: build(num_query_groups=1)),
+        "L2 q/k norms": message(lambda: build(qk_l2_norm=True)),
     }
 
 
@@ -547,6 +548,10 @@ ERRORS = {
     "layout for other p": "the micro-batch's layout is for p=4, the TP group has 2 ranks",
     "megatron recompute": "recompute_granularity='full': Megatron's recompute would rerun layers without",
     "unshardable": "no strategy can split this model over tensor_model_parallel_size=2: num_query_groups=1",
+    "L2 q/k norms": (
+        "qk_l2_norm=True is not supported by the Paradyse layer: the planner counts the memory of q/k norms of "
+        "config.normalization's kind; set qk_l2_norm=False (with qk_layernorm=True for those norms)"
+    ),
 }
 
 

@@ -1,9 +1,9 @@
 """The whole step's memory against the cost model, measured on gloo ranks in fp32, bf16 and fp16.
 
 One micro-batch of a Megatron GPTModel built with the Paradyse layer spec (RoPE; GPT-style LayerNorm
-with biases, or LLaMA-style RMSNorm, GQA and SwiGLU without; each tied to its embedding at one TP size
-and untied at the other) runs forward, Megatron's vocab-parallel loss and backward under
-:class:`PeakMemory`, after a first step (so nothing lazily created is counted) and after
+with biases, or LLaMA-style RMSNorm, GQA and SwiGLU without, with q/k norms as Qwen3 has them; each
+tied to its embedding at one TP size and untied at the other) runs forward, Megatron's vocab-parallel
+loss and backward under :class:`PeakMemory`, after a first step (so nothing lazily created is counted) and after
 :func:`release_step_buffers` (Megatron's all-gather buffer and rotary tables are the step's own, as in
 the training entry point), twice: the smaller peak counts (gloo's worker thread may free a buffer
 late). The step's inputs and the layout's index tensors exist before the window and are added to what
@@ -21,6 +21,12 @@ without it; one document and three packed. At TP=1 the two ranks are data-parall
 plans run again under Megatron's DDP (the distributed optimizer's gradient buffer in fp32, reduce-scatters
 of several buckets overlapped with backward, finished inside the window): the gradients then go to DDP's
 buffer, and the peak must still be the model's.
+
+Pipeline stages: at PP=2 (TP=1) one micro-batch of the harness's GPT- and LLaMA-style models (the latter
+with q/k norms) runs through Megatron's 1F1B schedule, outputs deallocated once sent as Megatron's
+training sets it, with and without recompute: each stage's peak (the first stage's received output
+gradient, the last stage's received input, the output layer and loss) must be that stage's model
+within :data:`TOLERANCE`. Several micro-batches in flight on a stage are not modelled (README, Status).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import types
 
 import pytest
 
@@ -57,6 +64,29 @@ PLANS = {
 DOCUMENTS = {"one": (1000,), "packed": (300, 500, 196)}
 
 
+def _cost_model(config, vocab_size: int, **overrides):
+    """The analytic cost model of a stage of ``config`` (``vocab_size`` 0: without the output layer),
+    counted for the CPU (no allocator slack), with an A100's rates (time is not checked here)."""
+    from megatron_paradyse.cost import AnalyticCostModel
+    from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
+    from megatron_paradyse.mcore.model_shape import model_shape, rotary_dim
+
+    profile = hardware_profile(dataclasses.replace(HARDWARE["a100"], p=2))
+    profile["fingerprint"]["device"], profile["allocator_slack"] = "cpu", 0.0
+    profile["dtype"] = str(config.params_dtype).removeprefix("torch.")
+    return AnalyticCostModel(
+        profile,
+        model_shape(config),
+        config.tensor_model_parallel_size,
+        dtype=config.params_dtype,
+        vocab_size=vocab_size,
+        rotary_dim=rotary_dim(config, "rope"),
+        bias=config.add_bias_linear,
+        normalization=config.normalization,
+        **overrides,
+    )
+
+
 def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
     import numpy as np
     import torch
@@ -75,11 +105,8 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
     from megatron_paradyse.core.memory import peak_bytes_of, storage_bytes
     from megatron_paradyse.core.micro_batch import MicroBatch
     from megatron_paradyse.core.plan import Plan
-    from megatron_paradyse.cost import AnalyticCostModel
-    from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
     from megatron_paradyse.data import make_micro_batch
     from megatron_paradyse.mcore.chunked_loss import micro_batch_loss
-    from megatron_paradyse.mcore.model_shape import model_shape, rotary_dim
     from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
     from megatron_paradyse.mcore.step_buffers import release_step_buffers
 
@@ -91,6 +118,7 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
             gated_linear_unit=True,
             activation_func=F.silu,
             num_query_groups=2,
+            qk_layernorm=True,
         ),
     }
     # the distributed optimizer's reduce-scatters, overlapped with backward, over buckets of about 20K
@@ -102,9 +130,6 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
     for tp in sorted(PLANS, reverse=True):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
         model_parallel_cuda_manual_seed(1)
-        profile = hardware_profile(dataclasses.replace(HARDWARE["a100"], p=2))
-        profile["fingerprint"]["device"] = "cpu"
-        profile["allocator_slack"] = 0.0
         for dtype_name, variant in itertools.product(DTYPES, VARIANTS):
             tied = (variant == "gpt") == (tp > 1)  # both ways at each TP size
             dtype = getattr(torch, dtype_name)
@@ -136,18 +161,8 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
             )
             for param in model.parameters():
                 param.grad = torch.zeros_like(param)  # Megatron's gradient buffer: there before the step
-            profile["dtype"] = dtype_name
-            cost_model = AnalyticCostModel(
-                profile,
-                model_shape(config),
-                tp,
-                dtype=dtype,
-                vocab_size=vocab,
-                rotary_dim=rotary_dim(config, "rope"),
-                bias=config.add_bias_linear,
-                normalization=config.normalization,
-                tied_unfused_output=tied and not config.gradient_accumulation_fusion,
-            )
+            unfused = not config.gradient_accumulation_fusion
+            cost_model = _cost_model(config, vocab, tied_unfused_output=tied and unfused)
             # at TP=1 the two ranks are data-parallel replicas: the plans run again under Megatron's DDP
             for data_parallel in (False, True) if tp == 1 else (False,):
                 runner = model
@@ -217,3 +232,146 @@ def test_whole_step_peak_is_the_cost_models(steps):
                 f"{case}: largest measured {measured} B, model {predicted:.0f} B ({predicted / measured - 1:+.2%})"
             )
     assert not off, "\n".join(off)
+
+
+PIPELINE_PLANS = ("tp_sp/tp_sp", "tp_sp/tp_sp+rc")
+IN_FLIGHT = (600, 1000, 400)
+"""Tokens of the micro-batches of the step run with several in flight."""
+
+
+def _pipeline_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
+    import megatron_harness as H
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_paradyse.core.compat import cuda_to_cpu
+    from megatron_paradyse.core.memory import peak_bytes_of, storage_bytes
+    from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
+    from megatron_paradyse.core.plan import LayerOption, Plan
+    from megatron_paradyse.mcore.chunked_loss import output_processor
+    from megatron_paradyse.mcore.drop_in import input_gradient_bytes
+    from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
+    from megatron_paradyse.mcore.step_buffers import release_step_buffers
+
+    H.init_parallel(tp=1, pp=2)
+    last = parallel_state.is_pipeline_last_stage()
+    batch = H.Batch.make((1000,), 1, seed=1000)
+    tokens, labels, positions = (t.contiguous() for t in batch.canonical())
+    loss_mask = batch.layout.loss_mask.expand(H.BATCH, -1).contiguous()
+    inputs = storage_bytes([tokens, labels, positions, loss_mask, *batch.layout.indices("cpu")])
+    results = []
+    for dtype_name, variant in itertools.product(DTYPES, VARIANTS):
+        dtype = getattr(torch, dtype_name)
+        config = H.make_config(
+            variant,
+            tp=1,
+            pp=2,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            variable_seq_lengths=True,
+            moe_token_dispatcher_type="alltoall",
+            deallocate_pipeline_outputs=True,
+        )
+        model = H.build_gpt(config, get_paradyse_layer_spec(config), seed=3)
+        for param in model.parameters():
+            param.grad = torch.zeros_like(param)  # Megatron's gradient buffer: there before the step
+        cost_model = _cost_model(config, H.VOCAB if last else 0)
+        for option in PIPELINE_PLANS:
+            plan = Plan((LayerOption.parse(option),) * (H.NUM_LAYERS // 2))
+
+            def forward_step(data_iterator, model, plan=plan):
+                next(data_iterator)
+                release_step_buffers()  # the step's own, made inside the window
+                with micro_batch_scope(MicroBatch(layout=batch.layout, plan=plan)):
+                    out = model(tokens, positions, None, labels=labels, output_processor=output_processor(plan))
+                return out, lambda out: ((out * loss_mask).sum(), {})
+
+            def step(forward_step=forward_step, model=model):
+                with cuda_to_cpu():
+                    get_forward_backward_func()(
+                        forward_step_func=forward_step,
+                        data_iterator=iter([None]),
+                        model=[model],
+                        num_microbatches=1,
+                        seq_length=batch.layout.padded_len,
+                        micro_batch_size=H.BATCH,
+                    )
+
+            step()
+            measured = inputs + min(peak_bytes_of(step), peak_bytes_of(step))
+            predicted = cost_model.plan_peak_bytes(plan, batch.layout, H.BATCH)
+            results.append((f"stage {int(last)} {dtype_name} {variant} {option}", measured, predicted, 0.0))
+
+        # several micro-batches in flight, each made when its forward starts (as the loader makes them)
+        plan = Plan((LayerOption.parse(PIPELINE_PLANS[0]),) * (H.NUM_LAYERS // 2))
+
+        def forward_step_of(data_iterator, model, plan=plan):
+            one = H.Batch.make((next(data_iterator),), 1, seed=1)
+            tokens, labels, positions = one.canonical()
+            loss_mask = one.layout.loss_mask
+            release_step_buffers()
+            with micro_batch_scope(MicroBatch(layout=one.layout, plan=plan)):
+                out = model(tokens, positions, None, labels=labels, output_processor=output_processor(plan))
+            return out, lambda out: ((out * loss_mask).sum(), {})
+
+        def steps(forward_step=forward_step_of, model=model):
+            with cuda_to_cpu():
+                get_forward_backward_func()(
+                    forward_step_func=forward_step,
+                    data_iterator=iter(IN_FLIGHT),
+                    model=[model],
+                    num_microbatches=len(IN_FLIGHT),
+                    seq_length=max(IN_FLIGHT),
+                    micro_batch_size=H.BATCH,
+                )
+
+        steps()
+        measured = min(peak_bytes_of(steps), peak_bytes_of(steps))
+        alone = max(cost_model.plan_peak_bytes(plan, H.Batch.make((n,), 1, 0).layout, H.BATCH) for n in IN_FLIGHT)
+        gradient = input_gradient_bytes(config, max(IN_FLIGHT), H.BATCH)  # of a stage input, [s, b, h]
+        results.append((f"stage {int(last)} {dtype_name} {variant} in flight", measured, alone, gradient))
+    parallel_state.destroy_model_parallel()
+    return results
+
+
+@pytest.fixture(scope="module")
+def pipeline_stages() -> list[list[tuple]]:
+    return run_on_ranks(_pipeline_stages_on_rank, 2, timeout_s=900)
+
+
+def test_a_pipeline_stage_peak_is_its_cost_models(pipeline_stages):
+    cases = len(DTYPES) * len(VARIANTS) * (len(PIPELINE_PLANS) + 1)
+    assert [len(results) for results in pipeline_stages] == [cases] * 2
+    off = [
+        f"{case}: measured {measured} B, model {predicted:.0f} B ({predicted / measured - 1:+.2%})"
+        for results in pipeline_stages
+        for case, measured, predicted, _ in results
+        if not case.endswith("in flight") and abs(predicted / measured - 1) > TOLERANCE
+    ]
+    assert not off, "\n".join(off)
+
+
+def test_micro_batches_in_flight_stay_within_their_stage_budget(pipeline_stages):
+    """Under 1F1B the first of two stages holds two of the three micro-batches at once, more than any
+    one alone, and the last one holds the previous micro-batch's input gradient beside the running one.
+    With each micro-batch planned to its share of a budget (:func:`stage_budgets`), the stage stays
+    within it: here the smallest budget under which the largest micro-batch fits, by what it measured
+    alone (the model's own error is the other test's)."""
+    from megatron_paradyse.mcore.drop_in import stage_budgets
+
+    assert max(IN_FLIGHT) == 1000  # the micro-batch measured alone with the same plan
+    no_static = [types.SimpleNamespace(static_bytes=0.0)] * 2
+    for stage, results in enumerate(pipeline_stages):
+        measured_alone = {case: measured for case, measured, _, _ in results}
+        for case, measured, _, gradient in (r for r in results if r[0].endswith("in flight")):
+            alone = measured_alone[case.removesuffix("in flight") + PIPELINE_PLANS[0]]
+            in_flight = min(2 - stage, len(IN_FLIGHT))  # under 1F1B with PP=2
+            budget = in_flight * alone + (gradient if stage else 0.0)
+            planned = stage_budgets(budget, no_static, len(IN_FLIGHT), input_gradient_bytes=gradient)[stage]
+            assert planned == pytest.approx(alone), (case, planned, alone)  # the largest one just fits
+            assert measured <= budget * (1 + TOLERANCE), f"{case}: {measured} B > {budget:.0f} B"
+            if stage == 0:
+                assert measured > alone * (1 + TOLERANCE), f"{case}: {measured} B, one alone {alone} B"

@@ -92,6 +92,34 @@ def stage_cost_models(args: argparse.Namespace, transformer, profile: dict, foot
     ]
 
 
+def stage_budgets(budget_bytes: float, footprints, micro_batches: int, *, input_gradient_bytes: float) -> list[float]:
+    """What one micro-batch's planned peak may reach on each pipeline stage (``footprints``:
+    :func:`stage_footprints`) when a step runs ``micro_batches`` through Megatron's 1F1B schedule (1:
+    each alone, as in a forward-only step). Stage ``s`` of ``pp`` runs ``min(pp - s - 1,
+    micro_batches)`` forwards before its first backward, and in its steady state one more before each
+    backward: it holds ``k = min(pp - s, micro_batches)`` micro-batches' activations at once. Each is
+    planned to the static bytes and a ``1/k`` share of the rest: while another runs, a micro-batch in
+    flight holds no more than its planned peak above the static bytes (its saved activations and
+    inputs), so the stage keeps within ``budget_bytes`` whatever lengths its micro-batches have. Beyond
+    the first stage the schedule also keeps the previous micro-batch's input gradient until the next
+    backward returns: ``input_gradient_bytes`` (:func:`input_gradient_bytes`) come off the rest first.
+    The interleaved schedule keeps more in flight: not counted (callers pass 1 and warn)."""
+    pp = len(footprints)
+    budgets = []
+    for stage, f in enumerate(footprints):
+        held = input_gradient_bytes if stage > 0 and micro_batches > 1 else 0.0
+        budgets.append(f.static_bytes + (budget_bytes - f.static_bytes - held) / min(pp - stage, micro_batches))
+    return budgets
+
+
+def input_gradient_bytes(transformer, tokens: int, micro_batch_size: int) -> float:
+    """A stage input's gradient at the longest micro-batch, ``tokens`` a row: ``[s/p, b, h]`` in the
+    pipeline's dtype."""
+    dtype = transformer.pipeline_dtype or transformer.params_dtype
+    rows = tokens // transformer.tensor_model_parallel_size * micro_batch_size
+    return rows * transformer.hidden_size * dtype.itemsize
+
+
 # -- the implicit micro-batch ------------------------------------------------------------------------------
 def implicit_micro_batch(layer, hidden_states: torch.Tensor, packed_seq_params) -> MicroBatch:
     """The micro-batch a Paradyse ``layer`` runs when Megatron calls it outside any scope: built from its
@@ -140,6 +168,7 @@ class _Stage:
     _by_layers: dict[tuple[int, int], _Stage] = {}
 
     def __init__(self, layer) -> None:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.core.utils import get_pg_rank
 
         from megatron_paradyse.planner import Planner
@@ -153,6 +182,7 @@ class _Stage:
         pp_rank = get_pg_rank(layer.pg_collection.pp)
         footprints = stage_footprints(args, transformer, device.type)
         cost = stage_cost_models(args, transformer, profile, footprints)[pp_rank]
+        micro_batches = get_num_microbatches() if args.virtual_pipeline_model_parallel_size is None else 1
         # Megatron's own forward step computes the loss: whole, never in chunks
         planner_config = dataclasses.replace(config.planner, loss_chunk_tokens=0)
         if p == 1:
@@ -163,7 +193,12 @@ class _Stage:
             shape=cost.shape,
             p=p,
             num_layers=layer.stage_layers,
-            budget_bytes=_budget_bytes(config, device),
+            budget_bytes=stage_budgets(
+                _budget_bytes(config, device),
+                footprints,
+                micro_batches,
+                input_gradient_bytes=input_gradient_bytes(transformer, args.seq_length, args.micro_batch_size),
+            )[pp_rank],
         )
         self.printing = torch.distributed.get_rank(layer.tp_group) == 0 and _data_parallel_rank() == 0
         self.pp_rank = pp_rank

@@ -270,7 +270,12 @@ class ParadyseSelfAttention(SelfAttention):
                 f"attn_mask_type={attn_mask_type.name} is not supported: visibility comes from the micro-batch's "
                 f"SequenceLayout; use AttnMaskType.causal or AttnMaskType.no_mask"
             )
-        if config.qk_layernorm and not config.qk_l2_norm:
+        if config.qk_l2_norm:
+            raise ValueError(
+                "qk_l2_norm=True is not supported by the Paradyse layer: the planner counts the memory of q/k norms "
+                "of config.normalization's kind; set qk_l2_norm=False (with qk_layernorm=True for those norms)"
+            )
+        if config.qk_layernorm:
             submodules = dataclasses.replace(
                 submodules,
                 q_layernorm=submodules.q_layernorm or sequence_parallel_norm,

@@ -216,6 +216,11 @@ def _argument_problems(args: argparse.Namespace, config: ParadyseConfig, flags: 
         "full_validation": (False, "--full-validation: validation runs --eval-iters steps"),
         "multiple_validation_sets": (False, "--multiple-validation-sets: validation holds out one split"),
         "spec": (None, "--spec: the entry point uses megatron_paradyse.spec"),
+        "qk_l2_norm": (
+            False,
+            "--qk-l2-norm: the planner counts the memory of q/k norms of --normalization's kind (--qk-layernorm), "
+            "not Megatron's L2 norm",
+        ),
     }
     for name, (value, why) in wanted.items():
         if getattr(args, name) != value:

@@ -142,7 +142,12 @@ class _Job:
         import dataclasses
 
         from megatron_paradyse.core.plan import LayerOption
-        from megatron_paradyse.mcore.drop_in import stage_cost_models, stage_footprints
+        from megatron_paradyse.mcore.drop_in import (
+            input_gradient_bytes,
+            stage_budgets,
+            stage_cost_models,
+            stage_footprints,
+        )
         from megatron_paradyse.planner import Planner
 
         planner_config = dataclasses.replace(self.config.planner, on_infeasible="stop")
@@ -161,11 +166,18 @@ class _Job:
             )
         footprints = stage_footprints(self.args, self.transformer, "cuda")  # as Megatron would step on the GPUs
         costs = stage_cost_models(self.args, self.transformer, self.profile, footprints)
+        args = self.args  # parsed, not validated: Megatron's defaults are not filled in
+        virtual_stages = args.num_layers_per_virtual_pipeline_stage or args.num_virtual_stages_per_pipeline_rank
+        interleaved = virtual_stages is not None
+        micro_batch_size = args.micro_batch_size or 1
+        # on one data-parallel rank: the most micro-batches a step can run (conservative)
+        micro_batches = 1 if interleaved else (args.global_batch_size or micro_batch_size) // micro_batch_size
+        longest = self.config.data.token_budget or self.config.data.max_len
+        held = input_gradient_bytes(self.transformer, longest, micro_batch_size)
+        budgets = stage_budgets(self.budget_bytes, footprints, micro_batches, input_gradient_bytes=held)
         return [
-            Planner.for_model(
-                planner_config, c, shape=c.shape, p=self.tp, num_layers=f.layers, budget_bytes=self.budget_bytes
-            )
-            for c, f in zip(costs, footprints)
+            Planner.for_model(planner_config, c, shape=c.shape, p=self.tp, num_layers=f.layers, budget_bytes=budget)
+            for c, f, budget in zip(costs, footprints, budgets)
         ]
 
 

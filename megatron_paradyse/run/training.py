@@ -132,6 +132,7 @@ class TrainingRun:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
         from megatron_paradyse.data import DynamicSequenceLoader, LoaderConfig
+        from megatron_paradyse.mcore.drop_in import input_gradient_bytes, stage_budgets
         from megatron_paradyse.planner import Planner
         from megatron_paradyse.planner.planner import ForwardOnlyCost
         from megatron_paradyse.run.log import MicroBatchMeter
@@ -171,6 +172,16 @@ class TrainingRun:
         cost_models = self.cost_models
         if evaluation:
             cost_models = [ForwardOnlyCost(cost) for cost in cost_models]
+        interleaved = args.virtual_pipeline_model_parallel_size is not None
+        # a forward-only pipeline keeps no micro-batch past its forward; the interleaved schedule is not counted
+        micro_batches = 1 if evaluation or interleaved else get_num_microbatches()
+        transformer = job.model_config.transformer
+        budgets = stage_budgets(
+            job.budget_bytes,
+            self.footprints,
+            micro_batches,
+            input_gradient_bytes=input_gradient_bytes(transformer, args.seq_length, args.micro_batch_size),
+        )
         planners = [
             Planner.for_model(
                 planner_config,
@@ -178,10 +189,10 @@ class TrainingRun:
                 shape=cost.shape,
                 p=job.tp,
                 num_layers=footprint.layers,
-                budget_bytes=job.budget_bytes,
+                budget_bytes=budget,
                 time_corrections=self.time_corrections if learning else None,
             )
-            for cost, footprint in zip(cost_models, self.footprints)
+            for cost, footprint, budget in zip(cost_models, self.footprints, budgets)
         ]
         stage = mpu.get_pipeline_model_parallel_rank()
         iterator = PlannedMicroBatches(
@@ -205,10 +216,8 @@ class TrainingRun:
                 flush=True,
             )
         if not self.iterators and torch.distributed.get_rank() == 0:  # on pipeline stage 0, which holds the most
-            _warn_of_in_flight_micro_batches(
-                mpu.get_pipeline_model_parallel_world_size(),
-                get_num_microbatches(),
-                interleaved=args.virtual_pipeline_model_parallel_size is not None,
+            _say_how_in_flight_micro_batches_are_budgeted(
+                mpu.get_pipeline_model_parallel_world_size(), get_num_microbatches(), interleaved=interleaved
             )
         if job.args.iteration > 0:
             self._resume(iterator)
@@ -616,27 +625,28 @@ def _attempt(fn):
         return None, f"{type(e).__name__}: {e}"
 
 
-def _warn_of_in_flight_micro_batches(pp: int, micro_batches: int, *, interleaved: bool) -> None:
-    """The planner budgets each micro-batch as if it ran alone on a stage without pipeline parallelism.
-    Megatron's 1F1B schedule runs ``min(pp - s - 1, micro_batches)`` forwards on stage ``s`` before its
-    first backward (its interleaved schedule more): the stage holds that many micro-batches' activations
-    beside the one it plans; and a stage holds what its pipeline exchanges (the received gradient of its
-    output, kept through its backward) beside a micro-batch's own bytes (README, Status). Say so where it
-    matters."""
-    if pp == 1:
-        return
+def _say_how_in_flight_micro_batches_are_budgeted(pp: int, micro_batches: int, *, interleaved: bool) -> None:
+    """Where 1F1B keeps several micro-batches on a stage, say how the planner budgets them
+    (:func:`~megatron_paradyse.mcore.drop_in.stage_budgets`); the interleaved schedule keeps more, which
+    are not counted: warn."""
     held = min(pp, micro_batches)
+    if held < 2:
+        return
     in_flight = (
-        f"with {micro_batches} micro-batches per step pipeline stage s holds up to min(PP - s, {micro_batches}) "
-        f"micro-batches' activations at once (stage 0: {held}"
-        f"{'; more with the interleaved schedule' if interleaved else ''}), "
-        if held > 1
-        else ""
+        f"PP={pp}: with {micro_batches} micro-batches per step pipeline stage s holds up to min(PP - s, "
+        f"{micro_batches}) micro-batches' activations at once (stage 0: {held}"
     )
+    if interleaved:
+        print(
+            f"paradyse: warning: {in_flight}; more with the interleaved schedule), and the planner budgets each "
+            f"micro-batch as if it were alone on its stage; keep room for the others in memory.budget_gib "
+            f"(or memory.margin)",
+            flush=True,
+        )
+        return
     print(
-        f"paradyse: warning: PP={pp}: {in_flight}the planner budgets each micro-batch as if it were alone, and a "
-        f"stage's pipeline buffers are not counted (a PP=2 stage measured 6-7% over its prediction for one "
-        f"micro-batch on CPU); keep room for them in memory.budget_gib (or memory.margin)",
+        f"paradyse: {in_flight}): each is planned to that share of the memory its stage has beyond the static "
+        f"bytes (stage 0: 1/{held})",
         flush=True,
     )
 
