@@ -129,29 +129,30 @@ class StageFootprint:
     """What the optimizer step allocates above :attr:`static_bytes` (module docstring)."""
 
 
+def _projection_rows(config: TransformerConfig) -> tuple[int, int]:
+    """Output rows of one layer's full QKV projection and of its fc1 (both halves of a gated unit)."""
+    heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+    return (heads + 2 * groups) * config.kv_channels, config.ffn_hidden_size * (2 if config.gated_linear_unit else 1)
+
+
 def _layer_matrices(config: TransformerConfig) -> tuple[int, int, int, int]:
     """Elements of one dense layer's weight matrices on one tensor-parallel rank: QKV, the attention's
-    output projection, fc1 (both halves of a gated unit) and fc2."""
-    p = config.tensor_model_parallel_size
-    h, hn = config.hidden_size, config.kv_channels
-    heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
-    ffn_out = config.ffn_hidden_size * (2 if config.gated_linear_unit else 1)
-    qkv = (heads + 2 * groups) * hn
-    return qkv * h // p, heads * hn * h // p, h * ffn_out // p, config.ffn_hidden_size * h // p
+    output projection, fc1 and fc2."""
+    p, h = config.tensor_model_parallel_size, config.hidden_size
+    qkv, ffn_out = _projection_rows(config)
+    attention = config.num_attention_heads * config.kv_channels
+    return qkv * h // p, attention * h // p, h * ffn_out // p, config.ffn_hidden_size * h // p
 
 
 def layer_parameters(config: TransformerConfig) -> int:
     """Parameters of one dense transformer layer on one tensor-parallel rank (Megatron's TP shards)."""
-    p = config.tensor_model_parallel_size
-    h, hn = config.hidden_size, config.kv_channels
-    heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
-    ffn_out = config.ffn_hidden_size * (2 if config.gated_linear_unit else 1)
+    p, h = config.tensor_model_parallel_size, config.hidden_size
+    qkv, ffn_out = _projection_rows(config)
     norm = 2 if config.normalization == "LayerNorm" else 1
-    qkv = (heads + 2 * groups) * hn
     count = sum(_layer_matrices(config))
     count += 2 * norm * h  # input and pre-MLP norms, replicated
     if config.qk_layernorm:
-        count += 2 * norm * hn
+        count += 2 * norm * config.kv_channels
     if config.add_qkv_bias or config.add_bias_linear:
         count += qkv // p
     if config.add_bias_linear:
