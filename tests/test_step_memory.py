@@ -254,6 +254,23 @@ def _pipeline_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
     from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
     from megatron_paradyse.mcore.step_buffers import release_step_buffers
 
+    def schedule(model, forward_step, lengths: tuple[int, ...]):
+        """One step of Megatron's 1F1B schedule over micro-batches of ``lengths`` tokens (the data iterator
+        yields them)."""
+
+        def step():
+            with cuda_to_cpu():
+                get_forward_backward_func()(
+                    forward_step_func=forward_step,
+                    data_iterator=iter(lengths),
+                    model=[model],
+                    num_microbatches=len(lengths),
+                    seq_length=max(lengths),
+                    micro_batch_size=H.BATCH,
+                )
+
+        return step
+
     H.init_parallel(tp=1, pp=2)
     last = parallel_state.is_pipeline_last_stage()
     batch = H.Batch.make((1000,), 1, seed=1000)
@@ -289,17 +306,7 @@ def _pipeline_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
                     out = model(tokens, positions, None, labels=labels, output_processor=output_processor(plan))
                 return out, lambda out: ((out * loss_mask).sum(), {})
 
-            def step(forward_step=forward_step, model=model):
-                with cuda_to_cpu():
-                    get_forward_backward_func()(
-                        forward_step_func=forward_step,
-                        data_iterator=iter([None]),
-                        model=[model],
-                        num_microbatches=1,
-                        seq_length=batch.layout.padded_len,
-                        micro_batch_size=H.BATCH,
-                    )
-
+            step = schedule(model, forward_step, (batch.layout.padded_len,))
             step()
             measured = inputs + min(peak_bytes_of(step), peak_bytes_of(step))
             predicted = cost_model.plan_peak_bytes(plan, batch.layout, H.BATCH)
@@ -317,17 +324,7 @@ def _pipeline_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
                 out = model(tokens, positions, None, labels=labels, output_processor=output_processor(plan))
             return out, lambda out: ((out * loss_mask).sum(), {})
 
-        def steps(forward_step=forward_step_of, model=model):
-            with cuda_to_cpu():
-                get_forward_backward_func()(
-                    forward_step_func=forward_step,
-                    data_iterator=iter(IN_FLIGHT),
-                    model=[model],
-                    num_microbatches=len(IN_FLIGHT),
-                    seq_length=max(IN_FLIGHT),
-                    micro_batch_size=H.BATCH,
-                )
-
+        steps = schedule(model, forward_step_of, IN_FLIGHT)
         steps()
         measured = min(peak_bytes_of(steps), peak_bytes_of(steps))
         alone = max(cost_model.plan_peak_bytes(plan, H.Batch.make((n,), 1, 0).layout, H.BATCH) for n in IN_FLIGHT)
