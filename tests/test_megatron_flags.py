@@ -193,3 +193,22 @@ def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses
         "parallelism out\n" in result.stderr
     ), result.stderr[-3000:]
     assert result.stderr.count("paradyse: error:") == 1
+
+    # Stage 1 holds the input gradient of one micro-batch of --seq-length tokens (here data.max_len's 256K:
+    # 64 MiB in fp32) between micro-batches: more than the 16 MiB budget. Refused on every rank before
+    # start-up.
+    data = {"dataset": "code", "cache_dir": str(cache_p2), "num_documents": 8, "min_len": 128, "max_len": 2**18}
+    config = _config(tmp_path / "long.yaml", cache_p2, data=data)
+    result = _torchrun(2, "--paradyse-config", str(config), *flags)
+    assert result.returncode != 0
+    assert (
+        "paradyse: error: the memory budget (0.0156 GiB per rank) cannot hold what every plan holds:\n"
+        "  - pipeline stage 1: 0.00111 GiB of weights, gradients and optimizer state, and 0.0625 GiB for the input "
+        "gradient of --seq-length 262144 tokens that the pipeline schedule holds between micro-batches (a shorter "
+        "data.max_len or more tensor-parallel ranks make it smaller)\n"
+        "what would fit: more tensor- or pipeline-parallel ranks, the distributed optimizer over data-parallel "
+        "ranks (--use-distributed-optimizer), Transformer Engine or apex installed (a fused optimizer step needs no "
+        "working set), or a larger memory.budget_gib\n" in result.stderr
+    ), result.stderr[-3000:]
+    assert result.stderr.count("paradyse: error:") == 1
+    assert "initializing torch distributed" not in result.stdout

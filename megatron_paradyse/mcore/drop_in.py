@@ -112,6 +112,25 @@ def stage_budgets(budget_bytes: float, footprints, micro_batches: int, *, input_
     return budgets
 
 
+def step_stage_budgets(
+    budget_bytes: float, footprints, args: argparse.Namespace, transformer, *, forward_only: bool = False
+) -> list[float]:
+    """:func:`stage_budgets` of a step of the job with Megatron's validated ``args``: a training step
+    runs the global batch's micro-batches (the final one, also while ``--rampup-batch-size`` grows it),
+    each beyond the first stage holding an input gradient of ``--seq-length`` tokens; a forward-only step,
+    and the interleaved schedule (not counted), one at a time."""
+    interleaved = args.virtual_pipeline_model_parallel_size is not None
+    micro_batches = 1 if forward_only or interleaved else step_micro_batches(args)
+    gradient = input_gradient_bytes(transformer, args.seq_length, args.micro_batch_size)
+    return stage_budgets(budget_bytes, footprints, micro_batches, input_gradient_bytes=gradient)
+
+
+def step_micro_batches(args: argparse.Namespace) -> int:
+    """The most micro-batches one data-parallel rank runs in a training step (Megatron's validated ``args``):
+    the global batch's, which ``--rampup-batch-size`` reaches last."""
+    return args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+
+
 def input_gradient_bytes(transformer, tokens: int, micro_batch_size: int) -> float:
     """A stage input's gradient at the longest micro-batch, ``tokens`` a row: ``[s/p, b, h]`` in the
     pipeline's dtype."""
@@ -168,7 +187,6 @@ class _Stage:
     _by_layers: dict[tuple[int, int], _Stage] = {}
 
     def __init__(self, layer) -> None:
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.core.utils import get_pg_rank
 
         from megatron_paradyse.planner import Planner
@@ -182,7 +200,6 @@ class _Stage:
         pp_rank = get_pg_rank(layer.pg_collection.pp)
         footprints = stage_footprints(args, transformer, device.type)
         cost = stage_cost_models(args, transformer, profile, footprints)[pp_rank]
-        micro_batches = get_num_microbatches() if args.virtual_pipeline_model_parallel_size is None else 1
         # Megatron's own forward step computes the loss: whole, never in chunks
         planner_config = dataclasses.replace(config.planner, loss_chunk_tokens=0)
         if p == 1:
@@ -193,12 +210,7 @@ class _Stage:
             shape=cost.shape,
             p=p,
             num_layers=layer.stage_layers,
-            budget_bytes=stage_budgets(
-                _budget_bytes(config, device),
-                footprints,
-                micro_batches,
-                input_gradient_bytes=input_gradient_bytes(transformer, args.seq_length, args.micro_batch_size),
-            )[pp_rank],
+            budget_bytes=step_stage_budgets(_budget_bytes(config, device), footprints, args, transformer)[pp_rank],
         )
         self.printing = torch.distributed.get_rank(layer.tp_group) == 0 and _data_parallel_rank() == 0
         self.pp_rank = pp_rank

@@ -176,15 +176,30 @@ class Job:
         return stage_footprints(self.args, self.model_config.transformer, self.device.type)
 
     def check_static_memory(self) -> None:
-        """Every pipeline stage's weights, gradients and optimizer state, and its optimizer step's working
-        set, fit the budget: else no micro-batch could train."""
-        over = [f for f in self.footprints() if f.static_bytes + f.optimizer_step_bytes > self.budget_bytes]
-        if over:
-            stages = "\n  - ".join(
-                f"pipeline stage {f.stage}: {f.static_bytes / _GIB:.3g} GiB of weights, gradients and optimizer "
-                f"state, and {f.optimizer_step_bytes / _GIB:.3g} GiB more while the optimizer steps"
-                for f in over
+        """Every pipeline stage's weights, gradients and optimizer state fit the budget with the optimizer
+        step's working set, and with the input gradient the 1F1B schedule holds between micro-batches
+        (:func:`~megatron_paradyse.mcore.drop_in.stage_budgets`): else no micro-batch could train."""
+        from megatron_paradyse.mcore.drop_in import input_gradient_bytes, step_stage_budgets
+
+        footprints = self.footprints()
+        transformer = self.model_config.transformer
+        budgets = step_stage_budgets(self.budget_bytes, footprints, self.args, transformer)
+        gradient = input_gradient_bytes(transformer, self.args.seq_length, self.args.micro_batch_size)
+        over = []
+        for f, budget in zip(footprints, budgets):
+            static = (
+                f"pipeline stage {f.stage}: {f.static_bytes / _GIB:.3g} GiB of weights, gradients and optimizer state"
             )
+            if f.static_bytes + f.optimizer_step_bytes > self.budget_bytes:
+                over.append(f"{static}, and {f.optimizer_step_bytes / _GIB:.3g} GiB more while the optimizer steps")
+            elif budget <= f.static_bytes:
+                over.append(
+                    f"{static}, and {gradient / _GIB:.3g} GiB for the input gradient of --seq-length "
+                    f"{self.args.seq_length} tokens that the pipeline schedule holds between micro-batches (a shorter "
+                    f"data.max_len or more tensor-parallel ranks make it smaller)"
+                )
+        if over:
+            stages = "\n  - ".join(over)
             raise ValueError(
                 f"the memory budget ({self.budget_bytes / _GIB:.3g} GiB per rank) cannot hold what every plan "
                 f"holds:\n  - {stages}\nwhat would fit: more tensor- or pipeline-parallel ranks, the distributed "

@@ -132,7 +132,7 @@ class TrainingRun:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
         from megatron_paradyse.data import DynamicSequenceLoader, LoaderConfig
-        from megatron_paradyse.mcore.drop_in import input_gradient_bytes, stage_budgets
+        from megatron_paradyse.mcore.drop_in import step_micro_batches, step_stage_budgets
         from megatron_paradyse.planner import Planner
         from megatron_paradyse.planner.planner import ForwardOnlyCost
         from megatron_paradyse.run.log import MicroBatchMeter
@@ -173,14 +173,8 @@ class TrainingRun:
         if evaluation:
             cost_models = [ForwardOnlyCost(cost) for cost in cost_models]
         interleaved = args.virtual_pipeline_model_parallel_size is not None
-        # a forward-only pipeline keeps no micro-batch past its forward; the interleaved schedule is not counted
-        micro_batches = 1 if evaluation or interleaved else get_num_microbatches()
-        transformer = job.model_config.transformer
-        budgets = stage_budgets(
-            job.budget_bytes,
-            self.footprints,
-            micro_batches,
-            input_gradient_bytes=input_gradient_bytes(transformer, args.seq_length, args.micro_batch_size),
+        budgets = step_stage_budgets(
+            job.budget_bytes, self.footprints, args, job.model_config.transformer, forward_only=evaluation
         )
         planners = [
             Planner.for_model(
@@ -217,7 +211,7 @@ class TrainingRun:
             )
         if not self.iterators and torch.distributed.get_rank() == 0:  # on pipeline stage 0, which holds the most
             _say_how_in_flight_micro_batches_are_budgeted(
-                mpu.get_pipeline_model_parallel_world_size(), get_num_microbatches(), interleaved=interleaved
+                mpu.get_pipeline_model_parallel_world_size(), step_micro_batches(args), interleaved=interleaved
             )
         if job.args.iteration > 0:
             self._resume(iterator)
