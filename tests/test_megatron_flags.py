@@ -65,6 +65,15 @@ def _rank_stdout(log_dir: Path, rank: int) -> str:
     return path.read_text()
 
 
+def _refused(config: Path, flags: list[str], error: str) -> None:
+    """Two ranks started with ``flags`` stop before start-up, one of them saying ``error`` (a regular expression)."""
+    result = _torchrun(2, "--paradyse-config", str(config), *flags)
+    assert result.returncode != 0
+    assert re.search(f"paradyse: error: {error}", result.stderr), result.stderr[-3000:]
+    assert result.stderr.count("paradyse: error:") == 1
+    assert "initializing torch distributed" not in result.stdout
+
+
 def test_help_lists_megatrons_flags_and_ours(tmp_path):
     for argv in (["--help"], ["--paradyse-config", str(tmp_path / "none.yaml"), "-h"]):
         result = subprocess.run(
@@ -149,15 +158,13 @@ def test_overlapped_reduction_is_refused_where_lean_would_break_it(tmp_path, cac
     config = _config(tmp_path / "cfg.yaml", cache_p2)
     flags = [*SMALL_GPT, "--tensor-model-parallel-size", "2", "--global-batch-size", "1", "--train-iters", "2"]
     flags += ["--qk-layernorm", "--use-distributed-optimizer", "--overlap-grad-reduce"]
-    result = _torchrun(2, "--paradyse-config", str(config), *flags)
-    assert result.returncode != 0
-    assert re.search(
-        r"paradyse: error: the Paradyse layers cannot run this model:\n  - --overlap-grad-reduce with --qk-layernorm "
-        r"and the lean attention strategy in the plans: lean's backward adds the q/k norm weights' gradients once "
-        r"per head group, .* keep lean out of the plans \(planner.attention or planner.pairs\)\n",
-        result.stderr,
-    ), result.stderr[-3000:]
-    assert result.stderr.count("paradyse: error:") == 1
+    _refused(
+        config,
+        flags,
+        r"the Paradyse layers cannot run this model:\n  - --overlap-grad-reduce with --qk-layernorm and the lean "
+        r"attention strategy in the plans: lean's backward adds the q/k norm weights' gradients once per head group, "
+        r".* keep lean out of the plans \(planner.attention or planner.pairs\)\n",
+    )
 
     config = _config(tmp_path / "no-lean" / "cfg.yaml", cache_p2, planner={"attention": ["tp_sp", "ring"]})
     result = _torchrun(2, "--paradyse-config", str(config), *flags)
@@ -184,31 +191,32 @@ def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses
     ), stdout[0][-3000:]
 
     config = _config(tmp_path / "cfg.yaml", cache_p2, planner={"on_infeasible": "skip", "learn_time": True})
-    result = _torchrun(2, "--paradyse-config", str(config), *flags)
-    assert result.returncode != 0
-    assert (
-        "paradyse: error: the Megatron arguments do not fit this entry point:\n  - planner.learn_time learns from "
-        "each micro-batch's measured forward and backward, which run back to back only without pipeline "
-        "parallelism; got --pipeline-model-parallel-size 2: set planner.learn_time: false, or leave pipeline "
-        "parallelism out\n" in result.stderr
-    ), result.stderr[-3000:]
-    assert result.stderr.count("paradyse: error:") == 1
+    _refused(
+        config,
+        flags,
+        re.escape(
+            "the Megatron arguments do not fit this entry point:\n  - planner.learn_time learns from each "
+            "micro-batch's measured forward and backward, which run back to back only without pipeline "
+            "parallelism; got --pipeline-model-parallel-size 2: set planner.learn_time: false, or leave pipeline "
+            "parallelism out\n"
+        ),
+    )
 
     # Stage 1 holds the input gradient of one micro-batch of --seq-length tokens (here data.max_len's 256K:
     # 64 MiB in fp32) between micro-batches: more than the 16 MiB budget. Refused on every rank before
     # start-up.
     data = {"dataset": "code", "cache_dir": str(cache_p2), "num_documents": 8, "min_len": 128, "max_len": 2**18}
     config = _config(tmp_path / "long.yaml", cache_p2, data=data)
-    result = _torchrun(2, "--paradyse-config", str(config), *flags)
-    assert result.returncode != 0
-    assert (
-        "paradyse: error: the memory budget (0.0156 GiB per rank) cannot hold what every plan holds:\n"
-        "  - pipeline stage 1: 0.00111 GiB of weights, gradients and optimizer state, and 0.0625 GiB for the input "
-        "gradient of --seq-length 262144 tokens that the pipeline schedule holds between micro-batches (a shorter "
-        "data.max_len or more tensor-parallel ranks make it smaller)\n"
-        "what would fit: more tensor- or pipeline-parallel ranks, the distributed optimizer over data-parallel "
-        "ranks (--use-distributed-optimizer), Transformer Engine or apex installed (a fused optimizer step needs no "
-        "working set), or a larger memory.budget_gib\n" in result.stderr
-    ), result.stderr[-3000:]
-    assert result.stderr.count("paradyse: error:") == 1
-    assert "initializing torch distributed" not in result.stdout
+    _refused(
+        config,
+        flags,
+        re.escape(
+            "the memory budget (0.0156 GiB per rank) cannot hold what every plan holds:\n  - pipeline stage 1: "
+            "0.00111 GiB of weights, gradients and optimizer state, and 0.0625 GiB for the input gradient of "
+            "--seq-length 262144 tokens that the pipeline schedule holds between micro-batches (a shorter "
+            "data.max_len or more tensor-parallel ranks make it smaller)\nwhat would fit: more tensor- or "
+            "pipeline-parallel ranks, the distributed optimizer over data-parallel ranks "
+            "(--use-distributed-optimizer), Transformer Engine or apex installed (a fused optimizer step needs no "
+            "working set), or a larger memory.budget_gib\n"
+        ),
+    )
