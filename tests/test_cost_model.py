@@ -361,8 +361,9 @@ def test_peak_bytes_adds_static_saved_and_the_larger_working_set():
     final_norm = full // 4 + 2 * (tokens // 4 * 4)  # output [s/p, b, h], mean and rstd [s/p, b]
     # fp32: the logits [s, b, V/p] are the cross-entropy's softmax and gradient; in backward the
     # projection's input gradient [s, b, h], reduce-scattered to [s/p, b, h], and its weight gradient
-    # beside them; kept throughout: the final norm's output and statistics and the per-token loss
-    loss = tokens * 8000 * 4 + (full + full // 4 + weight_grad) + final_norm + 4 * tokens
+    # beside them (more than the forward's 37 B of per-token temporaries); kept throughout: the final
+    # norm's output and statistics
+    loss = tokens * 8000 * 4 + (full + full // 4 + weight_grad) + final_norm
     assert model.loss_bytes(layout, 2) == loss
     # the inputs (three int64 [b, s], an fp32 loss mask) and the layout's three int64 index tensors,
     # the stage's input [s/p, b, h], the embedding's mask and masked ids [b, s] (bool, int64), the
@@ -383,7 +384,8 @@ def test_peak_bytes_adds_static_saved_and_the_larger_working_set():
     assert tied.peak_bytes(layout, 2, 100.0, 2 * loss) == model.peak_bytes(layout, 2, 100.0, 2 * loss)
     # the loss in chunks of 256 gathered tokens (64 rows of each rank's 256): one chunk's logits, its
     # gathered and its own input gradient and the weight gradient, beside the chunks' input gradients
-    # so far and the weight gradients' running sum; and the chunks' joined input gradient
+    # so far and the weight gradients' running sum; and the chunks' joined input gradient; the chunks'
+    # per-token losses kept throughout
     rows, gathered = 64, 256 * 2
     row_grads = rows * 2 * 256 * 4
     chunk = gathered * 8000 * 4 + gathered * 256 * 4 + row_grads + weight_grad
@@ -402,7 +404,8 @@ def test_peak_bytes_adds_static_saved_and_the_larger_working_set():
     model = AnalyticCostModel(bf16, MHA, 4, dtype=torch.bfloat16, vocab_size=32000)
     full = tokens * 256 * 2
     final_norm = full // 4 + 2 * (tokens // 4 * 2)
-    expected = tokens * 8000 * (2 + 4) + final_norm + 4 * tokens  # the fp32 copy outweighs the backward
+    # the fp32 copy and the cross-entropy's per-token temporaries outweigh the backward
+    expected = tokens * 8000 * (2 + 4) + tokens * (8 + 8 + 1 + 4 + 8 + 4 + 4) + final_norm
     assert model.loss_bytes(layout, 2) == expected
     assert AnalyticCostModel(profile, MHA, 4).loss_bytes(layout, 2) == 0  # no output layer on this stage
 

@@ -9,10 +9,12 @@ budget and cost profile); their budget makes the plans stream weights (``lean``)
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -90,3 +92,20 @@ def test_a_config_that_asks_the_drop_in_spec_to_learn_the_time_model_is_refused(
     )
     config.write_text(yaml.safe_dump({"memory": {"budget_gib": 1.0}, "planner": {"learn_time": False}}))
     assert drop_in._paradyse_config().memory.budget_gib == 1.0
+
+
+def test_a_fused_cross_entropy_is_refused_by_the_drop_in_planner():
+    """The cost model counts Megatron's unfused cross-entropy: a job with the fused one gets no planner
+    that would count the wrong working set."""
+    from megatron_paradyse.core import compat
+
+    compat.install()  # before megatron.core is imported
+    from megatron_paradyse.mcore.drop_in import stage_cost_models
+
+    fused = types.SimpleNamespace(cross_entropy_loss_fusion=True)
+    with pytest.raises(ValueError) as error:
+        stage_cost_models(argparse.Namespace(), fused, {}, [])
+    assert str(error.value) == (
+        "--cross-entropy-loss-fusion: the planner counts the memory of Megatron's unfused vocab-parallel "
+        "cross-entropy; leave it out"
+    )

@@ -109,13 +109,16 @@ def test_megatron_arguments_that_cannot_work_are_refused_before_any_process_grou
         "steps per evaluation, N > 0), or leave --eval-interval out\n"
     )
 
-    result = _single_rank(config, *one_rank, "--optimizer", "lion", "--qk-l2-norm")  # their memory is not counted
+    # their memory is not counted
+    result = _single_rank(config, *one_rank, "--optimizer", "lion", "--qk-l2-norm", "--cross-entropy-loss-fusion")
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.endswith(
         "paradyse: error: the Megatron arguments do not fit this entry point:\n"
         "  - --qk-l2-norm: the planner counts the memory of q/k norms of --normalization's kind (--qk-layernorm), "
         "not Megatron's L2 norm; got True, leave it out or set False\n"
         "  - --optimizer lion: the planner counts the memory of adam and sgd only; use one of them\n"
+        "  - --cross-entropy-loss-fusion: the planner counts the memory of Megatron's unfused vocab-parallel "
+        "cross-entropy; leave it out\n"
     )
 
     # 1 MiB per rank: less than the weights, gradients and Adam state (16 B per parameter, fp32) and the

@@ -25,8 +25,10 @@ buffer, and the peak must still be the model's.
 Pipeline stages: at PP=2 (TP=1) one micro-batch of the harness's GPT- and LLaMA-style models (the latter
 with q/k norms) runs through Megatron's 1F1B schedule, outputs deallocated once sent as Megatron's
 training sets it, with and without recompute: each stage's peak (the first stage's received output
-gradient, the last stage's received input, the output layer and loss) must be that stage's model
-within :data:`TOLERANCE`. Several micro-batches in flight on a stage are not modelled (README, Status).
+gradient, the last stage's received input, the output layer and the cross-entropy's temporaries) must be
+that stage's model to within a few scalars (:data:`SCALAR_BYTES`: the loss's sum and the like). With
+several micro-batches in flight, each planned to its share of the stage's budget, the stage stays within
+the budget.
 """
 
 from __future__ import annotations
@@ -235,6 +237,8 @@ def test_whole_step_peak_is_the_cost_models(steps):
 
 
 PIPELINE_PLANS = ("tp_sp/tp_sp", "tp_sp/tp_sp+rc")
+SCALAR_BYTES = 64
+"""What a pipeline stage's model may leave out: a few scalars (it counts no tensor of fewer than s elements)."""
 IN_FLIGHT = (600, 1000, 400)
 """Tokens of the micro-batches of the step run with several in flight."""
 
@@ -343,10 +347,10 @@ def test_a_pipeline_stage_peak_is_its_cost_models(pipeline_stages):
     cases = len(DTYPES) * len(VARIANTS) * (len(PIPELINE_PLANS) + 1)
     assert [len(results) for results in pipeline_stages] == [cases] * 2
     off = [
-        f"{case}: measured {measured} B, model {predicted:.0f} B ({predicted / measured - 1:+.2%})"
+        f"{case}: measured {measured} B, model {predicted:.0f} B ({predicted - measured:+.0f} B)"
         for results in pipeline_stages
         for case, measured, predicted, _ in results
-        if not case.endswith("in flight") and abs(predicted / measured - 1) > TOLERANCE
+        if not case.endswith("in flight") and not 0 <= measured - predicted <= SCALAR_BYTES
     ]
     assert not off, "\n".join(off)
 

@@ -66,6 +66,11 @@ _NORMS_AND_RESIDUALS_PASSES = 2 * 2 + 2 * 3
 _CROSS_ENTROPY_PASSES = 5
 # Its backward's passes over them (the softmax less the target's one-hot, scaled by the loss's gradient).
 _CROSS_ENTROPY_BACKWARD_PASSES = 2
+# Bytes per gathered token the cross-entropy's forward holds beside the logits at its high-water mark
+# (megatron-core 0.19's unfused vocab-parallel one, traced): the labels made [s, b]-contiguous and the
+# masked targets (int64), the out-of-range mask (bool), the logits' max (fp32), the row index (int64), and
+# the target's logit, gathered and copied (fp32).
+_CROSS_ENTROPY_TOKEN_BYTES = 8 + 8 + 1 + 4 + 8 + 4 + 4
 # Rough op counts per sublayer call (forward; backward about twice), for the per-op overhead.
 _OPS_PER_SUBLAYER = 12
 
@@ -300,20 +305,22 @@ class AnalyticCostModel:
     def loss_bytes(self, layout: SequenceLayout, micro_batch_size: int, chunk_tokens: int = 0) -> float:
         """The output layer's working set on a stage that holds it, as Megatron computes it with
         sequence parallelism and its (unfused) vocab-parallel cross-entropy. Kept from forward to
-        backward: the final norm's output ``[t, b, h]`` (the projection's input) and statistics, and the
-        per-token loss (fp32 ``[s, b]``). The projection gathers its input into Megatron's global buffer
-        (:meth:`stage_bytes`, p > 1) and makes the logits ``[s, b, V/p]``; half-precision logits are
-        copied to fp32, which the cross-entropy turns into its softmax in place and keeps as the logits'
-        gradient (fp32 logits are used in place). Peak: the logits beside the fp32 copy, or, in
-        backward, the logits' gradient beside the projection's input gradient ``[s, b, h]``, its
-        reduce-scatter to ``[t, b, h]`` (p > 1) and the weight's gradient ``[V/p, h]`` (accumulated into
-        ``.grad``, unfused as :mod:`cost.allocations` counts every linear's).
+        backward: the final norm's output ``[t, b, h]`` (the projection's input) and statistics. The
+        projection gathers its input into Megatron's global buffer (:meth:`stage_bytes`, p > 1) and makes
+        the logits ``[s, b, V/p]``; half-precision logits are copied to fp32, which the cross-entropy
+        turns into its softmax in place and keeps as the logits' gradient (fp32 logits are used in
+        place). Peak: in forward, the logits beside the fp32 copy and the cross-entropy's per-token
+        temporaries (before the per-token loss exists); or, in backward, the logits' gradient beside
+        the projection's input gradient ``[s, b, h]``, its reduce-scatter to ``[t, b, h]`` (p > 1) and
+        the weight's gradient ``[V/p, h]`` (accumulated into ``.grad``, unfused as
+        :mod:`cost.allocations` counts every linear's), once the per-token loss is gone.
 
         With ``chunk_tokens`` (:mod:`megatron_paradyse.mcore.chunked_loss`) and more than one chunk, the
-        same working set is one chunk's (``chunk_tokens / p`` rows of every rank). Autograd holds two more
-        things until every chunk's backward has run: the chunks' input gradients (they add up to one
-        ``[t, b, h]``, joined at the end into another) and the weight gradients of the chunks so far,
-        summed out of place into a buffer (so three ``[V/p, h]`` at each sum)."""
+        same working set is one chunk's (``chunk_tokens / p`` rows of every rank). Autograd holds more
+        until every chunk's backward has run: the chunks' per-token losses (fp32 ``[s, b]`` in all), the
+        chunks' input gradients (they add up to one ``[t, b, h]``, joined at the end into another) and
+        the weight gradients of the chunks so far, summed out of place into a buffer (so three
+        ``[V/p, h]`` at each sum)."""
         if not self.vocab_size:
             return 0.0
         d = self._memo(layout, micro_batch_size).dims
@@ -324,11 +331,15 @@ class AnalyticCostModel:
         fp32_copy = 4 * logits if d.e < 4 else 0
         row_grads = rows * d.b * d.h * d.e
         weight_grad = self._output_weight_grad_bytes()
-        working = logits * d.e + max(fp32_copy, gathered * d.h * d.e + (row_grads if self.p > 1 else 0) + weight_grad)
+        forward = fp32_copy + _CROSS_ENTROPY_TOKEN_BYTES * gathered
+        backward = gathered * d.h * d.e + (row_grads if self.p > 1 else 0) + weight_grad
+        working = logits * d.e + max(forward, backward)
+        losses = 0
         if rows < d.t:
             working = max(d.x - row_grads + working + weight_grad, d.x + 3 * weight_grad, 2 * d.x + weight_grad)
-        # beside the final norm's output and statistics and the loss; or the final norm's own working set
-        return max(working + d.x + d.norm_stats, norm_peak(d) + self._backward_held_bytes()) + 4 * tokens
+            losses = 4 * tokens
+        # beside the final norm's output and statistics; or the final norm's own working set
+        return max(working + d.x + d.norm_stats, norm_peak(d) + self._backward_held_bytes()) + losses
 
     def _output_weight_grad_bytes(self) -> float:
         """The output layer's weight gradient ``[V/p, h]``."""

@@ -66,11 +66,25 @@ def stage_footprints(args: argparse.Namespace, transformer, device_type: str):
     )
 
 
+def cross_entropy_problem(fused: bool) -> str | None:
+    """What is wrong with Megatron's ``--cross-entropy-loss-fusion`` (``fused``) for the memory count, if
+    anything: the cost model counts the unfused cross-entropy's working set."""
+    if not fused:
+        return None
+    return (
+        "--cross-entropy-loss-fusion: the planner counts the memory of Megatron's unfused vocab-parallel "
+        "cross-entropy; leave it out"
+    )
+
+
 def stage_cost_models(args: argparse.Namespace, transformer, profile: dict, footprints) -> list:
     """One analytic cost model per pipeline stage of the job (``footprints``: :func:`stage_footprints`),
     priced by ``profile``."""
     from megatron_paradyse.cost import AnalyticCostModel
     from megatron_paradyse.mcore.model_shape import model_shape, rotary_dim
+
+    if problem := cross_entropy_problem(transformer.cross_entropy_loss_fusion):
+        raise ValueError(problem)
 
     return [
         AnalyticCostModel(

@@ -220,6 +220,7 @@ class Job:
 def _argument_problems(args: argparse.Namespace, config: ParadyseConfig, flags: list[str]) -> list[str]:
     """What of Megatron's arguments this entry point cannot run (``flags``: the ones the user gave, the
     config's ``megatron_args`` and the command line's)."""
+    from megatron_paradyse.mcore.drop_in import cross_entropy_problem
     from megatron_paradyse.mcore.static_memory import optimizer_problem
 
     problems = []
@@ -246,8 +247,9 @@ def _argument_problems(args: argparse.Namespace, config: ParadyseConfig, flags: 
             f"--eval-micro-batch-size: a micro-batch is one row; got {args.eval_micro_batch_size}, leave it out "
             f"or set 1"
         )
-    if problem := optimizer_problem(args.optimizer):
-        problems.append(problem)
+    for problem in (optimizer_problem(args.optimizer), cross_entropy_problem(args.cross_entropy_loss_fusion)):
+        if problem:
+            problems.append(problem)
     if "--eval-interval" in given and not args.eval_iters:
         problems.append(
             f"--eval-interval {args.eval_interval} without --eval-iters: no validation would run; add --eval-iters N "
