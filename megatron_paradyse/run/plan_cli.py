@@ -133,7 +133,13 @@ class _Job:
         else:
             raise ValueError("set memory.budget_gib, or pass --gpu for a GPU's memory")
         args.padded_vocab_size = _padded_vocab(args, config)
-        args.data_parallel_size = 1  # the distributed optimizer's shards are not counted: conservative
+        # what Megatron's argument check would fill in, on one data-parallel rank: the distributed optimizer's
+        # shards are not counted, and the step runs the whole global batch's micro-batches (conservative)
+        args.data_parallel_size = 1
+        args.micro_batch_size = args.micro_batch_size or 1
+        args.global_batch_size = args.global_batch_size or args.micro_batch_size
+        args.seq_length = args.seq_length or config.data.token_budget or config.data.max_len  # as the entry point's
+        args.virtual_pipeline_model_parallel_size = _virtual_stages(args)
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
         return cls(config, args, _transformer(args, dtype), rates, description, budget)
 
@@ -142,12 +148,7 @@ class _Job:
         import dataclasses
 
         from megatron_paradyse.core.plan import LayerOption
-        from megatron_paradyse.mcore.drop_in import (
-            input_gradient_bytes,
-            stage_budgets,
-            stage_cost_models,
-            stage_footprints,
-        )
+        from megatron_paradyse.mcore.drop_in import stage_cost_models, stage_footprints, step_stage_budgets
         from megatron_paradyse.planner import Planner
 
         planner_config = dataclasses.replace(self.config.planner, on_infeasible="stop")
@@ -166,19 +167,18 @@ class _Job:
             )
         footprints = stage_footprints(self.args, self.transformer, "cuda")  # as Megatron would step on the GPUs
         costs = stage_cost_models(self.args, self.transformer, self.profile, footprints)
-        args = self.args  # parsed, not validated: Megatron's defaults are not filled in
-        virtual_stages = args.num_layers_per_virtual_pipeline_stage or args.num_virtual_stages_per_pipeline_rank
-        interleaved = virtual_stages is not None
-        micro_batch_size = args.micro_batch_size or 1
-        # on one data-parallel rank: the most micro-batches a step can run (conservative)
-        micro_batches = 1 if interleaved else (args.global_batch_size or micro_batch_size) // micro_batch_size
-        longest = self.config.data.token_budget or self.config.data.max_len
-        held = input_gradient_bytes(self.transformer, longest, micro_batch_size)
-        budgets = stage_budgets(self.budget_bytes, footprints, micro_batches, input_gradient_bytes=held)
+        budgets = step_stage_budgets(self.budget_bytes, footprints, self.args, self.transformer)
         return [
             Planner.for_model(planner_config, c, shape=c.shape, p=self.tp, num_layers=f.layers, budget_bytes=budget)
             for c, f, budget in zip(costs, footprints, budgets)
         ]
+
+
+def _virtual_stages(args: argparse.Namespace) -> int | None:
+    """Virtual-pipeline chunks per pipeline rank (None: not interleaved), as Megatron's argument check sets them."""
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        return args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage
+    return args.num_virtual_stages_per_pipeline_rank
 
 
 def _padded_vocab(args: argparse.Namespace, config) -> int:
