@@ -173,8 +173,9 @@ def test_overlapped_reduction_is_refused_where_lean_would_break_it(tmp_path, cac
 
 def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses_learning(tmp_path, cache_p2):
     """PP=2 with two micro-batches per step trains; stage 0 holds both micro-batches' activations at once,
-    and plans each to half its memory beyond the static bytes: one line says so. Learning the time model
-    is refused."""
+    and plans each to half its memory beyond the static bytes: one line says so. So does the interleaved
+    schedule, with its own counts. Learning the time model is refused, and a budget that cannot hold what
+    the schedule keeps between micro-batches."""
     flags = [*SMALL_GPT, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
     flags += ["--global-batch-size", "2", "--train-iters", "2"]
     config = _config(tmp_path / "cfg.yaml", cache_p2)
@@ -185,9 +186,32 @@ def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses
     assert [r.iteration for r in records] == [1, 2] and all(len(r.micro_batches) == 2 for r in records)
     assert [out.count("paradyse: warning:") for out in stdout] == [0, 0]
     assert (
-        "paradyse: PP=2: with 2 micro-batches per step pipeline stage s holds up to min(PP - s, 2) micro-batches' "
-        "activations at once (stage 0: 2): each is planned to that share of the memory its stage has beyond the "
-        "static bytes (stage 0: 1/2)\n" in stdout[0]
+        "paradyse: PP=2: with 2 micro-batches per step under 1F1B, pipeline stages 0..1 hold activations of up to "
+        "2, 1 micro-batches at once: each is planned to that share of the memory its stage has beyond the static "
+        "bytes\n" in stdout[0]
+    ), stdout[0][-3000:]
+
+    # Megatron's interleaved schedule, two chunks of one layer a stage: four micro-batches in flight on stage 0.
+    # In 16 MiB no plan fits even the shortest document in a quarter of what the static bytes leave: every rank
+    # says so (skipping would never end). In 64 MiB micro-batches of different lengths train.
+    four_layers = [*flags, "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"]
+    four_layers += ["--global-batch-size", "4"]
+    result = _torchrun(2, "--paradyse-config", str(config), *four_layers)
+    assert result.returncode != 0
+    refusal = "paradyse: error: no plan fits even the data's shortest sample on pipeline stage 0, so "
+    assert result.stderr.count(refusal) == 2, result.stderr[-3000:]
+    config = _config(tmp_path / "roomy" / "cfg.yaml", cache_p2, memory={"budget_gib": 1 / 16})
+    result = _torchrun(2, "--paradyse-config", str(config), *four_layers, log_dir=tmp_path / "roomy" / "logs")
+    stdout = [_rank_stdout(tmp_path / "roomy" / "logs", rank) for rank in range(2)]
+    assert result.returncode == 0, stdout[0][-3000:] + stdout[1][-3000:] + result.stderr[-3000:]
+    records = read_jsonl(tmp_path / "roomy" / "log.jsonl")
+    assert [r.iteration for r in records] == [1, 2] and all(len(r.micro_batches) == 4 for r in records)
+    assert len({mb.tokens for r in records for mb in r.micro_batches}) > 1
+    assert [out.count("paradyse: warning:") for out in stdout] == [0, 0]
+    assert (
+        "paradyse: PP=2: with 4 micro-batches per step under the interleaved schedule (2 chunks a stage), pipeline "
+        "stages 0..1 hold activations of up to 4, 3 micro-batches at once: each is planned to that share of the "
+        "memory its stage has beyond the static bytes\n" in stdout[0]
     ), stdout[0][-3000:]
 
     config = _config(tmp_path / "cfg.yaml", cache_p2, planner={"on_infeasible": "skip", "learn_time": True})

@@ -58,6 +58,20 @@ def test_every_pipeline_stage_skips_what_one_stage_cannot_fit(tmp_path):
         assert [mb.decision.plan for mb in planned] == [fresh.decide(mb.layout).plan for mb in planned]
 
 
+def test_data_no_plan_fits_is_refused_before_it_would_be_skipped_forever(tmp_path):
+    # the second stage's leanest peak is 1000 + 3s: over the budget from s = 1002, the shortest sample's length
+    lengths = [1400, 1002, 1200]
+    for stage in (0, 1):
+        with pytest.raises(InfeasibleSequenceError) as error:
+            PlannedMicroBatches(_loader(tmp_path, lengths), [_planner(0, "skip"), _planner(1000, "skip")], stage=stage)
+        assert str(error.value).startswith(
+            "no plan fits even the data's shortest sample on pipeline stage 1, so planner.on_infeasible=skip would "
+            "skip every micro-batch: a sequence of 1002 tokens"
+        ), str(error.value)
+    planned = PlannedMicroBatches(_loader(tmp_path, lengths), [_planner(0, "skip"), _planner(900, "skip")], stage=1)
+    assert next(planned).layout.valid_len == 1002  # with 100 bytes more for the plans it fits (padded to 1004)
+
+
 def test_every_data_parallel_rank_stops_at_the_step_holding_a_sequence_no_plan_fits(tmp_path):
     lengths = [100, 200, 300, 1500]  # curriculum: steps (100, 200) and (300, 1500); 1500 fits no plan
     ranks = [

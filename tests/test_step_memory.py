@@ -361,18 +361,125 @@ def test_micro_batches_in_flight_stay_within_their_stage_budget(pipeline_stages)
     With each micro-batch planned to its share of a budget (:func:`stage_budgets`), the stage stays
     within it: here the smallest budget under which the largest micro-batch fits, by what it measured
     alone (the model's own error is the other test's)."""
-    from megatron_paradyse.mcore.drop_in import stage_budgets
+    from megatron_paradyse.mcore.drop_in import micro_batches_in_flight
 
     assert max(IN_FLIGHT) == 1000  # the micro-batch measured alone with the same plan
-    no_static = [types.SimpleNamespace(static_bytes=0.0)] * 2
+    in_flight = micro_batches_in_flight(2, len(IN_FLIGHT))
+    assert in_flight == [2, 1]  # stage 0 runs one forward before its first backward
     for stage, results in enumerate(pipeline_stages):
         measured_alone = {case: measured for case, measured, _, _ in results}
         for case, measured, _, gradient in (r for r in results if r[0].endswith("in flight")):
             alone = measured_alone[case.removesuffix("in flight") + PIPELINE_PLANS[0]]
-            in_flight = min(2 - stage, len(IN_FLIGHT))  # under 1F1B with PP=2
-            budget = in_flight * alone + (gradient if stage else 0.0)
-            planned = stage_budgets(budget, no_static, len(IN_FLIGHT), input_gradient_bytes=gradient)[stage]
-            assert planned == pytest.approx(alone), (case, planned, alone)  # the largest one just fits
-            assert measured <= budget * (1 + TOLERANCE), f"{case}: {measured} B > {budget:.0f} B"
+            gradients = [0.0, gradient]  # the last stage receives its input, and keeps its gradient
+            _assert_within_the_budget_it_plans_to(case, stage, measured, alone, in_flight, gradients)
             if stage == 0:
                 assert measured > alone * (1 + TOLERANCE), f"{case}: {measured} B, one alone {alone} B"
+
+
+def _assert_within_the_budget_it_plans_to(case, stage, measured, alone, in_flight, gradients) -> None:
+    """A stage's ``measured`` peak is within the smallest budget under which :func:`stage_budgets` plans a
+    micro-batch of peak ``alone`` (static bytes 0)."""
+    from megatron_paradyse.mcore.drop_in import stage_budgets
+
+    budget = in_flight[stage] * alone + gradients[stage]
+    no_static = [types.SimpleNamespace(static_bytes=0.0)] * len(in_flight)
+    planned = stage_budgets(budget, no_static, in_flight, input_gradients=gradients)[stage]
+    assert planned == pytest.approx(alone), (case, planned, alone)  # the largest one just fits
+    assert measured <= budget * (1 + TOLERANCE), f"{case}: {measured} B > {budget:.0f} B"
+
+
+INTERLEAVED = (600, 1000, 400, 800)
+"""Tokens of the micro-batches of the step run through the interleaved schedule."""
+
+
+def _interleaved_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
+    """PP=2 with two chunks of one layer a stage (Megatron's interleaved schedule, with the p2p overlap
+    Megatron's argument check requires at PP=2), one step of :data:`INTERLEAVED`, ``tp_sp/tp_sp``: this
+    stage's peak, the model's peak of the largest micro-batch alone, and an input gradient."""
+    import megatron_harness as H
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_paradyse.core.compat import cuda_to_cpu
+    from megatron_paradyse.core.memory import peak_bytes_of
+    from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
+    from megatron_paradyse.core.plan import LayerOption, Plan
+    from megatron_paradyse.mcore.chunked_loss import output_processor
+    from megatron_paradyse.mcore.drop_in import input_gradient_bytes
+    from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
+    from megatron_paradyse.mcore.step_buffers import release_step_buffers
+
+    H.init_parallel(tp=1, pp=2, vpp=2)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    plan = Plan((LayerOption.parse(PIPELINE_PLANS[0]),) * (H.NUM_LAYERS // 2))  # both chunks' layers
+    results = []
+    for dtype_name, variant in itertools.product(DTYPES, VARIANTS):
+        dtype = getattr(torch, dtype_name)
+        config = H.make_config(
+            variant,
+            tp=1,
+            pp=2,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            variable_seq_lengths=True,
+            moe_token_dispatcher_type="alltoall",
+            deallocate_pipeline_outputs=True,
+            virtual_pipeline_model_parallel_size=2,
+            overlap_p2p_comm=True,
+            batch_p2p_comm=False,
+        )
+        chunks = [H.build_gpt(config, get_paradyse_layer_spec(config, vp_stage=c), seed=3, vp_stage=c) for c in (0, 1)]
+        for param in (param for chunk in chunks for param in chunk.parameters()):
+            param.grad = torch.zeros_like(param)  # Megatron's gradient buffer: there before the step
+
+        def forward_step(data_iterator, model):
+            one = H.Batch.make((next(data_iterator),), 1, seed=1)
+            tokens, labels, positions = one.canonical()
+            release_step_buffers()
+            with micro_batch_scope(MicroBatch(layout=one.layout, plan=plan)):
+                out = model(tokens, positions, None, labels=labels, output_processor=output_processor(plan))
+            return out, lambda out: ((out * one.layout.loss_mask).sum(), {})
+
+        def step(chunks=chunks):
+            with cuda_to_cpu():
+                get_forward_backward_func()(
+                    forward_step_func=forward_step,
+                    data_iterator=[iter(INTERLEAVED), iter(INTERLEAVED)],  # each chunk reads every micro-batch
+                    model=chunks,
+                    num_microbatches=len(INTERLEAVED),
+                    seq_length=max(INTERLEAVED),
+                    micro_batch_size=H.BATCH,
+                )
+
+        step()
+        measured = min(peak_bytes_of(step), peak_bytes_of(step))
+        cost_model = _cost_model(config, H.VOCAB if last else 0)
+        alone = max(cost_model.plan_peak_bytes(plan, H.Batch.make((n,), 1, 0).layout, H.BATCH) for n in INTERLEAVED)
+        gradient = input_gradient_bytes(config, max(INTERLEAVED), H.BATCH)
+        results.append((f"stage {int(last)} {dtype_name} {variant} interleaved", measured, alone, gradient))
+    parallel_state.destroy_model_parallel()
+    return results
+
+
+def test_micro_batches_interleaved_stay_within_their_stage_budget():
+    """Megatron's interleaved schedule keeps chunks of more micro-batches on a stage than 1F1B: counted
+    along its schedule table (stage 0 by hand: forwards (0,c0) (1,c0) (0,c1) (1,c1) in warm-up, then
+    (2,c0) and (3,c0) before the backwards of chunk c1 and c0 of micro-batch 0 free it: four at once),
+    each stage stays within the budget its micro-batches are planned to. Both stages peak above what
+    1F1B would budget (one micro-batch alone, plus one gradient): 1.84-1.88x and 1.26-1.30x one alone."""
+    from megatron_paradyse.core import compat
+
+    compat.install()  # before megatron.core is imported
+    from megatron_paradyse.mcore.drop_in import micro_batches_in_flight
+
+    in_flight = micro_batches_in_flight(2, len(INTERLEAVED), virtual_stages=2, group_size=2)
+    assert in_flight == [4, 3]
+    stages = run_on_ranks(_interleaved_stages_on_rank, 2, timeout_s=900)
+    for stage, results in enumerate(stages):
+        assert len(results) == len(DTYPES) * len(VARIANTS)
+        for case, measured, alone, gradient in results:
+            _assert_within_the_budget_it_plans_to(case, stage, measured, alone, in_flight, [gradient, gradient])
+            assert measured > (alone + gradient) * (1 + TOLERANCE), f"{case}: {measured} B, one alone {alone} B"

@@ -19,10 +19,13 @@ The helpers that turn a Megatron job's arguments into the planner's inputs (:fun
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import logging
 import os
+import types
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -106,37 +109,74 @@ def stage_cost_models(args: argparse.Namespace, transformer, profile: dict, foot
     ]
 
 
-def stage_budgets(budget_bytes: float, footprints, micro_batches: int, *, input_gradient_bytes: float) -> list[float]:
+def stage_budgets(
+    budget_bytes: float, footprints, in_flight: Sequence[int], *, input_gradients: Sequence[float]
+) -> list[float]:
     """What one micro-batch's planned peak may reach on each pipeline stage (``footprints``:
-    :func:`stage_footprints`) when a step runs ``micro_batches`` through Megatron's 1F1B schedule (1:
-    each alone, as in a forward-only step). Stage ``s`` of ``pp`` runs ``min(pp - s - 1,
-    micro_batches)`` forwards before its first backward, and in its steady state one more before each
-    backward: it holds ``k = min(pp - s, micro_batches)`` micro-batches' activations at once. Each is
-    planned to the static bytes and a ``1/k`` share of the rest: while another runs, a micro-batch in
-    flight holds no more than its planned peak above the static bytes (its saved activations and
-    inputs), so the stage keeps within ``budget_bytes`` whatever lengths its micro-batches have. Beyond
-    the first stage the schedule also keeps the previous micro-batch's input gradient until the next
-    backward returns: ``input_gradient_bytes`` (:func:`input_gradient_bytes`) come off the rest first.
-    The interleaved schedule keeps more in flight: not counted (callers pass 1 and warn)."""
-    pp = len(footprints)
-    budgets = []
-    for stage, f in enumerate(footprints):
-        held = input_gradient_bytes if stage > 0 and micro_batches > 1 else 0.0
-        budgets.append(f.static_bytes + (budget_bytes - f.static_bytes - held) / min(pp - stage, micro_batches))
-    return budgets
+    :func:`stage_footprints`) when the stage holds the activations of up to ``in_flight[s]`` micro-batches
+    at once (:func:`micro_batches_in_flight`) and ``input_gradients[s]`` bytes of input gradients the
+    schedule keeps between micro-batches. Each micro-batch is planned to the static bytes and a ``1/k``
+    share of the rest, less those gradients: while another runs, a micro-batch in flight holds no more
+    than its planned peak above the static bytes (its saved activations and inputs), so the stage keeps
+    within ``budget_bytes`` whatever lengths and plans its micro-batches have."""
+    return [
+        f.static_bytes + (budget_bytes - f.static_bytes - gradient) / k
+        for f, k, gradient in zip(footprints, in_flight, input_gradients, strict=True)
+    ]
+
+
+def micro_batches_in_flight(
+    pp: int, micro_batches: int, virtual_stages: int | None = None, group_size: int | None = None
+) -> list[int]:
+    """The most micro-batches each pipeline stage holds activations of at once in a training step of
+    Megatron's schedule. 1F1B: stage ``s`` runs ``min(pp - s - 1, m)`` forwards before its first backward,
+    then one more before each: ``min(pp - s, m)``. Interleaved over ``virtual_stages`` chunks a stage
+    (micro-batches in groups of ``group_size``, ``microbatch_group_size_per_vp_stage``): the micro-batches
+    with any chunk between its forward and its backward, counted along Megatron's own schedule table
+    and warm-up (a micro-batch's chunks hold no more together than the micro-batch alone)."""
+    if virtual_stages is None:
+        return [min(pp - stage, micro_batches) for stage in range(pp)]
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches, get_schedule_table
+
+    order = [micro_batch for micro_batch, _ in get_schedule_table(micro_batches, virtual_stages, group_size)]
+    most = []
+    for stage in range(pp):
+        group = types.SimpleNamespace(size=lambda: pp, rank=lambda stage=stage: stage)
+        schedule = types.SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=virtual_stages)
+        total, _, warmup, _ = get_pp_rank_microbatches(
+            micro_batches, virtual_stages, group_size, p2p_communicator=schedule
+        )
+        chunks_held = collections.Counter(order[:warmup])
+        held = len(chunks_held)
+        for backward in range(total - warmup):  # steady state: one forward, then one backward
+            chunks_held[order[warmup + backward]] += 1
+            held = max(held, len(+chunks_held))
+            chunks_held[order[backward]] -= 1  # a backward frees one chunk of its micro-batch
+        most.append(held)
+    return most
 
 
 def step_stage_budgets(
     budget_bytes: float, footprints, args: argparse.Namespace, transformer, *, forward_only: bool = False
 ) -> list[float]:
     """:func:`stage_budgets` of a step of the job with Megatron's validated ``args``: a training step
-    runs the global batch's micro-batches (the final one, also while ``--rampup-batch-size`` grows it),
-    each beyond the first stage holding an input gradient of ``--seq-length`` tokens; a forward-only step,
-    and the interleaved schedule (not counted), one at a time."""
-    interleaved = args.virtual_pipeline_model_parallel_size is not None
-    micro_batches = 1 if forward_only or interleaved else step_micro_batches(args)
-    gradient = input_gradient_bytes(transformer, args.seq_length, args.micro_batch_size)
-    return stage_budgets(budget_bytes, footprints, micro_batches, input_gradient_bytes=gradient)
+    runs the global batch's micro-batches (the final one, also while ``--rampup-batch-size`` grows it)
+    through 1F1B or the interleaved schedule, each stage that receives its input from another holding
+    one input gradient of ``--seq-length`` tokens between micro-batches; a forward-only step keeps
+    nothing past a micro-batch's forward."""
+    virtual_stages = args.virtual_pipeline_model_parallel_size
+    micro_batches = 1 if forward_only else step_micro_batches(args)
+    in_flight = micro_batches_in_flight(
+        len(footprints),
+        micro_batches,
+        None if forward_only else virtual_stages,
+        transformer.microbatch_group_size_per_vp_stage,
+    )
+    gradient = input_gradient_bytes(transformer, args.seq_length, args.micro_batch_size) if micro_batches > 1 else 0
+    # a stage that receives its input keeps its gradient until the next backward; interleaved, the first
+    # stage's later chunks receive theirs from the last stage
+    gradients = [gradient if stage > 0 or virtual_stages is not None else 0.0 for stage in range(len(footprints))]
+    return stage_budgets(budget_bytes, footprints, in_flight, input_gradients=gradients)
 
 
 def step_micro_batches(args: argparse.Namespace) -> int:

@@ -11,7 +11,8 @@ run different micro-batches and wait on each other forever. So every rank checks
 against the planners of *all* stages of its pipeline (their layers, static memory and output layer
 differ), not only its own:
 
-- ``on_infeasible = "skip"``: the micro-batch is logged and the next one is taken, on every stage;
+- ``on_infeasible = "skip"``: the micro-batch is logged and the next one is taken, on every stage (a
+  dataset whose shortest sample fits no plan is refused when the iterator is made: nothing would train);
 - ``on_infeasible = "stop"``: at the first micro-batch of each step, every micro-batch of the global
   batch (all data-parallel ranks') is checked, so every rank of the job raises the planner's
   :class:`~megatron_paradyse.planner.InfeasibleSequenceError` at the same point, before any forward
@@ -97,6 +98,8 @@ class PlannedMicroBatches:
         self._checkers = tuple(_checker(planner) for planner in planners)
         self.skipped: list[SkippedMicroBatch] = []
         """Micro-batches skipped since the caller last cleared this list."""
+        if self.policy == "skip":
+            self._check_the_shortest_fits()
 
     def __iter__(self) -> PlannedMicroBatches:
         return self
@@ -123,6 +126,23 @@ class PlannedMicroBatches:
             except InfeasibleSequenceError as e:
                 return stage, e
         return None
+
+    def _check_the_shortest_fits(self) -> None:
+        """Where no plan fits even the data's shortest sample alone, skipping would never end: every rank
+        (each reads the same samples and checks every stage) raises instead, before any step."""
+        sampler = self.loader.sampler
+        problem = self._first_infeasible(sampler.layout((int(sampler.lengths.argmin()),)))
+        if problem is None:
+            return
+        stage, error = problem
+        nothing = InfeasibleSequenceError(error.report)
+        where = f" on pipeline stage {stage}" if len(self.planners) > 1 else ""
+        nothing.args = (
+            f"no plan fits even the data's shortest sample{where}, so planner.on_infeasible=skip would skip every "
+            f"micro-batch: {error.report}. Give the plans more memory (memory.budget_gib, more tensor- or "
+            f"pipeline-parallel ranks, fewer micro-batches in flight), or a memory-lean strategy or recompute",
+        )
+        raise nothing
 
     def _check_global_batch(self) -> None:
         sampler = self.loader.sampler

@@ -132,7 +132,7 @@ class TrainingRun:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
         from megatron_paradyse.data import DynamicSequenceLoader, LoaderConfig
-        from megatron_paradyse.mcore.drop_in import step_micro_batches, step_stage_budgets
+        from megatron_paradyse.mcore.drop_in import step_stage_budgets
         from megatron_paradyse.planner import Planner
         from megatron_paradyse.planner.planner import ForwardOnlyCost
         from megatron_paradyse.run.log import MicroBatchMeter
@@ -172,7 +172,6 @@ class TrainingRun:
         cost_models = self.cost_models
         if evaluation:
             cost_models = [ForwardOnlyCost(cost) for cost in cost_models]
-        interleaved = args.virtual_pipeline_model_parallel_size is not None
         budgets = step_stage_budgets(
             job.budget_bytes, self.footprints, args, job.model_config.transformer, forward_only=evaluation
         )
@@ -209,10 +208,8 @@ class TrainingRun:
                 f"data-parallel rank {mpu.get_data_parallel_rank()}, pipeline stage {stage}",
                 flush=True,
             )
-        if not self.iterators and torch.distributed.get_rank() == 0:  # on pipeline stage 0, which holds the most
-            _say_how_in_flight_micro_batches_are_budgeted(
-                mpu.get_pipeline_model_parallel_world_size(), step_micro_batches(args), interleaved=interleaved
-            )
+        if not self.iterators and torch.distributed.get_rank() == 0:  # once
+            _say_how_in_flight_micro_batches_are_budgeted(args, job.model_config.transformer)
         if job.args.iteration > 0:
             self._resume(iterator)
         self.iterators.append(iterator)
@@ -619,28 +616,26 @@ def _attempt(fn):
         return None, f"{type(e).__name__}: {e}"
 
 
-def _say_how_in_flight_micro_batches_are_budgeted(pp: int, micro_batches: int, *, interleaved: bool) -> None:
-    """Where 1F1B keeps several micro-batches on a stage, say how the planner budgets them
-    (:func:`~megatron_paradyse.mcore.drop_in.stage_budgets`); the interleaved schedule keeps more, which
-    are not counted: warn."""
-    held = min(pp, micro_batches)
-    if held < 2:
-        return
-    in_flight = (
-        f"PP={pp}: with {micro_batches} micro-batches per step pipeline stage s holds up to min(PP - s, "
-        f"{micro_batches}) micro-batches' activations at once (stage 0: {held}"
+def _say_how_in_flight_micro_batches_are_budgeted(args, transformer) -> None:
+    """Where the pipeline schedule keeps several micro-batches on a stage, say how the planner budgets
+    them (:func:`~megatron_paradyse.mcore.drop_in.micro_batches_in_flight`)."""
+    from megatron_paradyse.mcore.drop_in import micro_batches_in_flight, step_micro_batches
+
+    pp, virtual_stages, micro_batches = (
+        args.pipeline_model_parallel_size,
+        args.virtual_pipeline_model_parallel_size,
+        step_micro_batches(args),
     )
-    if interleaved:
-        print(
-            f"paradyse: warning: {in_flight}; more with the interleaved schedule), and the planner budgets each "
-            f"micro-batch as if it were alone on its stage; keep room for the others in memory.budget_gib "
-            f"(or memory.margin)",
-            flush=True,
-        )
+    in_flight = micro_batches_in_flight(
+        pp, micro_batches, virtual_stages, transformer.microbatch_group_size_per_vp_stage
+    )
+    if max(in_flight) < 2:
         return
+    schedule = "1F1B" if virtual_stages is None else f"the interleaved schedule ({virtual_stages} chunks a stage)"
     print(
-        f"paradyse: {in_flight}): each is planned to that share of the memory its stage has beyond the static "
-        f"bytes (stage 0: 1/{held})",
+        f"paradyse: PP={pp}: with {micro_batches} micro-batches per step under {schedule}, pipeline stages "
+        f"0..{pp - 1} hold activations of up to {', '.join(map(str, in_flight))} micro-batches at once: each is "
+        f"planned to that share of the memory its stage has beyond the static bytes",
         flush=True,
     )
 
