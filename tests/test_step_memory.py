@@ -243,6 +243,28 @@ IN_FLIGHT = (600, 1000, 400)
 """Tokens of the micro-batches of the step run with several in flight."""
 
 
+def _pipeline_config(variant: str, dtype_name: str, **overrides):
+    """The harness's ``variant`` at TP=1, PP=2 in ``dtype_name``, as Megatron's training sets a pipeline up:
+    lengths vary between micro-batches, outputs deallocated once sent."""
+    import megatron_harness as H
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    return H.make_config(
+        variant,
+        tp=1,
+        pp=2,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+        deallocate_pipeline_outputs=True,
+        **overrides,
+    )
+
+
 def _pipeline_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
     import megatron_harness as H
     import torch
@@ -283,19 +305,7 @@ def _pipeline_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
     inputs = storage_bytes([tokens, labels, positions, loss_mask, *batch.layout.indices("cpu")])
     results = []
     for dtype_name, variant in itertools.product(DTYPES, VARIANTS):
-        dtype = getattr(torch, dtype_name)
-        config = H.make_config(
-            variant,
-            tp=1,
-            pp=2,
-            params_dtype=dtype,
-            pipeline_dtype=dtype,
-            bf16=dtype == torch.bfloat16,
-            fp16=dtype == torch.float16,
-            variable_seq_lengths=True,
-            moe_token_dispatcher_type="alltoall",
-            deallocate_pipeline_outputs=True,
-        )
+        config = _pipeline_config(variant, dtype_name)
         model = H.build_gpt(config, get_paradyse_layer_spec(config), seed=3)
         for param in model.parameters():
             param.grad = torch.zeros_like(param)  # Megatron's gradient buffer: there before the step
@@ -415,21 +425,8 @@ def _interleaved_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
     plan = Plan((LayerOption.parse(PIPELINE_PLANS[0]),) * (H.NUM_LAYERS // 2))  # both chunks' layers
     results = []
     for dtype_name, variant in itertools.product(DTYPES, VARIANTS):
-        dtype = getattr(torch, dtype_name)
-        config = H.make_config(
-            variant,
-            tp=1,
-            pp=2,
-            params_dtype=dtype,
-            pipeline_dtype=dtype,
-            bf16=dtype == torch.bfloat16,
-            fp16=dtype == torch.float16,
-            variable_seq_lengths=True,
-            moe_token_dispatcher_type="alltoall",
-            deallocate_pipeline_outputs=True,
-            virtual_pipeline_model_parallel_size=2,
-            overlap_p2p_comm=True,
-            batch_p2p_comm=False,
+        config = _pipeline_config(
+            variant, dtype_name, virtual_pipeline_model_parallel_size=2, overlap_p2p_comm=True, batch_p2p_comm=False
         )
         chunks = [H.build_gpt(config, get_paradyse_layer_spec(config, vp_stage=c), seed=3, vp_stage=c) for c in (0, 1)]
         for param in (param for chunk in chunks for param in chunk.parameters()):
