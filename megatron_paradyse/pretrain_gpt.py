@@ -177,7 +177,7 @@ def run(job: Job) -> None:
     with (
         _after_each_iteration(training_run.end_iteration),
         _around_each_evaluation(training_run.begin_evaluation, training_run.end_evaluation),
-        _on_out_of_memory(training_run.out_of_memory),
+        _around_each_step(training_run.begin_step, training_run.out_of_memory),
         training_run.fault_watch,
     ):
         pretrain(
@@ -230,19 +230,23 @@ def _around_each_evaluation(begin: Callable[[], None], end: Callable[[str], None
 
 
 @contextlib.contextmanager
-def _on_out_of_memory(handler: Callable[[torch.OutOfMemoryError], NoReturn]) -> Iterator[None]:
-    """Hand an out-of-memory error raised in a training step on this rank (any forward, backward, the
-    optimizer step) to ``handler``, which ends the process: unwound, it would leave the other ranks
-    blocked in the step's collectives. ``train()`` looks ``train_step`` up in its module."""
+def _around_each_step(
+    begin: Callable[[], None], on_out_of_memory: Callable[[torch.OutOfMemoryError], NoReturn]
+) -> Iterator[None]:
+    """Call ``begin()`` before each training step, and hand an out-of-memory error raised in the step on
+    this rank (any forward, backward, the optimizer step) to ``on_out_of_memory``, which ends the process:
+    unwound, it would leave the other ranks blocked in the step's collectives. ``train()`` looks
+    ``train_step`` up in its module."""
     from megatron.training import training
 
     original = training.train_step
 
     def train_step(*args, **kwargs):
+        begin()
         try:
             return original(*args, **kwargs)
         except torch.OutOfMemoryError as e:
-            handler(e)
+            on_out_of_memory(e)
 
     training.train_step = train_step
     try:

@@ -200,6 +200,13 @@ def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses
     assert result.returncode != 0
     refusal = "paradyse: error: no plan fits even the data's shortest sample on pipeline stage 0, so "
     assert result.stderr.count(refusal) == 2, result.stderr[-3000:]
+    # told to stop on such a micro-batch, every rank stops before the step's schedule: the last stage is not
+    # left waiting for the first one's activations
+    stop = _config(tmp_path / "stop" / "cfg.yaml", cache_p2, planner={"on_infeasible": "stop"})
+    result = _torchrun(2, "--paradyse-config", str(stop), *four_layers)
+    assert result.returncode != 0
+    assert result.stderr.count("paradyse: error: pipeline stage 0: a sequence of ") == 2, result.stderr[-3000:]
+    assert not re.search(r"\[rank\d\]: Traceback", result.stderr), result.stderr[-3000:]
     config = _config(tmp_path / "roomy" / "cfg.yaml", cache_p2, memory={"budget_gib": 1 / 16})
     result = _torchrun(2, "--paradyse-config", str(config), *four_layers, log_dir=tmp_path / "roomy" / "logs")
     stdout = [_rank_stdout(tmp_path / "roomy" / "logs", rank) for rank in range(2)]

@@ -104,10 +104,15 @@ class PlannedMicroBatches:
     def __iter__(self) -> PlannedMicroBatches:
         return self
 
-    def __next__(self) -> PlannedMicroBatch:
-        sampler = self.loader.sampler
-        if self.policy == "stop" and sampler.consumed == 0:
+    def check_step(self) -> None:
+        """Under ``stop``, at a step's start: raise if a micro-batch of the step (every data-parallel rank's)
+        fits no plan on some stage. Called before the pipeline schedule starts, every rank raises before a
+        stage waits on another; :meth:`__next__` checks again where nobody called it."""
+        if self.policy == "stop" and self.loader.sampler.consumed == 0:
             self._check_global_batch()
+
+    def __next__(self) -> PlannedMicroBatch:
+        self.check_step()
         while True:
             batch = next(self.loader)
             problem = self._first_infeasible(batch["layout"])

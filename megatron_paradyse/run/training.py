@@ -412,6 +412,14 @@ class TrainingRun:
                 counted,
             )
 
+    def begin_step(self) -> None:
+        """Before Megatron's schedule runs a training step: a micro-batch of it no plan fits stops every
+        rank here (``planner.on_infeasible: stop``), not inside the schedule, where the later pipeline
+        stages would be waiting for the first one's activations. Virtual-pipeline chunks read the same
+        data: one iterator tells."""
+        if self.iterators:
+            self.iterators[0].check_step()
+
     def out_of_memory(self, error: torch.OutOfMemoryError) -> NoReturn:
         """The step Megatron is running on this rank ran out of memory (``args.curr_iteration`` counts the
         steps done): stop every rank, the budget shrunk."""
