@@ -177,7 +177,7 @@ class Job:
 
     def check_static_memory(self) -> None:
         """Every pipeline stage's weights, gradients and optimizer state fit the budget with the optimizer
-        step's working set, and with the input gradient the 1F1B schedule holds between micro-batches
+        step's working set, and with the input gradient the pipeline schedule holds between micro-batches
         (:func:`~megatron_paradyse.mcore.drop_in.stage_budgets`): else no micro-batch could train."""
         from megatron_paradyse.mcore.drop_in import input_gradient_bytes, step_stage_budgets
 
