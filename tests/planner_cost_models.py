@@ -145,6 +145,11 @@ class FunctionCostModel:
     ) -> float:
         return self.peak(saved_bytes, transient_bytes)
 
+    def held_bytes(
+        self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, stage: StageOptions = WHOLE_LOSS
+    ) -> float:
+        return saved_bytes
+
     def stage_options(self, loss_chunk_tokens: int) -> tuple[StageOptions, ...]:
         return (WHOLE_LOSS,)
 

@@ -191,23 +191,27 @@ def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses
         "bytes\n" in stdout[0]
     ), stdout[0][-3000:]
 
-    # Megatron's interleaved schedule, two chunks of one layer a stage: four micro-batches in flight on stage 0.
-    # In 16 MiB no plan fits even the shortest document in a quarter of what the static bytes leave: every rank
-    # says so (skipping would never end). In 64 MiB micro-batches of different lengths train.
+    # Megatron's interleaved schedule, two chunks of one layer a stage: five chunk forwards in flight on stage 0.
+    # In 8 MiB no plan fits five chunks of even the shortest document beside what the stage keeps: every rank says
+    # so (skipping would never end). In 16 MiB, where planning each whole micro-batch to a quarter of the stage's
+    # room refused even the shortest, micro-batches of different lengths train.
     four_layers = [*flags, "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"]
     four_layers += ["--global-batch-size", "4"]
+    config = _config(tmp_path / "small" / "cfg.yaml", cache_p2, memory={"budget_gib": 1 / 128})
     result = _torchrun(2, "--paradyse-config", str(config), *four_layers)
     assert result.returncode != 0
     refusal = "paradyse: error: no plan fits even the data's shortest sample on pipeline stage 0, so "
     assert result.stderr.count(refusal) == 2, result.stderr[-3000:]
     # told to stop on such a micro-batch, every rank stops before the step's schedule: the last stage is not
     # left waiting for the first one's activations
-    stop = _config(tmp_path / "stop" / "cfg.yaml", cache_p2, planner={"on_infeasible": "stop"})
+    stop = _config(
+        tmp_path / "stop" / "cfg.yaml", cache_p2, planner={"on_infeasible": "stop"}, memory={"budget_gib": 1 / 128}
+    )
     result = _torchrun(2, "--paradyse-config", str(stop), *four_layers)
     assert result.returncode != 0
     assert result.stderr.count("paradyse: error: pipeline stage 0: a sequence of ") == 2, result.stderr[-3000:]
     assert not re.search(r"\[rank\d\]: Traceback", result.stderr), result.stderr[-3000:]
-    config = _config(tmp_path / "roomy" / "cfg.yaml", cache_p2, memory={"budget_gib": 1 / 16})
+    config = _config(tmp_path / "roomy" / "cfg.yaml", cache_p2)
     result = _torchrun(2, "--paradyse-config", str(config), *four_layers, log_dir=tmp_path / "roomy" / "logs")
     stdout = [_rank_stdout(tmp_path / "roomy" / "logs", rank) for rank in range(2)]
     assert result.returncode == 0, stdout[0][-3000:] + stdout[1][-3000:] + result.stderr[-3000:]
@@ -217,8 +221,8 @@ def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses
     assert [out.count("paradyse: warning:") for out in stdout] == [0, 0]
     assert (
         "paradyse: PP=2: with 4 micro-batches per step under the interleaved schedule (2 chunks a stage), pipeline "
-        "stages 0..1 hold activations of up to 4, 3 micro-batches at once: each is planned to that share of the "
-        "memory its stage has beyond the static bytes\n" in stdout[0]
+        "stages 0..1 hold activations of up to 5, 3 model chunks of micro-batches at once: each is planned to that "
+        "share of the memory its stage has beyond the static bytes\n" in stdout[0]
     ), stdout[0][-3000:]
 
     config = _config(tmp_path / "cfg.yaml", cache_p2, planner={"on_infeasible": "skip", "learn_time": True})
@@ -233,8 +237,8 @@ def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses
         ),
     )
 
-    # Stage 1 holds the input gradient of one micro-batch of --seq-length tokens (here data.max_len's 256K:
-    # 64 MiB in fp32) between micro-batches: more than the 16 MiB budget. Refused on every rank before
+    # Stage 1 keeps the input of one micro-batch of --seq-length tokens and its gradient (here data.max_len's
+    # 256K: 128 MiB in fp32) into the next one: more than the 16 MiB budget. Refused on every rank before
     # start-up.
     data = {"dataset": "code", "cache_dir": str(cache_p2), "num_documents": 8, "min_len": 128, "max_len": 2**18}
     config = _config(tmp_path / "long.yaml", cache_p2, data=data)
@@ -243,8 +247,8 @@ def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses
         flags,
         re.escape(
             "the memory budget (0.0156 GiB per rank) cannot hold what every plan holds:\n  - pipeline stage 1: "
-            "0.00111 GiB of weights, gradients and optimizer state, and 0.0625 GiB for the input gradient of "
-            "--seq-length 262144 tokens that the pipeline schedule holds between micro-batches (a shorter "
+            "0.00111 GiB of weights, gradients and optimizer state, and 0.125 GiB for a micro-batch's input and its "
+            "gradient, of --seq-length 262144 tokens, that the pipeline schedule keeps into the next one (a shorter "
             "data.max_len or more tensor-parallel ranks make it smaller)\nwhat would fit: more tensor- or "
             "pipeline-parallel ranks, the distributed optimizer over data-parallel ranks "
             "(--use-distributed-optimizer), Transformer Engine or apex installed (a fused optimizer step needs no "

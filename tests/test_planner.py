@@ -186,6 +186,98 @@ def test_plan_puts_large_transients_first_and_reports_its_prediction():
     }
 
 
+@pytest.mark.parametrize("method", ["exact", "heuristic"])
+def test_a_stage_of_model_chunks_runs_one_chunks_plan_in_each(method):
+    """Interleaved, each model chunk of a micro-batch is planned to the budget alone and runs the same
+    plan (a shorter chunk its first layers); the time counts the stage's layers."""
+    costs = {FAST: LayerCost(1.0, 4.0, 3.0), LEAN: LayerCost(2.0, 1.0, 1.0)}
+    model = FunctionCostModel(lambda o, s: costs[o], lambda saved, transient: saved + transient)
+
+    def plan(num_layers, budget, chunk_layers=()):
+        planner = Planner(
+            PlannerConfig(method=method),
+            model,
+            options=(FAST, LEAN),
+            num_layers=num_layers,
+            budget_bytes=budget,
+            chunk_layers=chunk_layers,
+        )
+        plan = planner.decide(layout(64)).plan
+        return plan.layers, plan.predicted_time_s, plan.predicted_peak_bytes
+
+    assert plan(6, 8.0, (2, 2, 2)) == ((FAST, LEAN) * 3, 9.0, 8.0)
+    assert plan(6, 8.0) == ((LEAN,) * 6, 12.0, 7.0)  # the whole stage's layers against the same budget
+    assert plan(8, 9.0, (3, 2, 3)) == ((FAST, LEAN, LEAN, FAST, LEAN, FAST, LEAN, LEAN), 13.0, 9.0)
+    assert plan(4, 8.0, (4,)) == plan(4, 8.0)
+    with pytest.raises(ValueError, match=r"chunk_layers \(2, 3\) must be positive and add up to num_layers=6"):
+        plan(6, 8.0, (2, 3))
+
+
+def _in_flight_planner(budget, forwards, longest, method="exact"):
+    """Two layers of two options whose costs grow with the length (those of 1024 tokens: FAST t=1 saved 4
+    transient 3, LEAN t=2 saved 1 transient 1), peak saved + transient, holding its saved bytes."""
+    base = {FAST: LayerCost(1.0, 4.0, 3.0), LEAN: LayerCost(2.0, 1.0, 1.0)}
+    model = FunctionCostModel(
+        lambda o, s: LayerCost(base[o].time_s, base[o].saved_bytes * s / 1024, base[o].transient_bytes * s / 1024),
+        lambda saved, transient: saved + transient,
+    )
+    return Planner(
+        PlannerConfig(method=method, bucket_tokens=256),
+        model,
+        options=(FAST, LEAN),
+        num_layers=2,
+        budget_bytes=budget,
+        forwards_in_flight=forwards,
+        longest_tokens=longest,
+    )
+
+
+@pytest.mark.parametrize("method", ["exact", "heuristic"])
+def test_forwards_in_flight_hold_what_the_longest_holds_and_peak_in_what_the_others_leave(method):
+    """Three forwards in flight on a budget of 20: at the longest (1024 tokens) the fastest plan that fits
+    three alike (two held, one running: 3 saved + transient) is FAST+LEAN (3 x 5 + 3 = 18; FAST+FAST
+    27), so each forward holds at most 5 and peaks at most at 20 - 2 x 5 = 10."""
+    planner = _in_flight_planner(20.0, 3, 1024, method)
+
+    def decide(tokens):
+        plan = planner.decide(layout(tokens)).plan
+        return plan.layers, plan.predicted_peak_bytes
+
+    assert decide(1024) == ((FAST, LEAN), 8.0)  # a share of a third (6.67) would run LEAN+LEAN
+    assert decide(512) == ((FAST, FAST), 5.5)  # holds 4
+    assert decide(768) == ((FAST, LEAN), 6.0)  # FAST+FAST would peak at 8.25 but hold 6
+    # one forward alone is planned to the whole budget
+    assert _in_flight_planner(20.0, 1, None, method).decide(layout(1024)).plan.layers == (FAST, FAST)
+
+
+def test_forwards_in_flight_longer_than_fits_set_the_caps_at_the_longest_that_does():
+    """At 4096 tokens not even LEAN+LEAN fits three alike (7 x 4 = 28 > 20): the caps come from the longest
+    bucket that does, 2816 (LEAN+LEAN holds 5.5 there, the others leave 9), which trains; the longest is
+    refused with what it would peak at."""
+    planner = _in_flight_planner(20.0, 3, 4096)
+    assert planner.decide(layout(2816)).plan.layers == (LEAN, LEAN)
+    assert planner.max_feasible_length(2, causal=True) == 2816
+    with pytest.raises(InfeasibleSequenceError) as refused:
+        planner.decide(layout(4096))
+    report = refused.value.report
+    assert (report.budget_bytes, report.leanest_peak_bytes, report.forwards_in_flight, report.held_cap_bytes) == (
+        9.0,
+        12.0,
+        3,
+        5.5,
+    )
+    assert (
+        "the leanest (2x ring/zero3) is predicted to hold 0.00 GiB until its backward and to peak at 0.00 GiB, where "
+        "each of the stage's 3 forwards in flight may hold 0.00 GiB and peak at 0.00 GiB beside the others (its "
+        "budget of 0.00 GiB shared as the longest micro-batch needs); the longest that fits is 2816 tokens"
+    ) in str(report)
+
+
+def test_forwards_in_flight_need_the_longest_micro_batch():
+    with pytest.raises(ValueError, match=r"with 3 forwards in flight the planner needs the longest micro-batch's"):
+        _in_flight_planner(20.0, 3, None)
+
+
 def test_heuristic_method_runs_algorithm_1():
     # Algorithm 1 mixes two options only; the optimum here needs three
     costs = {

@@ -216,6 +216,13 @@ class AnalyticCostModel:
         resident = self.static_bytes + self.stage_bytes(layout, micro_batch_size, stage) + saved_bytes
         return resident + working * (1.0 + self.profile["allocator_slack"])
 
+    def held_bytes(
+        self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, stage: StageOptions = WHOLE_LOSS
+    ) -> float:
+        """The stage's own activations (:meth:`stage_bytes`) and the layers' saved ones: :meth:`peak_bytes`
+        above the static bytes, less the working set."""
+        return self.stage_bytes(layout, micro_batch_size, stage) + saved_bytes
+
     def plan_peak_bytes(self, plan: Plan, layout: SequenceLayout, micro_batch_size: int) -> float:
         """:meth:`peak_bytes` of ``plan``'s layers and stage options at ``layout`` (as it is: the planner
         prices a bucket's edge)."""

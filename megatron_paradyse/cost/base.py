@@ -116,6 +116,13 @@ class CostModel(Protocol):
         """Stage peak given the layers' summed saved bytes and largest transient."""
         ...
 
+    def held_bytes(
+        self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, stage: StageOptions = WHOLE_LOSS
+    ) -> float:
+        """What a forward keeps above the static bytes until its backward, given the layers' summed saved
+        bytes: while other forwards run, that is all it takes of the stage's memory."""
+        ...
+
     def stage_options(self, loss_chunk_tokens: int) -> tuple[StageOptions, ...]:
         """The stage options worth pricing when the loss may run in chunks of ``loss_chunk_tokens``
         (0: never), :data:`WHOLE_LOSS` first."""

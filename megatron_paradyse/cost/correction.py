@@ -212,6 +212,11 @@ class CorrectedCostModel:
     ) -> float:
         return self.base.peak_bytes(layout, micro_batch_size, saved_bytes, transient_bytes, stage)
 
+    def held_bytes(
+        self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, stage: StageOptions = WHOLE_LOSS
+    ) -> float:
+        return self.base.held_bytes(layout, micro_batch_size, saved_bytes, stage)
+
     def option_times(self, plan: Plan, layout: SequenceLayout, micro_batch_size: int) -> dict[str, float]:
         """The uncorrected time of one layer of each option of ``plan`` (``layout``: the bucket's)."""
         return {str(o): self._base_cost(o, layout, micro_batch_size).time_s for o in set(plan)}

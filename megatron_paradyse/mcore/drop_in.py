@@ -19,13 +19,11 @@ The helpers that turn a Megatron job's arguments into the planner's inputs (:fun
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import logging
 import os
 import types
 import weakref
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -34,7 +32,7 @@ from megatron_paradyse.config import DataSection, ParadyseConfig, load_config
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.micro_batch import MicroBatch
 
-__all__ = ["CONFIG_ENV", "implicit_micro_batch", "stage_cost_models", "stage_footprints"]
+__all__ = ["CONFIG_ENV", "implicit_micro_batch", "stage_cost_models", "stage_footprints", "stage_planner"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,36 +107,30 @@ def stage_cost_models(args: argparse.Namespace, transformer, profile: dict, foot
     ]
 
 
-def stage_budgets(
-    budget_bytes: float, footprints, in_flight: Sequence[int], *, input_gradients: Sequence[float]
-) -> list[float]:
-    """What one micro-batch's planned peak may reach on each pipeline stage (``footprints``:
-    :func:`stage_footprints`) when the stage holds the activations of up to ``in_flight[s]`` micro-batches
-    at once (:func:`micro_batches_in_flight`) and ``input_gradients[s]`` bytes of input gradients the
-    schedule keeps between micro-batches. Each micro-batch is planned to the static bytes and a ``1/k``
-    share of the rest, less those gradients: while another runs, a micro-batch in flight holds no more
-    than its planned peak above the static bytes (its saved activations and inputs), so the stage keeps
-    within ``budget_bytes`` whatever lengths and plans its micro-batches have."""
-    return [
-        f.static_bytes + (budget_bytes - f.static_bytes - gradient) / k
-        for f, k, gradient in zip(footprints, in_flight, input_gradients, strict=True)
-    ]
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageBudget:
+    """What a pipeline stage's planner plans to (:class:`~megatron_paradyse.planner.Planner`)."""
+
+    bytes: float
+    """The most the stage may hold at once: the budget less what its schedule keeps of the previous
+    micro-batch (:func:`kept_between_micro_batches_bytes`)."""
+    forwards_in_flight: int
+    """The most forwards the stage holds at once (:func:`forwards_in_flight`)."""
 
 
-def micro_batches_in_flight(
+def forwards_in_flight(
     pp: int, micro_batches: int, virtual_stages: int | None = None, group_size: int | None = None
 ) -> list[int]:
-    """The most micro-batches each pipeline stage holds activations of at once in a training step of
-    Megatron's schedule. 1F1B: stage ``s`` runs ``min(pp - s - 1, m)`` forwards before its first backward,
-    then one more before each: ``min(pp - s, m)``. Interleaved over ``virtual_stages`` chunks a stage
-    (micro-batches in groups of ``group_size``, ``microbatch_group_size_per_vp_stage``): the micro-batches
-    with any chunk between its forward and its backward, counted along Megatron's own schedule table
-    and warm-up (a micro-batch's chunks hold no more together than the micro-batch alone)."""
+    """The most forwards whose backward has not run yet that each pipeline stage holds at once in a
+    training step of Megatron's schedule. 1F1B: stage ``s`` runs ``min(pp - s - 1, m)`` forwards of a
+    micro-batch before its first backward, then one more before each: ``min(pp - s, m)``. Interleaved
+    over ``virtual_stages`` model chunks a stage (micro-batches in groups of ``group_size``,
+    ``microbatch_group_size_per_vp_stage``), a forward is one chunk's, of one micro-batch: Megatron's
+    warm-up count of them, then one more before each backward."""
     if virtual_stages is None:
         return [min(pp - stage, micro_batches) for stage in range(pp)]
-    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches, get_schedule_table
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
 
-    order = [micro_batch for micro_batch, _ in get_schedule_table(micro_batches, virtual_stages, group_size)]
     most = []
     for stage in range(pp):
         group = types.SimpleNamespace(size=lambda: pp, rank=lambda stage=stage: stage)
@@ -146,37 +138,65 @@ def micro_batches_in_flight(
         total, _, warmup, _ = get_pp_rank_microbatches(
             micro_batches, virtual_stages, group_size, p2p_communicator=schedule
         )
-        chunks_held = collections.Counter(order[:warmup])
-        held = len(chunks_held)
-        for backward in range(total - warmup):  # steady state: one forward, then one backward
-            chunks_held[order[warmup + backward]] += 1
-            held = max(held, len(+chunks_held))
-            chunks_held[order[backward]] -= 1  # a backward frees one chunk of its micro-batch
-        most.append(held)
+        most.append(min(warmup + 1, total))
     return most
 
 
 def step_stage_budgets(
     budget_bytes: float, footprints, args: argparse.Namespace, transformer, *, forward_only: bool = False
-) -> list[float]:
-    """:func:`stage_budgets` of a step of the job with Megatron's validated ``args``: a training step
-    runs the global batch's micro-batches (the final one, also while ``--rampup-batch-size`` grows it)
-    through 1F1B or the interleaved schedule, each stage that receives its input from another holding
-    one input gradient of ``--seq-length`` tokens between micro-batches; a forward-only step keeps
-    nothing past a micro-batch's forward."""
+) -> list[StageBudget]:
+    """Each pipeline stage's :class:`StageBudget` (``footprints``: :func:`stage_footprints`) in a step of the
+    job with Megatron's validated ``args``: a training step runs the global batch's micro-batches (the
+    final one, also while ``--rampup-batch-size`` grows it) through 1F1B or the interleaved schedule,
+    each stage that receives its input from another keeping the previous micro-batch's input and its
+    gradient, of ``--seq-length`` tokens, into the next micro-batch's forward; a forward-only step keeps
+    nothing past a forward."""
     virtual_stages = args.virtual_pipeline_model_parallel_size
+    chunks = {len(f.chunk_layers) for f in footprints}
+    if chunks != {virtual_stages or 1}:
+        raise ValueError(
+            f"the footprints' stages have {sorted(chunks)} model chunks, the schedule {virtual_stages or 1}: give "
+            f"the TransformerConfig the arguments' virtual_pipeline_model_parallel_size"
+        )
     micro_batches = 1 if forward_only else step_micro_batches(args)
-    in_flight = micro_batches_in_flight(
+    in_flight = forwards_in_flight(
         len(footprints),
         micro_batches,
         None if forward_only else virtual_stages,
         transformer.microbatch_group_size_per_vp_stage,
     )
-    gradient = input_gradient_bytes(transformer, args.seq_length, args.micro_batch_size) if micro_batches > 1 else 0
-    # a stage that receives its input keeps its gradient until the next backward; interleaved, the first
-    # stage's later chunks receive theirs from the last stage
-    gradients = [gradient if stage > 0 or virtual_stages is not None else 0.0 for stage in range(len(footprints))]
-    return stage_budgets(budget_bytes, footprints, in_flight, input_gradients=gradients)
+    kept = (
+        kept_between_micro_batches_bytes(transformer, args.seq_length, args.micro_batch_size)
+        if micro_batches > 1
+        else 0.0
+    )
+    # interleaved, the first stage's later chunks receive their input from the last stage
+    return [
+        StageBudget(budget_bytes - (kept if stage > 0 or virtual_stages is not None else 0.0), k)
+        for stage, k in enumerate(in_flight)
+    ]
+
+
+def stage_planner(
+    planner_config, cost_model, footprint, budget: StageBudget, args: argparse.Namespace, *, time_corrections=None
+):
+    """The planner of one pipeline stage of the job with Megatron's validated ``args``: its layers
+    (``footprint``), in model chunks where the schedule interleaves them, priced by ``cost_model``, to
+    ``budget`` (:func:`step_stage_budgets`) for micro-batches up to ``--seq-length`` tokens."""
+    from megatron_paradyse.planner import Planner
+
+    return Planner.for_model(
+        planner_config,
+        cost_model,
+        shape=cost_model.shape,
+        p=args.tensor_model_parallel_size,
+        num_layers=footprint.layers,
+        budget_bytes=budget.bytes,
+        chunk_layers=footprint.chunk_layers,
+        forwards_in_flight=budget.forwards_in_flight,
+        longest_tokens=args.seq_length,
+        time_corrections=time_corrections,
+    )
 
 
 def step_micro_batches(args: argparse.Namespace) -> int:
@@ -185,12 +205,17 @@ def step_micro_batches(args: argparse.Namespace) -> int:
     return args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
 
 
-def input_gradient_bytes(transformer, tokens: int, micro_batch_size: int) -> float:
-    """A stage input's gradient at the longest micro-batch, ``tokens`` a row: ``[s/p, b, h]`` in the
-    pipeline's dtype."""
+def kept_between_micro_batches_bytes(transformer, tokens: int, micro_batch_size: int) -> float:
+    """What a stage that receives its input keeps beside the forwards in flight, at the longest micro-batch
+    (``tokens`` a row), each an ``[s/p, b, h]`` in the pipeline's dtype: the previous micro-batch's input
+    gradient (the schedule's, until the next backward) and its input (a leaf of its output's autograd
+    graph, which lives until the next forward's output replaces it); with Megatron's overlapped p2p
+    exchange (``overlap_p2p_comm``, the interleaved schedule's default), also the next forward's input and
+    the next backward's output gradient, received into ahead of the work they overlap."""
     dtype = transformer.pipeline_dtype or transformer.params_dtype
     rows = tokens // transformer.tensor_model_parallel_size * micro_batch_size
-    return rows * transformer.hidden_size * dtype.itemsize
+    activations = 4 if transformer.overlap_p2p_comm else 2
+    return activations * rows * transformer.hidden_size * dtype.itemsize
 
 
 # -- the implicit micro-batch ------------------------------------------------------------------------------
@@ -243,8 +268,6 @@ class _Stage:
     def __init__(self, layer) -> None:
         from megatron.core.utils import get_pg_rank
 
-        from megatron_paradyse.planner import Planner
-
         config = _paradyse_config()
         transformer = layer.config
         args = _megatron_args()
@@ -254,18 +277,12 @@ class _Stage:
         pp_rank = get_pg_rank(layer.pg_collection.pp)
         footprints = stage_footprints(args, transformer, device.type)
         cost = stage_cost_models(args, transformer, profile, footprints)[pp_rank]
+        budget = step_stage_budgets(_budget_bytes(config, device), footprints, args, transformer)[pp_rank]
         # Megatron's own forward step computes the loss: whole, never in chunks
         planner_config = dataclasses.replace(config.planner, loss_chunk_tokens=0)
         if p == 1:
             planner_config = _recompute_only(planner_config)
-        self.planner = Planner.for_model(
-            planner_config,
-            cost,
-            shape=cost.shape,
-            p=p,
-            num_layers=layer.stage_layers,
-            budget_bytes=step_stage_budgets(_budget_bytes(config, device), footprints, args, transformer)[pp_rank],
-        )
+        self.planner = stage_planner(planner_config, cost, footprints[pp_rank], budget, args)
         self.printing = torch.distributed.get_rank(layer.tp_group) == 0 and _data_parallel_rank() == 0
         self.pp_rank = pp_rank
         self.shown: str | None = None

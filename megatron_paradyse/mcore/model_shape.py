@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from megatron_paradyse.strategies import ModelShape
 
-__all__ = ["model_shape", "rotary_dim"]
+__all__ = ["model_shape", "rotary_dim", "stage_chunk_layers"]
 
 
 def model_shape(config: TransformerConfig) -> ModelShape:
@@ -25,3 +26,11 @@ def model_shape(config: TransformerConfig) -> ModelShape:
 def rotary_dim(config: TransformerConfig, position_embedding_type: str, rotary_percent: float = 1.0) -> int:
     """The channels of each head GPTModel's RoPE rotates (0 without RoPE): its rotary table's width."""
     return int(config.kv_channels * rotary_percent) if position_embedding_type == "rope" else 0
+
+
+def stage_chunk_layers(config: TransformerConfig, pp_rank: int) -> tuple[int, ...]:
+    """Transformer layers of each model chunk of pipeline stage ``pp_rank``, in layer order (one chunk
+    without a virtual pipeline)."""
+    vp_size = config.virtual_pipeline_model_parallel_size
+    chunks = [None] if vp_size is None else range(vp_size)
+    return tuple(get_num_layers_to_build(config, vp_stage=c, pp_rank=pp_rank) for c in chunks)

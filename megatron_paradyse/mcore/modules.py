@@ -28,7 +28,6 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
@@ -43,7 +42,7 @@ from megatron_paradyse.core.compat import drop_unavailable_gradient_accumulation
 from megatron_paradyse.core.micro_batch import MicroBatch, active_micro_batch, current_micro_batch, micro_batch_scope
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.mcore.drop_in import implicit_micro_batch
-from megatron_paradyse.mcore.model_shape import model_shape
+from megatron_paradyse.mcore.model_shape import model_shape, stage_chunk_layers
 from megatron_paradyse.mcore.norm import fused_input_norm, sequence_parallel_norm
 from megatron_paradyse.strategies import (
     AttentionContext,
@@ -136,9 +135,8 @@ def _stage_position(config: TransformerConfig, layer_number: int, pp_rank: int) 
     """
     vp_size = config.virtual_pipeline_model_parallel_size
     index, count = None, 0
-    for chunk in [None] if vp_size is None else range(vp_size):
+    for chunk, layers in zip([None] if vp_size is None else range(vp_size), stage_chunk_layers(config, pp_rank)):
         offset = get_transformer_layer_offset(config, chunk, pp_rank)
-        layers = get_num_layers_to_build(config, chunk, pp_rank)
         if offset < layer_number <= offset + layers:
             index = count + layer_number - offset - 1
         count += layers

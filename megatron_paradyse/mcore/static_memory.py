@@ -36,7 +36,8 @@ import dataclasses
 
 import torch
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+from megatron_paradyse.mcore.model_shape import stage_chunk_layers
 
 __all__ = [
     "OPTIMIZER_IMPLEMENTATIONS",
@@ -118,8 +119,8 @@ class StageFootprint:
     """One pipeline stage of one tensor-parallel rank."""
 
     stage: int
-    layers: int
-    """Transformer layers on the stage (all its virtual-pipeline chunks)."""
+    chunk_layers: tuple[int, ...]
+    """Transformer layers of each of the stage's model chunks (one without a virtual pipeline)."""
     parameters: int
     """Parameters this rank holds for the stage (its tensor-parallel shards)."""
     has_output_layer: bool
@@ -127,6 +128,11 @@ class StageFootprint:
     static_bytes: float
     optimizer_step_bytes: float
     """What the optimizer step allocates above :attr:`static_bytes` (module docstring)."""
+
+    @property
+    def layers(self) -> int:
+        """Transformer layers on the stage (all its model chunks)."""
+        return sum(self.chunk_layers)
 
 
 def _projection_rows(config: TransformerConfig) -> tuple[int, int]:
@@ -187,12 +193,8 @@ def pipeline_footprints(
     norm = 2 if config.normalization == "LayerNorm" else 1
     footprints = []
     for stage in range(pp):
-        chunks = (
-            [None]
-            if config.virtual_pipeline_model_parallel_size is None
-            else range(config.virtual_pipeline_model_parallel_size)
-        )
-        layers = sum(get_num_layers_to_build(config, vp_stage=c, pp_rank=stage) for c in chunks)
+        chunk_layers = stage_chunk_layers(config, stage)
+        layers = sum(chunk_layers)
         first, last = stage == 0, stage == pp - 1
         parameters = layers * layer_parameters(config)
         largest = max(_layer_matrices(config)) if layers else 0
@@ -207,7 +209,7 @@ def pipeline_footprints(
         footprints.append(
             StageFootprint(
                 stage,
-                layers,
+                chunk_layers,
                 parameters,
                 last,
                 parameters * per_parameter,

@@ -8,7 +8,8 @@ subproblem whose ``R`` is its own largest transient; so the best subproblem opti
 optimum. Within a subproblem transients no longer matter: options beaten in both time and saved
 bytes are dropped, leaving a frontier ``t_1 < ... < t_q``, ``m_1 > ... > m_q``, and since ``peak``
 is monotone, ``peak(S, R) <= budget`` implies ``S < C`` for a capacity ``C`` found by a few calls to
-``peak`` (regula falsi). What remains is a knapsack with a cardinality constraint::
+``peak`` (regula falsi), or the problem's own cap on saved bytes where that is lower. What remains
+is a knapsack with a cardinality constraint::
 
     min T(n) = sum_j n_j t_j   s.t.  sum_j n_j = L,  sum_j n_j m_j <= C,  n_j >= 0 integer.
 
@@ -80,13 +81,18 @@ def solve_exact(problem: StageProblem) -> Solution | None:
         fastest, leanest = frontier[0], frontier[-1]
         peak_at = lambda saved, transient=transient: problem.peak(saved, transient)  # noqa: E731
         lean_peak = peak_at(num_layers * m[leanest])
-        if lean_peak > budget:
+        if lean_peak > budget or num_layers * m[leanest] > problem.saved_budget_bytes:
             continue  # no plan with transients <= this one fits
         fast_peak = peak_at(num_layers * m[fastest])
-        if fast_peak <= budget:
+        if fast_peak <= budget and num_layers * m[fastest] <= problem.saved_budget_bytes:
             best.offer(problem.uniform(fastest))  # the subproblem's unconstrained optimum fits
             continue
-        capacity = _capacity(peak_at, budget, num_layers * m[leanest], lean_peak, num_layers * m[fastest], fast_peak)
+        capacity = problem.saved_budget_bytes
+        if fast_peak > budget:
+            capacity = min(
+                capacity,
+                _capacity(peak_at, budget, num_layers * m[leanest], lean_peak, num_layers * m[fastest], fast_peak),
+            )
         subproblems.append(_Subproblem(frontier, t, m, num_layers, capacity))
     subproblems.sort(key=lambda sub: sub.lower_bound)
     for i, sub in enumerate(subproblems):
@@ -102,7 +108,7 @@ def solve_exact(problem: StageProblem) -> Solution | None:
                 MAX_CANDIDATES,
                 num_layers,
                 len(problem.options),
-                100 * ((best.solution.time_s - problem.stage_time_s) / bound - 1) if best.solution else math.inf,
+                100 * (best.limit() / bound - 1) if best.solution else math.inf,
             )
             break
     return best.solution
@@ -190,9 +196,9 @@ class _Search:
         self.candidates_left = MAX_CANDIDATES
 
     def limit(self) -> float:
-        """Layer times (the problem's constant ``stage_time_s`` left out) above this cannot beat (or tie)
-        the incumbent."""
-        return self._limit - self.problem.stage_time_s
+        """Layer times of one chunk (the problem's constant ``stage_time_s`` left out) above this cannot
+        beat (or tie) the incumbent."""
+        return (self._limit - self.problem.stage_time_s) / self.problem.repeats
 
     def offer(self, counts: tuple[int, ...]) -> bool | None:
         """Keep ``counts`` if it fits and beats the incumbent. None: too slow to matter; else: whether it fits."""

@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption, Plan
@@ -90,6 +90,13 @@ class InfeasibleReport:
     leanest_plan: str
     longest_feasible_length: int
     """Longest padded length (a bucket edge, one document) some plan fits; 0 if none does."""
+    forwards_in_flight: int = 1
+    """With several (:class:`Planner`), ``budget_bytes`` is what one may peak at beside the others."""
+    held_cap_bytes: float = math.inf
+    """What each forward in flight may hold until its backward."""
+    leanest_held_bytes: float = 0.0
+    stage_budget_bytes: float = 0.0
+    """The whole stage's budget, which the forwards in flight share."""
 
     def __str__(self) -> str:
         longest = (
@@ -97,11 +104,30 @@ class InfeasibleReport:
             if self.longest_feasible_length
             else "no length fits"
         )
+        if self.forwards_in_flight == 1:
+            why = (
+                f"is predicted to peak at {self.leanest_peak_bytes / _GIB:.2f} GiB, over the budget of "
+                f"{self.budget_bytes / _GIB:.2f} GiB"
+            )
+        elif self.budget_bytes <= 0:
+            why = (
+                f"is predicted to hold {self.leanest_held_bytes / _GIB:.2f} GiB until its backward and to peak at "
+                f"{self.leanest_peak_bytes / _GIB:.2f} GiB, and the stage's budget of "
+                f"{self.stage_budget_bytes / _GIB:.2f} GiB holds none of its {self.forwards_in_flight} forwards in "
+                f"flight at any length"
+            )
+        else:
+            why = (
+                f"is predicted to hold {self.leanest_held_bytes / _GIB:.2f} GiB until its backward and to peak at "
+                f"{self.leanest_peak_bytes / _GIB:.2f} GiB, where each of the stage's {self.forwards_in_flight} "
+                f"forwards in flight may hold {self.held_cap_bytes / _GIB:.2f} GiB and peak at "
+                f"{self.budget_bytes / _GIB:.2f} GiB beside the others (its budget of "
+                f"{self.stage_budget_bytes / _GIB:.2f} GiB shared as the longest micro-batch needs)"
+            )
         return (
             f"a sequence of {self.length} tokens (padded to {self.padded_length}, planned at "
             f"{self.bucket_length}) with micro-batch size {self.micro_batch_size} fits no plan: the leanest "
-            f"({self.leanest_plan}) is predicted to peak at {self.leanest_peak_bytes / _GIB:.2f} GiB, over "
-            f"the budget of {self.budget_bytes / _GIB:.2f} GiB; {longest} with this micro-batch size"
+            f"({self.leanest_plan}) {why}; {longest} with this micro-batch size"
         )
 
 
@@ -134,7 +160,22 @@ class Planner:
         cost_model: predicts each option's :class:`~megatron_paradyse.cost.LayerCost` and the stage peak.
         options: the options a layer may take (see :func:`layer_options`, or :meth:`for_model`).
         num_layers: transformer layers on this stage.
-        budget_bytes: memory a micro-batch's predicted peak may reach (device memory minus a margin).
+        budget_bytes: memory the stage's predicted peak may reach (device memory minus a margin).
+        chunk_layers: layers of each model chunk of the stage, in layer order, where it runs several
+            (Megatron's interleaved schedule); the plan is one chunk's, run by each
+            (:class:`~megatron_paradyse.planner.problem.StageProblem`).
+        forwards_in_flight: the most forwards (of micro-batches, or of one model chunk of them) whose
+            backward has not run that the stage holds at once
+            (:func:`~megatron_paradyse.mcore.drop_in.forwards_in_flight`); with several,
+            ``longest_tokens`` is the longest micro-batch a step may have.
+
+    **Forwards in flight.** The stage peaks while one forward runs and the ``n - 1`` others hold what
+    they keep for their backward (:meth:`CostModel.held_bytes`). Every forward is planned to hold at
+    most ``A`` and to peak at most at the budget less ``(n - 1) A``, so the stage keeps within the
+    budget whatever lengths and plans its forwards have. ``A`` is what a micro-batch of
+    ``longest_tokens`` holds under the fastest plan that fits ``n`` of it at once: the longest
+    micro-batch gets the plan it would have if every forward in flight were as long, and one working
+    set is counted beside the held activations, not ``n``.
     """
 
     def __init__(
@@ -145,16 +186,31 @@ class Planner:
         options: Sequence[LayerOption],
         num_layers: int,
         budget_bytes: float,
+        chunk_layers: Sequence[int] = (),
+        forwards_in_flight: int = 1,
+        longest_tokens: int | None = None,
     ) -> None:
         options = tuple(options)
         if not options or len(set(options)) != len(options):
             raise ValueError(f"options must be distinct and non-empty, got {[str(o) for o in options]}")
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        chunk_layers = tuple(chunk_layers)
+        if chunk_layers and (sum(chunk_layers) != num_layers or min(chunk_layers) < 1):
+            raise ValueError(f"chunk_layers {chunk_layers} must be positive and add up to num_layers={num_layers}")
+        if forwards_in_flight > 1 and not (isinstance(longest_tokens, int) and longest_tokens > 0):
+            raise ValueError(
+                f"with {forwards_in_flight} forwards in flight the planner needs the longest micro-batch's tokens "
+                f"(longest_tokens), got {longest_tokens!r}"
+            )
         self.config = config
         self.cost_model = cost_model
         self.options = options
         self.num_layers = num_layers
+        self.chunk_layers = chunk_layers if len(chunk_layers) > 1 else ()
+        self.forwards_in_flight = forwards_in_flight
+        self.longest_tokens = longest_tokens
+        self._held_caps: dict[tuple[int, bool, int], float] = {}
         self.excluded: dict[str, str] = {}
         """Strategies (or pairs) left out of the plan space, with the reason (set by :meth:`for_model`)."""
         self._solve = solve_exact if config.method == "exact" else solve_heuristic
@@ -177,6 +233,9 @@ class Planner:
         p: int,
         num_layers: int,
         budget_bytes: float,
+        chunk_layers: Sequence[int] = (),
+        forwards_in_flight: int = 1,
+        longest_tokens: int | None = None,
         time_corrections: TimeCorrections | None = None,
     ) -> Planner:
         """A planner over the options ``config`` enables for ``shape`` on ``p`` ranks.
@@ -190,7 +249,16 @@ class Planner:
             logger.warning("planner: %s is left out of the plan space: %s", what, why)
         if time_corrections is not None:
             cost_model = CorrectedCostModel(cost_model, time_corrections)
-        planner = cls(config, cost_model, options=options, num_layers=num_layers, budget_bytes=budget_bytes)
+        planner = cls(
+            config,
+            cost_model,
+            options=options,
+            num_layers=num_layers,
+            budget_bytes=budget_bytes,
+            chunk_layers=chunk_layers,
+            forwards_in_flight=forwards_in_flight,
+            longest_tokens=longest_tokens,
+        )
         planner.excluded = excluded
         if time_corrections is not None and config.explore_share > 0:
             share, margin = config.explore_share, config.explore_margin
@@ -212,6 +280,7 @@ class Planner:
         """Forget cached plans (the previous plan stays, for hysteresis)."""
         self._cache.clear()
         self._longest.clear()
+        self._held_caps.clear()
 
     def forget_previous(self) -> None:
         """Start a new run of decisions: no previous plan for hysteresis (cached plans stay)."""
@@ -303,7 +372,8 @@ class Planner:
 
     def fits(self, layout: SequenceLayout, micro_batch_size: int = 1) -> bool:
         """Whether some plan fits ``layout`` (costed as it is, not at its bucket's edge)."""
-        return self.leanest_peak_bytes(layout, micro_batch_size) <= self._budget
+        problems = self._problems(layout, micro_batch_size, stop_when_fastest=False)
+        return any(problem.fits(problem.leanest()) for problem in problems.values())
 
     def leanest_peak_bytes(self, layout: SequenceLayout, micro_batch_size: int = 1) -> float:
         """The least predicted peak of any plan for ``layout`` (costed as it is)."""
@@ -317,7 +387,7 @@ class Planner:
         """
         key = (p, causal, micro_batch_size)
         if key not in self._longest:
-            self._longest[key] = self._search_longest(p, causal, micro_batch_size)
+            self._longest[key] = self._search_longest(p, causal, lambda layout: self.fits(layout, micro_batch_size))
         return self._longest[key]
 
     # -- internals --------------------------------------------------------------------------------
@@ -382,41 +452,120 @@ class Planner:
         return costs
 
     def _problem(
-        self, layout: SequenceLayout, micro_batch_size: int, costs: tuple[LayerCost, ...], stage: StageOptions
+        self,
+        layout: SequenceLayout,
+        micro_batch_size: int,
+        costs: tuple[LayerCost, ...],
+        stage: StageOptions,
+        *,
+        in_flight_alike: bool = False,
     ) -> StageProblem:
+        """The problem of one forward of ``layout``; ``in_flight_alike``: of one while the other forwards in
+        flight are alike (what sets the held cap, :meth:`_held_cap`)."""
         # an option the stage option rules out needs infinite working memory: no plan with it fits
         costs = tuple(
             dataclasses.replace(cost, transient_bytes=math.inf) if stage.rules_out(option) else cost
             for option, cost in zip(self.options, costs)
         )
         peak = functools.partial(self.cost_model.peak_bytes, layout, micro_batch_size, stage=stage)
+        budget, saved_budget = self._budget, math.inf
+        others = self.forwards_in_flight - 1
+        if others and in_flight_alike:
+            held = functools.partial(self.cost_model.held_bytes, layout, micro_batch_size, stage=stage)
+            peak = lambda saved, transient, alone=peak: alone(saved, transient) + others * held(saved)  # noqa: E731
+        elif others:
+            cap = self._held_cap(layout.p, layout.causal, micro_batch_size)
+            budget -= others * cap
+            saved_budget = cap - self.cost_model.held_bytes(layout, micro_batch_size, 0.0, stage)
         stage_time = self.cost_model.stage_time_s(layout, micro_batch_size, stage)
         host_budget = self.config.host_memory_gib * _GIB
-        return StageProblem(self.options, costs, self.num_layers, self._budget, peak, stage, stage_time, host_budget)
+        return StageProblem(
+            self.options,
+            costs,
+            max(self.chunk_layers, default=self.num_layers),
+            budget,
+            peak,
+            stage,
+            stage_time,
+            host_budget,
+            self.chunk_layers,
+            saved_budget,
+        )
+
+    def _held_cap(self, p: int, causal: bool, micro_batch_size: int) -> float:
+        """``A`` of the class docstring: what the longest micro-batch holds under the fastest plan that fits
+        all forwards in flight alike; where none fits it, the longest micro-batch for which one does is
+        taken instead (then the longest ones are reported, and as many others as can be train)."""
+        key = (p, causal, micro_batch_size)
+        if key not in self._held_caps:
+            tokens = -(-self.longest_tokens // (2 * p)) * 2 * p
+            layout = self._bucket_layout(self._key(SequenceLayout((tokens,), p, causal, tokens), micro_batch_size))
+
+            def alike_fits(layout: SequenceLayout) -> bool:
+                problems = self._alike_problems(layout, micro_batch_size)
+                return any(problem.fits(problem.leanest()) for problem in problems)
+
+            if not alike_fits(layout):
+                edge = self._search_longest(p, causal, alike_fits) or layout.padded_len
+                layout = SequenceLayout((edge,), p, causal, edge)
+            problems = self._alike_problems(layout, micro_batch_size)
+            solved = [(solution, problem) for problem in problems if (solution := self._solve(problem)) is not None]
+            if solved:  # ties go to the first stage option, as in decide
+                solution, problem = min(solved, key=lambda pair: pair[0].time_s)
+            else:  # not even the shortest fits: nothing will
+                solution, problem = min(
+                    ((problem.leanest(), problem) for problem in problems), key=lambda pair: pair[0].peak_bytes
+                )
+            self._held_caps[key] = self.cost_model.held_bytes(
+                layout, micro_batch_size, solution.saved_bytes, problem.stage
+            )
+        return self._held_caps[key]
+
+    def _alike_problems(self, layout: SequenceLayout, micro_batch_size: int) -> list[StageProblem]:
+        """The problems of one forward of ``layout`` (a bucket's edge) while every other forward in flight is
+        alike, one per stage option."""
+        costs = self._costs(layout, micro_batch_size)
+        return [
+            self._problem(layout, micro_batch_size, costs, stage, in_flight_alike=True) for stage in self._stage_options
+        ]
 
     def _infeasible(self, layout: SequenceLayout, micro_batch_size: int, edge: int, problem: StageProblem) -> None:
         leanest = problem.leanest()
+        held = {}
+        if self.forwards_in_flight > 1:
+            bucket = self._bucket_layout(self._key(layout, micro_batch_size))
+            held = dict(
+                forwards_in_flight=self.forwards_in_flight,
+                held_cap_bytes=self._held_cap(layout.p, layout.causal, micro_batch_size),
+                leanest_held_bytes=self.cost_model.held_bytes(
+                    bucket, micro_batch_size, leanest.saved_bytes, problem.stage
+                ),
+                stage_budget_bytes=self._budget,
+            )
         report = InfeasibleReport(
             length=layout.valid_len,
             padded_length=layout.padded_len,
             bucket_length=edge,
             micro_batch_size=micro_batch_size,
-            budget_bytes=self._budget,
+            budget_bytes=problem.budget_bytes,
             leanest_peak_bytes=leanest.peak_bytes,
             leanest_plan=problem.to_plan(leanest).compact(),
             longest_feasible_length=self.max_feasible_length(
                 layout.p, causal=layout.causal, micro_batch_size=micro_batch_size
             ),
+            **held,
         )
         if self.config.on_infeasible == "stop":
             raise InfeasibleSequenceError(report)
         logger.warning("planner: skipping a micro-batch: %s", report)
         return None
 
-    def _search_longest(self, p: int, causal: bool, micro_batch_size: int) -> int:
+    def _search_longest(self, p: int, causal: bool, layout_fits: Callable[[SequenceLayout], bool]) -> int:
+        """The longest bucket edge of one document on ``p`` ranks that ``layout_fits``; 0 if none."""
+
         def fits(index: int) -> bool:
             edge = self._buckets.edge_at(index, 2 * p)
-            return self.fits(SequenceLayout((edge,), p, causal, edge), micro_batch_size)
+            return layout_fits(SequenceLayout((edge,), p, causal, edge))
 
         if not fits(0):
             return 0
@@ -472,6 +621,12 @@ class ForwardOnlyCost:
         """``saved_bytes`` is 0 (no layer keeps anything); one activation stands in for it."""
         held = self.activation_bytes(layout, micro_batch_size)
         return self.training.peak_bytes(layout, micro_batch_size, held, transient_bytes, stage)
+
+    def held_bytes(
+        self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, stage: StageOptions = WHOLE_LOSS
+    ) -> float:
+        """Nothing: a forward-only pass keeps nothing for a backward."""
+        return 0.0
 
     def stage_options(self, loss_chunk_tokens: int) -> tuple[StageOptions, ...]:
         return self.training.stage_options(loss_chunk_tokens)

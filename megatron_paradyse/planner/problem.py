@@ -14,6 +14,12 @@ of offloaded layers (``sum_o n_o h_o``) stays within the host budget. A problem 
 one choice of how the stage runs around its layers (:class:`~megatron_paradyse.cost.base.StageOptions`):
 it sets ``peak`` and adds a constant to ``T``; an option it rules out costs infinite working memory, so
 no plan that uses it fits.
+
+A stage of Megatron's interleaved schedule runs its layers as several model chunks, and each chunk of a
+micro-batch holds its activations from its own forward to its own backward. Such a problem is posed for
+one chunk (``L`` its layers, the budget one chunk's share) and every chunk runs its plan: ``T`` counts
+the stage's layers, the peak one chunk's. A chunk with fewer layers than the largest runs the plan's
+first layers, whose peak is no higher (:meth:`StageProblem.to_plan` orders them for that).
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from megatron_paradyse.core.plan import LayerOption, Plan
 from megatron_paradyse.cost.base import WHOLE_LOSS, LayerCost, StageOptions, stage_layer_bytes
 
 __all__ = ["Solution", "StageProblem"]
+
+_ROUNDING = 1e-12
+"""Relative slack of the memory bounds: what floating-point rounding of their arithmetic may move them."""
 
 PeakFn = Callable[[float, float], float]
 """``(sum of saved bytes, largest transient bytes) -> predicted stage peak bytes``."""
@@ -51,6 +60,7 @@ class StageProblem:
     options: tuple[LayerOption, ...]
     costs: tuple[LayerCost, ...]
     num_layers: int
+    """Layers a solution counts: the stage's, or its largest model chunk's (:attr:`chunk_layers`)."""
     budget_bytes: float
     peak: PeakFn
     stage: StageOptions = WHOLE_LOSS
@@ -58,22 +68,43 @@ class StageProblem:
     """What ``stage`` adds to every plan's time."""
     host_budget_bytes: float = math.inf
     """Host memory the offloaded layers' inputs may take (per rank)."""
+    chunk_layers: tuple[int, ...] = ()
+    """Layers of each model chunk of the stage, in layer order, when it runs several (the largest is
+    :attr:`num_layers`); empty: one."""
+    saved_budget_bytes: float = math.inf
+    """The most saved bytes a plan's layers may keep: what the stage holds of it while other forwards
+    run (:class:`~megatron_paradyse.planner.planner.Planner`'s forwards in flight)."""
 
     def __post_init__(self) -> None:
         if len(self.options) != len(self.costs) or not self.options:
             raise ValueError(f"need one cost per option, got {len(self.options)} options, {len(self.costs)} costs")
         if self.num_layers < 1:
             raise ValueError(f"a stage needs at least one layer, got num_layers={self.num_layers}")
+        if self.chunk_layers and max(self.chunk_layers) != self.num_layers:
+            raise ValueError(f"num_layers={self.num_layers} is not the largest of chunk_layers={self.chunk_layers}")
+
+    @property
+    def repeats(self) -> int:
+        """How many times the stage runs a solution's layers: once per model chunk."""
+        return max(1, len(self.chunk_layers))
 
     def evaluate(self, counts: Sequence[int]) -> Solution:
-        """Predicted time and peak of a count vector (sums in option order, so every rank gets the same bits)."""
-        time_s, host = self.stage_time_s, 0.0
+        """Predicted time and peak of a count vector (sums in option order, so every rank gets the same
+        bits). The time and host bytes are every chunk's, as if each had :attr:`num_layers` layers."""
+        time_s, host = 0.0, 0.0
         for n, cost in zip(counts, self.costs):
             if n:
                 time_s += n * cost.time_s
                 host += n * cost.host_bytes
         saved, transient = stage_layer_bytes(zip(counts, self.costs), self.num_layers)
-        return Solution(tuple(counts), time_s, saved, transient, self.peak(saved, transient), host)
+        return Solution(
+            tuple(counts),
+            self.stage_time_s + self.repeats * time_s,
+            saved,
+            transient,
+            self.peak(saved, transient),
+            self.repeats * host,
+        )
 
     def uniform(self, option: int) -> tuple[int, ...]:
         """Count vector of the plan that runs ``options[option]`` on every layer."""
@@ -82,17 +113,18 @@ class StageProblem:
         return tuple(counts)
 
     def leanest(self) -> Solution:
-        """The plan of least predicted peak within the host budget.
+        """The plan of least predicted peak within the host budget and the saved bytes' (if any plan is;
+        else the host budget's alone).
 
         Without offload it is uniform: a plan whose largest transient is ``r`` peaks at least at
         ``peak(L * min_{r_o <= r} m_o, r)``, which the uniform plan of that minimising option attains
-        or beats. An offloaded option takes as many layers as the host budget holds, beside one other
-        option on the rest (the same argument, per option pair).
+        or beats, keeping the fewest saved bytes too. An offloaded option takes as many layers as the
+        host budget holds, beside one other option on the rest (the same argument, per option pair).
         """
         candidates = [self.uniform(o) for o in range(len(self.options))]
         for o, cost in enumerate(self.costs):
-            if cost.host_bytes and cost.host_bytes * self.num_layers > self.host_budget_bytes:
-                held = int(self.host_budget_bytes // cost.host_bytes)
+            if cost.host_bytes and self.repeats * cost.host_bytes * self.num_layers > self.host_budget_bytes:
+                held = int(self.host_budget_bytes // (self.repeats * cost.host_bytes))
                 for other, other_cost in enumerate(self.costs):
                     if not other_cost.host_bytes:
                         counts = [0] * len(self.options)
@@ -103,12 +135,19 @@ class StageProblem:
             candidate = self.evaluate(counts)
             if candidate.host_bytes > self.host_budget_bytes:
                 continue
-            if best is None or candidate.peak_bytes < best.peak_bytes:
-                best = candidate
-        return best
+            key = (candidate.saved_bytes > self.saved_budget_bytes, candidate.peak_bytes)
+            if best is None or key < best[0]:
+                best = key, candidate
+        return best[1]
 
     def fits(self, solution: Solution) -> bool:
-        return solution.peak_bytes <= self.budget_bytes and solution.host_bytes <= self.host_budget_bytes
+        # the saved budget is a difference (the planner's held cap less the stage's own activations): the plan
+        # that set the cap meets it again only up to rounding
+        return (
+            solution.peak_bytes <= self.budget_bytes * (1 + _ROUNDING)
+            and solution.host_bytes <= self.host_budget_bytes
+            and solution.saved_bytes <= self.saved_budget_bytes * (1 + _ROUNDING)
+        )
 
     def to_plan(self, solution: Solution) -> Plan:
         """The plan of a count vector, layers ordered by decreasing transient (then saved) bytes.
@@ -123,15 +162,24 @@ class StageProblem:
 
         Offloaded layers run after all others, so that their saved bytes are right
         (:func:`~megatron_paradyse.cost.base.stage_layer_bytes`).
+
+        With model chunks, each chunk runs that order, a shorter one its first layers: a prefix of it
+        holds no more than the whole (its saved bytes a part, its transients among them), and its time
+        is what its layers take.
         """
         used = sorted(
             (o for o, n in enumerate(solution.counts) if n),
             key=lambda o: (self.options[o].offload, -self.costs[o].transient_bytes, -self.costs[o].saved_bytes, o),
         )
-        layers = tuple(option for o in used for option in (self.options[o],) * solution.counts[o])
+        order = [o for o in used for _ in range(solution.counts[o])]
+        chunks = self.chunk_layers or (self.num_layers,)
+        run = [o for layers in chunks for o in order[:layers]]
+        time_s = solution.time_s
+        if min(chunks) < self.num_layers:
+            time_s = self.stage_time_s + sum(self.costs[o].time_s for o in run)
         return Plan(
-            layers,
+            tuple(self.options[o] for o in run),
             loss_chunk_tokens=self.stage.loss_chunk_tokens,
-            predicted_time_s=solution.time_s,
+            predicted_time_s=time_s,
             predicted_peak_bytes=solution.peak_bytes,
         )

@@ -177,14 +177,14 @@ class Job:
 
     def check_static_memory(self) -> None:
         """Every pipeline stage's weights, gradients and optimizer state fit the budget with the optimizer
-        step's working set, and with the input gradient the pipeline schedule holds between micro-batches
-        (:func:`~megatron_paradyse.mcore.drop_in.stage_budgets`): else no micro-batch could train."""
-        from megatron_paradyse.mcore.drop_in import input_gradient_bytes, step_stage_budgets
+        step's working set, and with what the pipeline schedule keeps of one micro-batch into the next
+        (:func:`~megatron_paradyse.mcore.drop_in.step_stage_budgets`): else no micro-batch could train."""
+        from megatron_paradyse.mcore.drop_in import kept_between_micro_batches_bytes, step_stage_budgets
 
         footprints = self.footprints()
         transformer = self.model_config.transformer
         budgets = step_stage_budgets(self.budget_bytes, footprints, self.args, transformer)
-        gradient = input_gradient_bytes(transformer, self.args.seq_length, self.args.micro_batch_size)
+        kept = kept_between_micro_batches_bytes(transformer, self.args.seq_length, self.args.micro_batch_size)
         over = []
         for f, budget in zip(footprints, budgets):
             static = (
@@ -192,10 +192,10 @@ class Job:
             )
             if f.static_bytes + f.optimizer_step_bytes > self.budget_bytes:
                 over.append(f"{static}, and {f.optimizer_step_bytes / _GIB:.3g} GiB more while the optimizer steps")
-            elif budget <= f.static_bytes:
+            elif budget.bytes <= f.static_bytes:
                 over.append(
-                    f"{static}, and {gradient / _GIB:.3g} GiB for the input gradient of --seq-length "
-                    f"{self.args.seq_length} tokens that the pipeline schedule holds between micro-batches (a shorter "
+                    f"{static}, and {kept / _GIB:.3g} GiB for a micro-batch's input and its gradient, of --seq-length "
+                    f"{self.args.seq_length} tokens, that the pipeline schedule keeps into the next one (a shorter "
                     f"data.max_len or more tensor-parallel ranks make it smaller)"
                 )
         if over:

@@ -148,8 +148,12 @@ class _Job:
         import dataclasses
 
         from megatron_paradyse.core.plan import LayerOption
-        from megatron_paradyse.mcore.drop_in import stage_cost_models, stage_footprints, step_stage_budgets
-        from megatron_paradyse.planner import Planner
+        from megatron_paradyse.mcore.drop_in import (
+            stage_cost_models,
+            stage_footprints,
+            stage_planner,
+            step_stage_budgets,
+        )
 
         planner_config = dataclasses.replace(self.config.planner, on_infeasible="stop")
         if pair is not None:
@@ -169,8 +173,7 @@ class _Job:
         costs = stage_cost_models(self.args, self.transformer, self.profile, footprints)
         budgets = step_stage_budgets(self.budget_bytes, footprints, self.args, self.transformer)
         return [
-            Planner.for_model(planner_config, c, shape=c.shape, p=self.tp, num_layers=f.layers, budget_bytes=budget)
-            for c, f, budget in zip(costs, footprints, budgets)
+            stage_planner(planner_config, c, f, budget, self.args) for c, f, budget in zip(costs, footprints, budgets)
         ]
 
 
@@ -209,6 +212,9 @@ def _transformer(args: argparse.Namespace, dtype: torch.dtype):
         qk_layernorm=args.qk_layernorm,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        # Megatron's argument check turns the overlapped p2p exchange off without the interleaved schedule
+        overlap_p2p_comm=args.overlap_p2p_comm and args.virtual_pipeline_model_parallel_size is not None,
         sequence_parallel=tp > 1,
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -205,4 +205,7 @@ def _checker(planner: Planner) -> Planner:
         options=planner.options,
         num_layers=planner.num_layers,
         budget_bytes=planner.budget_bytes,
+        chunk_layers=planner.chunk_layers,
+        forwards_in_flight=planner.forwards_in_flight,
+        longest_tokens=planner.longest_tokens,
     )

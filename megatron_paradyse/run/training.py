@@ -132,8 +132,7 @@ class TrainingRun:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
         from megatron_paradyse.data import DynamicSequenceLoader, LoaderConfig
-        from megatron_paradyse.mcore.drop_in import step_stage_budgets
-        from megatron_paradyse.planner import Planner
+        from megatron_paradyse.mcore.drop_in import stage_planner, step_stage_budgets
         from megatron_paradyse.planner.planner import ForwardOnlyCost
         from megatron_paradyse.run.log import MicroBatchMeter
         from megatron_paradyse.run.planned_loader import PlannedMicroBatches
@@ -176,13 +175,12 @@ class TrainingRun:
             job.budget_bytes, self.footprints, args, job.model_config.transformer, forward_only=evaluation
         )
         planners = [
-            Planner.for_model(
+            stage_planner(
                 planner_config,
                 cost,
-                shape=cost.shape,
-                p=job.tp,
-                num_layers=footprint.layers,
-                budget_bytes=budget,
+                footprint,
+                budget,
+                args,
                 time_corrections=self.time_corrections if learning else None,
             )
             for cost, footprint, budget in zip(cost_models, self.footprints, budgets)
@@ -209,7 +207,7 @@ class TrainingRun:
                 flush=True,
             )
         if not self.iterators and torch.distributed.get_rank() == 0:  # once
-            _say_how_in_flight_micro_batches_are_budgeted(args, job.model_config.transformer)
+            _say_how_forwards_in_flight_are_budgeted(args, job.model_config.transformer)
         if job.args.iteration > 0:
             self._resume(iterator)
         self.iterators.append(iterator)
@@ -624,25 +622,26 @@ def _attempt(fn):
         return None, f"{type(e).__name__}: {e}"
 
 
-def _say_how_in_flight_micro_batches_are_budgeted(args, transformer) -> None:
-    """Where the pipeline schedule keeps several micro-batches on a stage, say how the planner budgets
-    them (:func:`~megatron_paradyse.mcore.drop_in.micro_batches_in_flight`)."""
-    from megatron_paradyse.mcore.drop_in import micro_batches_in_flight, step_micro_batches
+def _say_how_forwards_in_flight_are_budgeted(args, transformer) -> None:
+    """Where the pipeline schedule keeps several forwards on a stage, say how the planner budgets them
+    (:func:`~megatron_paradyse.mcore.drop_in.forwards_in_flight`)."""
+    from megatron_paradyse.mcore.drop_in import forwards_in_flight, step_micro_batches
 
     pp, virtual_stages, micro_batches = (
         args.pipeline_model_parallel_size,
         args.virtual_pipeline_model_parallel_size,
         step_micro_batches(args),
     )
-    in_flight = micro_batches_in_flight(
-        pp, micro_batches, virtual_stages, transformer.microbatch_group_size_per_vp_stage
-    )
+    in_flight = forwards_in_flight(pp, micro_batches, virtual_stages, transformer.microbatch_group_size_per_vp_stage)
     if max(in_flight) < 2:
         return
-    schedule = "1F1B" if virtual_stages is None else f"the interleaved schedule ({virtual_stages} chunks a stage)"
+    if virtual_stages is None:
+        schedule, held = "1F1B", "micro-batches"
+    else:
+        schedule, held = f"the interleaved schedule ({virtual_stages} chunks a stage)", "model chunks of micro-batches"
     print(
         f"paradyse: PP={pp}: with {micro_batches} micro-batches per step under {schedule}, pipeline stages "
-        f"0..{pp - 1} hold activations of up to {', '.join(map(str, in_flight))} micro-batches at once: each is "
+        f"0..{pp - 1} hold activations of up to {', '.join(map(str, in_flight))} {held} at once: each is "
         f"planned to that share of the memory its stage has beyond the static bytes",
         flush=True,
     )
