@@ -622,12 +622,6 @@ class ForwardOnlyCost:
         held = self.activation_bytes(layout, micro_batch_size)
         return self.training.peak_bytes(layout, micro_batch_size, held, transient_bytes, stage)
 
-    def held_bytes(
-        self, layout: SequenceLayout, micro_batch_size: int, saved_bytes: float, stage: StageOptions = WHOLE_LOSS
-    ) -> float:
-        """Nothing: a forward-only pass keeps nothing for a backward."""
-        return 0.0
-
     def stage_options(self, loss_chunk_tokens: int) -> tuple[StageOptions, ...]:
         return self.training.stage_options(loss_chunk_tokens)
 
