@@ -173,7 +173,7 @@ def test_overlapped_reduction_is_refused_where_lean_would_break_it(tmp_path, cac
 
 def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses_learning(tmp_path, cache_p2):
     """PP=2 with two micro-batches per step trains; stage 0 holds both micro-batches' activations at once,
-    and plans each to half its memory beyond the static bytes: one line says so. So does the interleaved
+    and plans each to hold no more than the longest would beside the other: one line says so. So does the interleaved
     schedule, with its own counts. Learning the time model is refused, and a budget that cannot hold what
     the schedule keeps between micro-batches."""
     flags = [*SMALL_GPT, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
@@ -187,8 +187,8 @@ def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses
     assert [out.count("paradyse: warning:") for out in stdout] == [0, 0]
     assert (
         "paradyse: PP=2: with 2 micro-batches per step under 1F1B, pipeline stages 0..1 hold activations of up to "
-        "2, 1 micro-batches at once: each is planned to that share of the memory its stage has beyond the static "
-        "bytes\n" in stdout[0]
+        "2, 1 micro-batches at once: each may hold what a micro-batch of --seq-length 4096 tokens holds under the "
+        "fastest plan that fits that many of it, and peak in what the others leave\n" in stdout[0]
     ), stdout[0][-3000:]
 
     # Megatron's interleaved schedule, two chunks of one layer a stage: five chunk forwards in flight on stage 0.
@@ -221,8 +221,9 @@ def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses
     assert [out.count("paradyse: warning:") for out in stdout] == [0, 0]
     assert (
         "paradyse: PP=2: with 4 micro-batches per step under the interleaved schedule (2 chunks a stage), pipeline "
-        "stages 0..1 hold activations of up to 5, 3 model chunks of micro-batches at once: each is planned to that "
-        "share of the memory its stage has beyond the static bytes\n" in stdout[0]
+        "stages 0..1 hold activations of up to 5, 3 model chunks of micro-batches at once: each may hold what a "
+        "micro-batch of --seq-length 4096 tokens holds under the fastest plan that fits that many of it, and peak "
+        "in what the others leave\n" in stdout[0]
     ), stdout[0][-3000:]
 
     config = _config(tmp_path / "cfg.yaml", cache_p2, planner={"on_infeasible": "skip", "learn_time": True})

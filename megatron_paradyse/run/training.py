@@ -641,8 +641,9 @@ def _say_how_forwards_in_flight_are_budgeted(args, transformer) -> None:
         schedule, held = f"the interleaved schedule ({virtual_stages} chunks a stage)", "model chunks of micro-batches"
     print(
         f"paradyse: PP={pp}: with {micro_batches} micro-batches per step under {schedule}, pipeline stages "
-        f"0..{pp - 1} hold activations of up to {', '.join(map(str, in_flight))} {held} at once: each is "
-        f"planned to that share of the memory its stage has beyond the static bytes",
+        f"0..{pp - 1} hold activations of up to {', '.join(map(str, in_flight))} {held} at once: each may hold "
+        f"what a micro-batch of --seq-length {args.seq_length} tokens holds under the fastest plan that fits that "
+        f"many of it, and peak in what the others leave",
         flush=True,
     )
 
