@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megatron_paradyse.cli import main as paradyse
 
@@ -31,6 +32,31 @@ def test_plan_answers_will_it_fit_for_llama3_8b_on_h100(tmp_path, capsys):
     assert f"longest sequence the planner fits: {answer['longest']} tokens" in printed
     assert "Megatron TP+SP (stock)" in printed and "does not fit" in printed
     assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_of_an_interleaved_pipeline_says_what_its_stages_hold(tmp_path, capsys):
+    """Llama 3 8B on PP=2 with 4 model chunks a stage and 8 micro-batches a step: stages hold 9 and 7 chunk
+    forwards at once (Megatron's warm-up plus one), each planned by chunk: every chunk of a stage runs the
+    same plan."""
+    config = yaml.safe_load((CONFIGS / "llama3-8b.yaml").read_text())
+    config["cost"]["profile"] = None
+    config["megatron_args"] += ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "4"]
+    config["megatron_args"][config["megatron_args"].index("--global-batch-size") + 1] = "8"
+    path = tmp_path / "pp2.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "plan.json"
+    assert paradyse(["plan", str(path), "--gpu", "h100", "--lengths", "131072", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "pipeline stages 0..1 hold up to 9, 7 forwards at once, each planned to hold what one of --seq-length "
+        "131072 tokens would; peak: one forward's\n"
+    ) in printed
+    answer = json.loads(out.read_text())
+    assert answer["forwards_in_flight"] == [9, 7]
+    for stage in ("stage0", "stage1"):
+        runs = [run.split("x ", 1) for run in answer["lengths"][0][stage]["plan"].split("; ")[0].split(", ")]
+        layers = [option for count, option in runs for _ in range(int(count))]
+        assert len(layers) == 16 and layers == layers[:4] * 4, layers
 
 
 def test_plan_refuses_what_it_cannot_price(tmp_path, capsys):

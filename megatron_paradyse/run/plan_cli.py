@@ -68,6 +68,8 @@ def run_plan(args: argparse.Namespace) -> int:
         "tp": job.tp,
         "pp": len(planner),
         "budget_gib": job.budget_bytes / _GIB,
+        "forwards_in_flight": [p.forwards_in_flight for p in planner],
+        "seq_length": job.args.seq_length,
         "lengths": rows,
         "static_longest": static,
         "longest": longest,
@@ -250,8 +252,14 @@ def _format(answer: dict) -> str:
     lines = [
         f"cost model: {answer['cost_model']}",
         f"TP={answer['tp']} PP={stages}; budget {answer['budget_gib']:.2f} GiB per rank",
-        f"{'tokens':>9}  {'stage':>5}  {'plan':<{width}} {'time s':>9} {'peak GiB':>9}",
     ]
+    if max(answer["forwards_in_flight"]) > 1:
+        lines.append(
+            f"pipeline stages 0..{stages - 1} hold up to {', '.join(map(str, answer['forwards_in_flight']))} "
+            f"forwards at once, each planned to hold what one of --seq-length {answer['seq_length']} tokens would; "
+            f"peak: one forward's"
+        )
+    lines.append(f"{'tokens':>9}  {'stage':>5}  {'plan':<{width}} {'time s':>9} {'peak GiB':>9}")
     for row in answer["lengths"]:
         for stage in range(stages):
             d = row[f"stage{stage}"]
