@@ -41,9 +41,20 @@ def layout(tokens: int | tuple[int, ...], p: int = 2) -> SequenceLayout:
     return SequenceLayout.build(tokens, p, causal=True)
 
 
-def two_option_planner(costs, *, budget=100.0, num_layers=4, **config) -> tuple[Planner, FunctionCostModel]:
+def two_option_planner(
+    costs, *, budget=100.0, num_layers=4, chunk_layers=(), forwards_in_flight=1, longest_tokens=None, **config
+) -> tuple[Planner, FunctionCostModel]:
     model = FunctionCostModel(costs, lambda saved, transient: saved + transient)
-    planner = Planner(PlannerConfig(**config), model, options=(FAST, LEAN), num_layers=num_layers, budget_bytes=budget)
+    planner = Planner(
+        PlannerConfig(**config),
+        model,
+        options=(FAST, LEAN),
+        num_layers=num_layers,
+        budget_bytes=budget,
+        chunk_layers=chunk_layers,
+        forwards_in_flight=forwards_in_flight,
+        longest_tokens=longest_tokens,
+    )
     return planner, model
 
 
@@ -191,16 +202,10 @@ def test_a_stage_of_model_chunks_runs_one_chunks_plan_in_each(method):
     """Interleaved, each model chunk of a micro-batch is planned to the budget alone and runs the same
     plan (a shorter chunk its first layers); the time counts the stage's layers."""
     costs = {FAST: LayerCost(1.0, 4.0, 3.0), LEAN: LayerCost(2.0, 1.0, 1.0)}
-    model = FunctionCostModel(lambda o, s: costs[o], lambda saved, transient: saved + transient)
 
     def plan(num_layers, budget, chunk_layers=()):
-        planner = Planner(
-            PlannerConfig(method=method),
-            model,
-            options=(FAST, LEAN),
-            num_layers=num_layers,
-            budget_bytes=budget,
-            chunk_layers=chunk_layers,
+        planner, _ = two_option_planner(
+            lambda o, s: costs[o], budget=budget, num_layers=num_layers, chunk_layers=chunk_layers, method=method
         )
         plan = planner.decide(layout(64)).plan
         return plan.layers, plan.predicted_time_s, plan.predicted_peak_bytes
@@ -217,19 +222,16 @@ def _in_flight_planner(budget, forwards, longest, method="exact"):
     """Two layers of two options whose costs grow with the length (those of 1024 tokens: FAST t=1 saved 4
     transient 3, LEAN t=2 saved 1 transient 1), peak saved + transient, holding its saved bytes."""
     base = {FAST: LayerCost(1.0, 4.0, 3.0), LEAN: LayerCost(2.0, 1.0, 1.0)}
-    model = FunctionCostModel(
+    planner, _ = two_option_planner(
         lambda o, s: LayerCost(base[o].time_s, base[o].saved_bytes * s / 1024, base[o].transient_bytes * s / 1024),
-        lambda saved, transient: saved + transient,
-    )
-    return Planner(
-        PlannerConfig(method=method, bucket_tokens=256),
-        model,
-        options=(FAST, LEAN),
+        budget=budget,
         num_layers=2,
-        budget_bytes=budget,
         forwards_in_flight=forwards,
         longest_tokens=longest,
+        method=method,
+        bucket_tokens=256,
     )
+    return planner
 
 
 @pytest.mark.parametrize("method", ["exact", "heuristic"])
