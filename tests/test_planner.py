@@ -275,9 +275,24 @@ def test_forwards_in_flight_longer_than_fits_set_the_caps_at_the_longest_that_do
     ) in str(report)
 
 
+def test_forwards_in_flight_that_fit_at_no_length_are_refused_as_such():
+    """On a budget of 1, not even three of the shortest bucket fit alike (LEAN+LEAN: 7 x 0.25): every
+    micro-batch is refused, saying that no length fits, not with a negative share."""
+    with pytest.raises(InfeasibleSequenceError) as refused:
+        _in_flight_planner(1.0, 3, 4096).decide(layout(256))
+    assert str(refused.value.report) == (
+        "a sequence of 256 tokens (padded to 256, planned at 256) with micro-batch size 1 fits no plan: the leanest "
+        "(2x ring/zero3) is predicted to hold 0.00 GiB until its backward and to peak at 0.00 GiB, and the stage's "
+        "budget of 0.00 GiB holds none of its 3 forwards in flight at any length; no length fits with this "
+        "micro-batch size"
+    )
+
+
 def test_forwards_in_flight_need_the_longest_micro_batch():
     with pytest.raises(ValueError, match=r"with 3 forwards in flight the planner needs the longest micro-batch's"):
         _in_flight_planner(20.0, 3, None)
+    with pytest.raises(ValueError, match=r"^forwards_in_flight must be a positive int, got 0$"):
+        _in_flight_planner(20.0, 0, 1024)
 
 
 def test_heuristic_method_runs_algorithm_1():

@@ -198,6 +198,8 @@ class Planner:
         chunk_layers = tuple(chunk_layers)
         if chunk_layers and (sum(chunk_layers) != num_layers or min(chunk_layers) < 1):
             raise ValueError(f"chunk_layers {chunk_layers} must be positive and add up to num_layers={num_layers}")
+        if not isinstance(forwards_in_flight, int) or forwards_in_flight < 1:
+            raise ValueError(f"forwards_in_flight must be a positive int, got {forwards_in_flight!r}")
         if forwards_in_flight > 1 and not (isinstance(longest_tokens, int) and longest_tokens > 0):
             raise ValueError(
                 f"with {forwards_in_flight} forwards in flight the planner needs the longest micro-batch's tokens "
