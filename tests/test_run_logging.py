@@ -2,8 +2,9 @@
 
 One 2-rank ``torchrun`` of the entry point (TP=2) with ``--tensorboard-dir``, ``--wandb-project`` (the
 ``wandb`` module is the stand-in of ``tests/stand_ins``, which records every call) and ``--log-interval
-2``; its JSONL log is the reference the writers' figures are checked against. The cost profile is
-calibrated once for the module (``PARADYSE_TEST_PROFILE`` names one to reuse).
+2``, each rank's output in its own file (the table is the last rank's); its JSONL log is the reference
+the writers' figures are checked against. The cost profile is calibrated once for the module
+(``PARADYSE_TEST_PROFILE`` names one to reuse).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ MODEL = [
 @dataclass
 class Run:
     stdout: str
+    """The last rank's (the table's)."""
     records: list[IterationLog]
     tensorboard: Path
     wandb_calls: list[dict]
@@ -69,7 +71,9 @@ def run(tmp_path_factory, cache_p2) -> Run:
     )
     flags = ["--tensorboard-dir", str(folder / "tb"), "--log-interval", "2"]
     flags += ["--wandb-project", "paradyse-test", "--wandb-exp-name", "run", "--wandb-save-dir", str(folder / "wandb")]
+    # each rank's output to its own file: ranks writing to one pipe can split each other's lines
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command += ["--log-dir", str(folder / "ranks"), "--redirects", "3"]
     command += ["-m", "megatron_paradyse.pretrain_gpt", "--paradyse-config", str(config), *MODEL, *flags]
     env = {
         **os.environ,
@@ -78,9 +82,10 @@ def run(tmp_path_factory, cache_p2) -> Run:
         "WANDB_STAND_IN_LOG": str(folder / "wandb.jsonl"),
     }
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    logs = {path.parent.name + "/" + path.name: path.read_text() for path in (folder / "ranks").glob("**/std*.log")}
+    assert result.returncode == 0, "\n".join(f"{name}:\n{text[-3000:]}" for name, text in sorted(logs.items()))
     calls = [json.loads(line) for line in (folder / "wandb.jsonl").read_text().splitlines()]
-    return Run(result.stdout, read_jsonl(folder / "log.jsonl"), folder / "tb", calls)
+    return Run(logs["1/stdout.log"], read_jsonl(folder / "log.jsonl"), folder / "tb", calls)
 
 
 def _expected(records: list[IterationLog]) -> dict[str, dict[int, float]]:
