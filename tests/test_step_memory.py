@@ -5,8 +5,8 @@ with biases, or LLaMA-style RMSNorm, GQA and SwiGLU without, with q/k norms as Q
 tied to its embedding at one TP size and untied at the other) runs forward, Megatron's vocab-parallel
 loss and backward under :class:`PeakMemory`, after a first step (so nothing lazily created is counted) and after
 :func:`release_step_buffers` (Megatron's all-gather buffer and rotary tables are the step's own, as in
-the training entry point), twice: the smaller peak counts (gloo's worker thread may free a buffer
-late). The step's inputs and the layout's index tensors exist before the window and are added to what
+the training entry point), until the smallest peak recurs (:func:`recurring_peak_bytes`: gloo's worker
+thread may free a buffer late). The step's inputs and the layout's index tensors exist before the window and are added to what
 it measures. The largest rank's measured peak must be the cost model's ``peak_bytes``
 for the plan (static bytes 0: the gradients exist before, as Megatron's buffer) within
 :data:`TOLERANCE`: embedding, every layer, the final norm, the output layer, the cross-entropy and the
@@ -103,7 +103,7 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
     from megatron.core.transformer import TransformerConfig
 
     from megatron_paradyse.core.compat import cuda_to_cpu
-    from megatron_paradyse.core.memory import peak_bytes_of, storage_bytes
+    from megatron_paradyse.core.memory import recurring_peak_bytes, storage_bytes
     from megatron_paradyse.core.micro_batch import MicroBatch
     from megatron_paradyse.core.plan import Plan
     from megatron_paradyse.data import make_micro_batch
@@ -188,18 +188,16 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
                             if data_parallel:
                                 runner.finish_grad_sync()  # the buckets' reduce-scatters, started in backward
 
-                    def measured_step(step=step) -> int:
+                    def measured_step(step=step) -> None:
                         release_step_buffers()  # the step's own, made inside the window
-                        return peak_bytes_of(step)
+                        step()
 
                     step()
                     if data_parallel:  # the gradients went to DDP's buffer, not to the parameters
                         assert all(p.grad is None and p.main_grad.count_nonzero() for p in model.parameters())
                     inputs = [batch[k] for k in ("tokens", "labels", "loss_mask", "position_ids")]
                     inputs += list(layout.indices("cpu"))
-                    # the smaller of two runs: gloo's worker thread now and then frees a finished collective's
-                    # buffer after the code has dropped it, which only ever adds to a run's peak
-                    measured = storage_bytes(inputs) + min(measured_step(), measured_step())
+                    measured = storage_bytes(inputs) + recurring_peak_bytes(measured_step)
                     predicted = cost_model.plan_peak_bytes(plan, layout, 1)
                     case = f"p={tp} {dtype_name} {variant} {'tied' if tied else 'untied'} {documents} {plan_name}"
                     case += " DDP" if data_parallel else ""
@@ -271,7 +269,7 @@ def _pipeline_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_paradyse.core.compat import cuda_to_cpu
-    from megatron_paradyse.core.memory import peak_bytes_of, storage_bytes
+    from megatron_paradyse.core.memory import recurring_peak_bytes, storage_bytes
     from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
     from megatron_paradyse.core.plan import LayerOption, Plan
     from megatron_paradyse.mcore.chunked_loss import output_processor
@@ -321,7 +319,7 @@ def _pipeline_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
 
             step = schedule(model, forward_step, (batch.layout.padded_len,))
             step()
-            measured = inputs + min(peak_bytes_of(step), peak_bytes_of(step))
+            measured = inputs + recurring_peak_bytes(step)
             predicted = cost_model.plan_peak_bytes(plan, batch.layout, H.BATCH)
             results.append((f"stage {int(last)} {dtype_name} {variant} {option}", measured, predicted, 0.0))
 
@@ -339,7 +337,7 @@ def _pipeline_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
 
         steps = schedule(model, forward_step_of, IN_FLIGHT)
         steps()
-        measured = min(peak_bytes_of(steps), peak_bytes_of(steps))
+        measured = recurring_peak_bytes(steps)
         held = forwards_in_flight(2, len(IN_FLIGHT))[int(last)]
         planned = _smallest_planner_budget(cost_model, plan, IN_FLIGHT, held)
         kept = kept_between_micro_batches_bytes(config, max(IN_FLIGHT), H.BATCH)  # a stage input, its gradient
@@ -434,7 +432,7 @@ def _interleaved_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_paradyse.core.compat import cuda_to_cpu
-    from megatron_paradyse.core.memory import peak_bytes_of
+    from megatron_paradyse.core.memory import recurring_peak_bytes
     from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
     from megatron_paradyse.core.plan import LayerOption, Plan
     from megatron_paradyse.mcore.chunked_loss import output_processor
@@ -474,7 +472,7 @@ def _interleaved_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
                 )
 
         step()
-        measured = min(peak_bytes_of(step), peak_bytes_of(step))
+        measured = recurring_peak_bytes(step)
         cost_model = _cost_model(config, H.VOCAB if last else 0)
         longest = H.Batch.make((max(INTERLEAVED),), 1, 0).layout
         whole = cost_model.plan_peak_bytes(plan, longest, H.BATCH)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_paradyse.core.memory import peak_bytes_of
+from megatron_paradyse.core.memory import recurring_peak_bytes
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.strategies.streaming import broadcast_shards, ring_shards
 
@@ -54,11 +54,11 @@ def _run_schedules(rank: int, p: int) -> dict:
         grad = schedule(own, group, step, grads=True)
         # After one run without gradients, as layer measurements run once before measuring: the first such
         # run of a process held a finished broadcast's buffer until it returned (120 B for 80, every rank,
-        # p = 3). Then the smaller of two runs, as layer measurements take.
+        # p = 3). Then the peak that recurs.
         schedule(own, group, _yielding_step)
         forward, backward = (functools.partial(schedule, own, group, _yielding_step, grads=g) for g in (False, True))
-        peak_forward = min(peak_bytes_of(forward) for _ in range(2))
-        peak_with_grads = min(peak_bytes_of(backward) for _ in range(2))
+        peak_forward = recurring_peak_bytes(forward)
+        peak_with_grads = recurring_peak_bytes(backward)
         results[name] = {
             "order": [j for j, _ in seen],
             "shards_match_owners": all(

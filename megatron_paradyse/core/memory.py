@@ -30,6 +30,7 @@ __all__ = [
     "collective_buffers_freed_promptly",
     "host_memory",
     "peak_bytes_of",
+    "recurring_peak_bytes",
     "storage_bytes",
 ]
 
@@ -189,6 +190,19 @@ def peak_bytes_of(work: Callable[[], object], device: torch.device | str = "cpu"
     finally:
         gc.enable()
     return window.peak_bytes
+
+
+def recurring_peak_bytes(work: Callable[[], object], device: torch.device | str = "cpu", *, most_runs: int = 6) -> int:
+    """The peak of ``work()`` (repeatable work, run again and again) that recurs: the smallest peak, once
+    two runs have reached it. On CPU a run's peak can only ever come out higher than the work's own (gloo's
+    worker thread, when it gets the GIL late, drops a finished collective's buffer late), and two runs
+    alike at the least are the work's own; the smaller of two runs alone missed it now and then."""
+    peaks = []
+    while len(peaks) < most_runs:
+        peaks.append(peak_bytes_of(work, device))
+        if peaks.count(min(peaks)) == 2:
+            return min(peaks)
+    raise RuntimeError(f"no two of {most_runs} runs of the work peaked alike at the least: {sorted(peaks)} B")
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
