@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import sys
 import time
 
 import pytest
@@ -37,7 +36,7 @@ import torch.nn.functional as F
 
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.core.layout import SequenceLayout
-from megatron_paradyse.core.memory import _StorageTracker
+from megatron_paradyse.core.memory import _StorageTracker, collective_buffers_freed_promptly, recurring_least
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.allocations import Dims, sublayer_memory
@@ -46,7 +45,7 @@ from megatron_paradyse.cost.terms import layer_terms
 from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape, run_attention, run_mlp
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-RUNS = 2
+RUNS = 6
 RETRIES = 3
 OPTIONS = [
     f"{a}/{m}{rc}"
@@ -131,15 +130,12 @@ def cells(p: int) -> list[Cell]:
     return out
 
 
-def _min_over_runs(measure) -> tuple[int, ...]:
-    """The smallest of :data:`RUNS` measurements (per figure), switching threads every microsecond so
-    that gloo's worker thread drops a finished collective's buffers when the code does."""
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        return tuple(map(min, zip(*(measure() for _ in range(RUNS)))))
-    finally:
-        sys.setswitchinterval(interval)
+def _least_recurring(measure) -> tuple[int, ...]:
+    """Each figure at the least it takes once it recurs (at most :data:`RUNS` measurements), switching
+    threads every microsecond so that gloo's worker thread drops a finished collective's buffers when the
+    code does."""
+    with collective_buffers_freed_promptly():
+        return recurring_least(measure, most_runs=RUNS)
 
 
 def _measure_sublayer(cell: Cell, rank: int, p: int) -> tuple[int, int, int]:
@@ -184,7 +180,7 @@ def _measure_sublayer(cell: Cell, rank: int, p: int) -> tuple[int, int, int]:
             x0.grad = None
         return saved, fwd_peak, bwd_peak
 
-    saved, fwd_peak, bwd_peak = _min_over_runs(measure)
+    saved, fwd_peak, bwd_peak = _least_recurring(measure)
     # above what was saved (the smallest count: a buffer gloo's thread had not dropped yet does not shift it)
     return saved, fwd_peak, bwd_peak - saved
 
@@ -212,7 +208,7 @@ def _measure_megatron(cell: Cell, rank: int, p: int) -> tuple[int, int]:
             trace = tracer.trace(option, layout)
             return trace.saved_bytes, trace.peak_bytes
 
-        return _min_over_runs(measure)
+        return _least_recurring(measure)
 
 
 def _measure_cell(cell: Cell, rank: int, p: int) -> tuple[int, ...]:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_paradyse.bench import memory as memory_bench
 from megatron_paradyse.bench.memory import TRACE_MODELS, TraceConfig, trace_cases
 from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.memory import recurring_least
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.measure import measure_layer
@@ -57,8 +58,9 @@ CELLS = [
     ("llama", "bf16", ("ulysses/zero3", "ring/zero3+rc", "lean/lean")),
 ]
 KEYS = [(model, dtype, option) for model, dtype, options in CELLS for option in options]
-MEMORY_RUNS = 3
-"""Real runs per cell, the smallest taken: gloo's thread may drop a sent buffer a moment late."""
+MEMORY_RUNS = 6
+"""Real runs per cell at most, the least figures once they recur: gloo's thread may drop a sent buffer a
+moment late."""
 
 
 def _real_then_fake(rank: int, p: int) -> dict:
@@ -74,11 +76,12 @@ def _real_then_fake(rank: int, p: int) -> dict:
             real["run_layer", model, dtype, text] = (measured.saved_bytes, measured.peak_bytes)
         with RankTracer(m, layer="megatron", dtype=dt, fake=False) as tracer:
             for text in options:
-                runs = [tracer.trace(LayerOption.parse(text), layout) for _ in range(MEMORY_RUNS)]
-                real["megatron", model, dtype, text] = (
-                    min(t.saved_bytes for t in runs),
-                    min(t.peak_bytes for t in runs),
-                )
+
+                def run(text=text) -> tuple[int, int]:
+                    trace = tracer.trace(LayerOption.parse(text), layout)
+                    return trace.saved_bytes, trace.peak_bytes
+
+                real["megatron", model, dtype, text] = recurring_least(run, most_runs=MEMORY_RUNS)
     dist.destroy_process_group()  # the same rank again, alone, on a fake group
     with fake_world(rank, p):
         for model, dtype, options in CELLS:

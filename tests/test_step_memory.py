@@ -6,9 +6,9 @@ tied to its embedding at one TP size and untied at the other) runs forward, Mega
 loss and backward under :class:`PeakMemory`, after a first step (so nothing lazily created is counted) and after
 :func:`release_step_buffers` (Megatron's all-gather buffer and rotary tables are the step's own, as in
 the training entry point), until the smallest peak recurs (:func:`recurring_peak_bytes`: gloo's worker
-thread may free a buffer late). The step's inputs and the layout's index tensors exist before the window and are added to what
-it measures. The largest rank's measured peak must be the cost model's ``peak_bytes``
-for the plan (static bytes 0: the gradients exist before, as Megatron's buffer) within
+thread may free a buffer late). The step's inputs and the layout's index tensors exist before the
+window and are added to what it measures. The largest rank's measured peak must be the cost model's
+``peak_bytes`` for the plan (static bytes 0: the gradients exist before, as Megatron's buffer) within
 :data:`TOLERANCE`: embedding, every layer, the final norm, the output layer, the cross-entropy and the
 backward's weight gradients included (host copies of offloaded layers' inputs are not device memory:
 left out; where every layer is offloaded the model may count one activation more, the stage's input,

@@ -18,9 +18,10 @@ import dataclasses
 import gc
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "collective_buffers_freed_promptly",
     "host_memory",
     "peak_bytes_of",
+    "recurring_least",
     "recurring_peak_bytes",
     "storage_bytes",
 ]
@@ -192,17 +194,46 @@ def peak_bytes_of(work: Callable[[], object], device: torch.device | str = "cpu"
     return window.peak_bytes
 
 
-def recurring_peak_bytes(work: Callable[[], object], device: torch.device | str = "cpu", *, most_runs: int = 6) -> int:
-    """The peak of ``work()`` (repeatable work, run again and again) that recurs: the smallest peak, once
-    two runs have reached it. On CPU a run's peak can only ever come out higher than the work's own (gloo's
-    worker thread, when it gets the GIL late, drops a finished collective's buffer late), and two runs
-    alike at the least are the work's own; the smaller of two runs alone missed it now and then."""
-    peaks = []
-    while len(peaks) < most_runs:
-        peaks.append(peak_bytes_of(work, device))
-        if peaks.count(min(peaks)) == 2:
-            return min(peaks)
-    raise RuntimeError(f"no two of {most_runs} runs of the work peaked alike at the least: {sorted(peaks)} B")
+def recurring_least(
+    measure: Callable[[], Sequence[int]], *, most_runs: int = 6, group: dist.ProcessGroup | None = None
+) -> tuple[int, ...]:
+    """Each figure of ``measure()`` (repeatable work, run again and again) at the least it takes, once that
+    least has come twice for every figure on every rank of ``group`` (the default group; alone in a
+    single process), or after ``most_runs`` runs. On CPU a run's figures can only ever come out higher than
+    the work's own (gloo's worker thread, when it gets the GIL late, drops a finished collective's buffer
+    late), and two runs alike at the least are the work's own: the least of a fixed number of runs missed
+    it now and then. The ranks agree after each run whether to run again (one all-reduce, outside the
+    runs), so work with collectives runs as often on every rank."""
+    if most_runs < 1:
+        raise ValueError(f"most_runs must be at least 1, got {most_runs}")
+    runs: list[tuple[int, ...]] = []
+    while True:
+        runs.append(tuple(measure()))
+        settled = len(runs) == most_runs or all(column.count(min(column)) > 1 for column in zip(*runs))
+        if _on_every_rank(settled, group):
+            return tuple(map(min, zip(*runs)))
+
+
+def recurring_peak_bytes(
+    work: Callable[[], object],
+    device: torch.device | str = "cpu",
+    *,
+    most_runs: int = 6,
+    group: dist.ProcessGroup | None = None,
+) -> int:
+    """The peak of ``work()`` (:func:`peak_bytes_of`) at the least it takes, once it recurs
+    (:func:`recurring_least`)."""
+    (peak,) = recurring_least(lambda: (peak_bytes_of(work, device),), most_runs=most_runs, group=group)
+    return peak
+
+
+def _on_every_rank(flag: bool, group: dist.ProcessGroup | None) -> bool:
+    """Whether ``flag`` holds on every rank of ``group`` (``flag`` itself in a single process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    every = torch.tensor([int(flag)])
+    dist.all_reduce(every, op=dist.ReduceOp.MIN, group=group)
+    return bool(every.item())
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -30,7 +30,12 @@ from torch.distributed import ProcessGroup
 
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.core.layout import SequenceLayout
-from megatron_paradyse.core.memory import GradientRoot, PeakMemory, collective_buffers_freed_promptly
+from megatron_paradyse.core.memory import (
+    GradientRoot,
+    PeakMemory,
+    collective_buffers_freed_promptly,
+    recurring_least,
+)
 from megatron_paradyse.core.offload import ActivationOffload
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.strategies import (
@@ -157,14 +162,15 @@ def measure_layer(
     bias: bool = True,
     warmup: int = 1,
     repeats: int = 3,
-    memory_runs: int = 3,
+    memory_runs: int = 6,
     seed: int = 0,
 ) -> LayerMeasurement:
     """Forward + backward of one layer on every rank of ``group`` (a collective: all ranks call it).
 
-    Memory comes from ``memory_runs`` tracked runs (exact on CPU, the allocator's count on CUDA), the
-    smallest. A finished collective's buffers are released by gloo's worker thread, which needs the
-    GIL for it: the runs switch threads every microsecond
+    Memory comes from at most ``memory_runs`` tracked runs (exact on CPU, the allocator's count on CUDA),
+    the least figures once they recur (:func:`~megatron_paradyse.core.memory.recurring_least`). A finished
+    collective's buffers are released by gloo's worker thread, which needs the GIL for it: the runs
+    switch threads every microsecond
     (:func:`~megatron_paradyse.core.memory.collective_buffers_freed_promptly`), or a buffer the code
     has dropped would outlive it until this thread next waits, by chance and load. Time
     comes from ``repeats`` untracked runs after ``warmup`` (``repeats=0``: memory only;
@@ -194,19 +200,22 @@ def measure_layer(
         step()
     if p > 1:  # held outside the layer, as a step's other layers leave it
         reserve_gather_buffer(layout.padded_len * micro_batch_size, shape.hidden_size, dtype, device)
-    saved, peak = [], []
-    with collective_buffers_freed_promptly():
-        for _ in range(memory_runs):
-            with PeakMemory(device) as memory:
-                y_local = run_layer(x_local, params, option, actx, mctx)
-                time.sleep(0.001)  # the GIL for gloo's worker thread to release the last collective's buffers
-                saved.append(memory.current_bytes())
-                root = GradientRoot(y_local, dy_local)  # the output gone, its gradient made in backward
-                del y_local
-                root.backward()
-                x_local.grad = None
-            peak.append(memory.peak_bytes)
-    saved, peak = min(saved, default=0), min(peak, default=0)
+
+    def memory_run() -> tuple[int, int]:
+        with PeakMemory(device) as memory:
+            y_local = run_layer(x_local, params, option, actx, mctx)
+            time.sleep(0.001)  # the GIL for gloo's worker thread to release the last collective's buffers
+            saved = memory.current_bytes()
+            root = GradientRoot(y_local, dy_local)  # the output gone, its gradient made in backward
+            del y_local
+            root.backward()
+            x_local.grad = None
+        return saved, memory.peak_bytes
+
+    saved, peak = 0, 0
+    if memory_runs:
+        with collective_buffers_freed_promptly():
+            saved, peak = recurring_least(memory_run, most_runs=memory_runs, group=group)
     times = []
     for _ in range(repeats):
         dist.barrier(group)
