@@ -1,5 +1,6 @@
-"""The CPU peak counter's repeat rule (:func:`recurring_least`): a late free only ever raises a run's
-figures, so the work's own are the least, once they recur; ranks run the work equally often."""
+"""The CPU peak counter around gloo: a collective's buffers are freed when the code drops them (the tracker
+waits for gloo to let go), and the repeat rule (:func:`recurring_least`) for what else a late free can
+raise: the work's own figures are the least, once they recur; ranks run the work equally often."""
 
 from __future__ import annotations
 
@@ -49,3 +50,45 @@ def _runs_on_rank(rank: int, world_size: int) -> int:
 
 def test_every_rank_runs_as_often():
     assert run_on_ranks(_runs_on_rank, 2) == [4, 4]
+
+
+def _peaks_around_collectives(rank: int, world_size: int) -> dict:
+    """Peaks of work that drops a collective's buffer and then allocates, with threads switching at
+    Python's default interval: gloo's worker thread, which holds the buffer a moment longer, would free
+    it late now and then, were the collective not waited for until gloo lets go of it."""
+    import torch.distributed as dist
+
+    from megatron_paradyse.core.memory import PeakMemory
+
+    n = 1 << 14  # 64 KiB of float32 per buffer
+
+    def dropped_then_allocated(collective) -> int:
+        with PeakMemory() as memory:
+            buffer = torch.ones(n)
+            collective(buffer)
+            del buffer
+            torch.empty(n)
+        return memory.peak_bytes
+
+    def gathered(buffer: torch.Tensor) -> None:
+        gathered.out = torch.empty(n * world_size)
+        dist.all_gather_into_tensor(gathered.out, buffer, async_op=True).wait()
+
+    peaks = {
+        "all_reduce": [dropped_then_allocated(dist.all_reduce) for _ in range(40)],
+        "all_gather, async": [dropped_then_allocated(gathered) for _ in range(40)],
+    }
+    assert torch.equal(gathered.out, torch.ones(n * world_size))
+    ring = torch.full((4,), float(rank))  # point-to-point, crossing: left to run as it is
+    with PeakMemory():
+        sent = dist.isend(ring, (rank + 1) % world_size)
+        received = torch.empty(4)
+        dist.recv(received, (rank - 1) % world_size)
+        sent.wait()
+    assert torch.equal(received, torch.full((4,), float((rank - 1) % world_size)))
+    return {name: sorted(set(values)) for name, values in peaks.items()}
+
+
+def test_a_collectives_buffer_is_freed_when_the_code_drops_it():
+    one = (1 << 14) * 4
+    assert run_on_ranks(_peaks_around_collectives, 2) == [{"all_reduce": [one], "all_gather, async": [one * 3]}] * 2

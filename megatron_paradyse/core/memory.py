@@ -17,6 +17,7 @@ import contextvars
 import dataclasses
 import gc
 import sys
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -82,7 +83,10 @@ class _StorageTracker(TorchDispatchMode):
         self._created = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d" and func._opname not in _POINT_TO_POINT:
+            out = _collective_let_go_of(func, args, kwargs or {})
+        else:
+            out = func(*args, **(kwargs or {}))
         self._ops += 1
         if _ON_HOST.get():
             return out
@@ -111,6 +115,43 @@ class _StorageTracker(TorchDispatchMode):
         self.live -= nbytes
         if self.events is not None:
             self.events.append(MemoryEvent(str(func), -nbytes, self.live, self._ops, storage))
+
+
+_POINT_TO_POINT = frozenset({"send", "recv_", "recv_any_source_"})
+"""c10d operators one rank may start before its peer has: waiting for them inside the operator could
+deadlock, so :func:`_collective_let_go_of` leaves them to :func:`collective_buffers_freed_promptly`."""
+
+_RELEASE_WAIT_SECONDS = 5.0
+
+
+def _collective_let_go_of(func, args, kwargs):
+    """Runs a c10d collective on CPU tensors to completion and returns once gloo has let go of them.
+
+    Gloo's work object holds the collective's tensors until its worker thread drops it, a moment after
+    the collective completes; if the code has dropped a buffer by then, the worker frees it late (it
+    needs the GIL for that), and a peak measured meanwhile counts a buffer the code no longer holds. So
+    the collective is waited for here, its work replaced by a completed one that holds its output
+    tensors, and the caller gets it back only once each tensor's reference count
+    is again what it was before the collective. Every rank runs the same collectives in the same order,
+    so waiting inside one cannot deadlock; an asynchronous collective becomes a synchronous one, which
+    changes no tensor's lifetime. A collective on device tensors is left as it is: there the
+    allocator's own count is what the run holds."""
+    held = list(_tensors((args, kwargs)))
+    if not held or any(t.device.type != "cpu" for t in held):
+        return func(*args, **kwargs)
+    counts = [t._use_count() for t in held]
+    out = func(*args, **kwargs)
+    work = out[-1] if isinstance(out, tuple) else out
+    work.wait()
+    done = torch.futures.Future()
+    done.set_result(list(_tensors(out[:-1])) if isinstance(out, tuple) else None)
+    completed = torch._C._distributed_c10d._create_work_from_future(done).boxed()
+    out = (*out[:-1], completed) if isinstance(out, tuple) else completed
+    del work
+    deadline = time.monotonic() + _RELEASE_WAIT_SECONDS  # a holder other than gloo's worker would never let go
+    while any(t._use_count() > n for t, n in zip(held, counts, strict=True)) and time.monotonic() < deadline:
+        time.sleep(0)  # lets the worker thread run; it needs no GIL while the tensors' Python objects live
+    return out
 
 
 def _tensors(value) -> Iterator[torch.Tensor]:
@@ -169,9 +210,11 @@ class PeakMemory:
 
 @contextlib.contextmanager
 def collective_buffers_freed_promptly() -> Iterator[None]:
-    """Inside, a finished gloo collective's buffers are freed when the code drops them, as a device's
-    are: gloo's worker thread drops its references only once it holds the GIL, so threads switch as
-    often as they can (otherwise a measured peak may hold the last collective's buffers a while longer)."""
+    """Inside, a finished gloo send or receive frees its buffer about when the code drops it, as a device's
+    would: gloo's worker thread drops its references only once it holds the GIL, so threads switch as
+    often as they can (otherwise a measured peak may hold the last exchange's buffers a while longer).
+    Collectives need no such luck: the CPU tracker waits for gloo to let go of theirs
+    (:func:`_collective_let_go_of`); a point-to-point exchange cannot be waited for inside its operator."""
     switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:

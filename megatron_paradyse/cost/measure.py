@@ -169,10 +169,11 @@ def measure_layer(
 
     Memory comes from at most ``memory_runs`` tracked runs (exact on CPU, the allocator's count on CUDA),
     the least figures once they recur (:func:`~megatron_paradyse.core.memory.recurring_least`). A finished
-    collective's buffers are released by gloo's worker thread, which needs the GIL for it: the runs
+    send's or receive's buffers are released by gloo's worker thread, which needs the GIL for it: the runs
     switch threads every microsecond
     (:func:`~megatron_paradyse.core.memory.collective_buffers_freed_promptly`), or a buffer the code
-    has dropped would outlive it until this thread next waits, by chance and load. Time
+    has dropped would outlive it until this thread next waits, by chance and load (the tracker waits
+    for a collective's itself). Time
     comes from ``repeats`` untracked runs after ``warmup`` (``repeats=0``: memory only;
     ``memory_runs=0``: time only, memory 0): per run the slowest rank's, then the median.
     """
