@@ -94,8 +94,19 @@ def _agree_on_rank(rank: int, world_size: int, measurements: list) -> dict:
     for iteration in measurements:  # each iteration: this rank's own measurements, then one agreement
         for plan, bucket, times, seconds in iteration[rank]:
             corrections.observe(Plan.from_options(plan), bucket, times, seconds)
+        corrections.agree(most_entries=2 * 2)  # at most two micro-batches of at most two options
+    refusals = []  # a rank over a limit of the one gather: the same error on every rank, none left waiting
+    for option, most_entries in ((A, 1), ("ring/lean+tile" + "9" * 60, 4)):
+        observed = {1: [(option, 1024), (option, 2048)], 2: [(option, 512)]}.get(rank, [])
+        for plan, bucket in observed:
+            corrections.observe(Plan.from_options([plan]), bucket, {plan: 1.0}, 1.0)
+        with pytest.raises(ValueError) as err:
+            corrections.agree(most_entries=most_entries)
+        refusals.append(str(err.value))
+    with pytest.raises(ValueError) as err:
         corrections.agree()
-    return corrections.state_dict()
+    refusals.append(str(err.value))
+    return corrections.state_dict(), refusals
 
 
 def test_every_rank_agrees_on_the_same_factors_from_different_measurements():
@@ -112,8 +123,16 @@ def test_every_rank_agrees_on_the_same_factors_from_different_measurements():
             [([A] * 2, 2048, {A: 0.2}, 0.31), ([A] * 2, 1024, {A: 0.11}, 0.19)],
         ],
     ]
-    states = run_on_ranks(_agree_on_rank, ranks, args=(measurements,))
+    states, refusals = zip(*run_on_ranks(_agree_on_rank, ranks, args=(measurements,)))
     assert all(state == states[0] for state in states[1:])  # bit for bit
+    expected_refusals = [
+        "time corrections: the ranks cannot agree: rank 1 measured 2 (option, bucket) pairs, more than most_entries=1",
+        "time corrections: the ranks cannot agree: rank 1 measured an option whose name is over 64 bytes; "
+        "rank 2 measured an option whose name is over 64 bytes",
+        "TimeCorrections.agree across ranks needs most_entries: the most (option, bucket) pairs a rank measured "
+        "since the last agreement, the same on every rank; got None",
+    ]
+    assert list(refusals) == [expected_refusals] * ranks
     # the same as one process that sees every rank's measurements, rank by rank
     reference = TimeCorrections()
     for iteration in measurements:

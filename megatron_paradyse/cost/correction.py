@@ -17,7 +17,7 @@ over predicted.
 
 Plans stay identical on every rank without talking during a step: ranks only accumulate their own
 measurements, and at an iteration boundary every rank gathers every rank's sums
-(:meth:`TimeCorrections.agree`, one ``all_gather_object``), adds them in rank order and key order, and
+(:meth:`TimeCorrections.agree`, one all-gather of fixed-size rows), adds them in rank order and key order, and
 applies the same update: the same floats in the same order give the same factors on every rank, bit
 for bit. A bucket an option was never measured in takes the option's factor at the nearest bucket it
 was measured in (by length ratio), else the mean log factor of the options measured at the nearest
@@ -31,6 +31,8 @@ import collections
 import dataclasses
 import math
 from collections.abc import Iterable
+
+import numpy as np
 
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption, Plan
@@ -110,20 +112,26 @@ class TimeCorrections:
             sums.weighted_log_ratio += weight * log_ratio
             sums.weight += weight
 
-    def agree(self, group=None) -> bool:
-        """Merge every rank's pending measurements and update the factors, the same on every rank (a
-        collective over ``group``, the default group if None; single process: no collective). True
-        when a factor changed."""
+    def agree(self, group=None, *, most_entries: int | None = None) -> bool:
+        """Merge every rank's pending measurements and update the factors, the same on every rank (one
+        all-gather over ``group``, the default group if None; single process: no collective). True when
+        a factor changed.
+
+        ``most_entries`` (needed with ranks): the most (option, bucket) pairs a rank can have measured
+        since the last agreement, the same number on every rank (the micro-batches it measured times the
+        options a layer may take); it sizes the gathered buffer, so one collective does."""
         import torch.distributed as dist
 
         mine = sorted((key, (s.weighted_log_ratio, s.weight)) for key, s in self._pending.items())
         self._pending.clear()
-        if dist.is_available() and dist.is_initialized():
-            gathered: list[list | None] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, mine, group=group)
-        else:
-            gathered = [mine]
-        return self._update(gathered)
+        if not (dist.is_available() and dist.is_initialized()):
+            return self._update([mine])
+        if most_entries is None or most_entries < 0:
+            raise ValueError(
+                "TimeCorrections.agree across ranks needs most_entries: the most (option, bucket) pairs a rank "
+                f"measured since the last agreement, the same on every rank; got {most_entries!r}"
+            )
+        return self._update(_gather_entries(mine, most_entries, group))
 
     def _update(self, per_rank: Iterable[list]) -> bool:
         totals: dict[tuple[str, int], _Sums] = {}
@@ -165,6 +173,50 @@ class TimeCorrections:
         for (option, bucket), value in sorted(self._log_factor.items()):
             by_option.setdefault(option, []).append(f"{bucket}:{math.exp(value):.3g}")
         return "; ".join(f"{option} x[{', '.join(items)}]" for option, items in by_option.items()) or "none"
+
+
+_ENTRY = np.dtype([("option", "S64"), ("bucket", "<i8"), ("weighted_log_ratio", "<f8"), ("weight", "<f8")])
+"""One rank's pending sums for one (option, bucket), as gathered: the floats travel bit for bit."""
+
+
+def _gather_entries(mine: list, most_entries: int, group) -> list[list]:
+    """Every rank's ``mine`` (sorted ``((option, bucket), (weighted_log_ratio, weight))``), in rank order,
+    through one all-gather of ``most_entries + 1`` fixed-size rows per rank. The first row says how many
+    entries follow and whether an option's name did not fit, so that a rank over either limit makes every
+    rank raise the same error after the collective, instead of leaving the others waiting in it."""
+    import torch
+    import torch.distributed as dist
+
+    rows = np.zeros(most_entries + 1, dtype=_ENTRY)
+    names = [option.encode() for (option, _), _ in mine]
+    too_long = any(len(name) > _ENTRY["option"].itemsize for name in names)
+    rows[0]["bucket"], rows[0]["weight"] = len(mine), float(too_long)
+    for row, name, ((_, bucket), sums) in zip(rows[1:], names, mine):
+        row["option"], row["bucket"] = name, bucket
+        row["weighted_log_ratio"], row["weight"] = sums
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    local = torch.from_numpy(rows.view(np.uint8)).to(device or "cpu")
+    gathered = torch.empty(dist.get_world_size(group) * local.numel(), dtype=torch.uint8, device=local.device)
+    dist.all_gather_into_tensor(gathered, local, group=group)
+    per_rank = gathered.cpu().numpy().view(_ENTRY).reshape(-1, most_entries + 1)
+    problems = [
+        f"rank {rank} measured {int(head['bucket'])} (option, bucket) pairs, more than most_entries={most_entries}"
+        for rank, head in enumerate(per_rank[:, 0])
+        if head["bucket"] > most_entries
+    ] + [
+        f"rank {rank} measured an option whose name is over {_ENTRY['option'].itemsize} bytes"
+        for rank, head in enumerate(per_rank[:, 0])
+        if head["weight"]
+    ]
+    if problems:
+        raise ValueError("time corrections: the ranks cannot agree: " + "; ".join(problems))
+    return [
+        [
+            ((row["option"].decode(), int(row["bucket"])), (float(row["weighted_log_ratio"]), float(row["weight"])))
+            for row in entries[1 : 1 + int(entries[0]["bucket"])]
+        ]
+        for entries in per_rank
+    ]
 
 
 def _nearest(buckets: set[int], bucket: int) -> int:

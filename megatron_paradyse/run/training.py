@@ -482,12 +482,14 @@ class TrainingRun:
         """Correct the training planners' time model from this iteration's measured micro-batches; every
         rank takes part (one gather), and every rank's planners then plan with the same corrections."""
         from megatron.core import parallel_state as mpu
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
 
         planner = self.iterators[0].planners[mpu.get_pipeline_model_parallel_rank()]
         for micro_batch, seconds in zip(planned, measured):
             if seconds is not None and seconds > 0:
                 planner.observe_time(micro_batch.layout, micro_batch.decision.plan, seconds)
-        if self.time_corrections.agree():
+        # every rank runs the same number of micro-batches; each ran at most every option a layer may take
+        if self.time_corrections.agree(most_entries=get_num_microbatches() * len(planner.options)):
             for iterator in self.iterators:
                 for stage_planner in iterator.planners:
                     stage_planner.clear_cache()
