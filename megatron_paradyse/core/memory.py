@@ -122,6 +122,8 @@ _POINT_TO_POINT = frozenset({"send", "recv_", "recv_any_source_"})
 deadlock, so :func:`_collective_let_go_of` leaves them to :func:`collective_buffers_freed_promptly`."""
 
 _RELEASE_WAIT_SECONDS = 5.0
+"""How long :func:`_collective_let_go_of` waits for gloo's worker thread before it gives up on a holder
+it does not know of (the measurement then goes on, as it did before the wait)."""
 
 
 def _collective_let_go_of(func, args, kwargs):
@@ -131,11 +133,11 @@ def _collective_let_go_of(func, args, kwargs):
     the collective completes; if the code has dropped a buffer by then, the worker frees it late (it
     needs the GIL for that), and a peak measured meanwhile counts a buffer the code no longer holds. So
     the collective is waited for here, its work replaced by a completed one that holds its output
-    tensors, and the caller gets it back only once each tensor's reference count
-    is again what it was before the collective. Every rank runs the same collectives in the same order,
-    so waiting inside one cannot deadlock; an asynchronous collective becomes a synchronous one, which
-    changes no tensor's lifetime. A collective on device tensors is left as it is: there the
-    allocator's own count is what the run holds."""
+    tensors, and the caller gets it back only once each tensor's reference count is again what it was
+    before the collective. Every rank runs the same collectives in the same order, so waiting inside one
+    cannot deadlock; an asynchronous collective becomes a synchronous one, which changes no tensor's
+    lifetime. A collective on device tensors is left as it is: there the allocator's own count is what
+    the run holds."""
     held = list(_tensors((args, kwargs)))
     if not held or any(t.device.type != "cpu" for t in held):
         return func(*args, **kwargs)
@@ -148,7 +150,7 @@ def _collective_let_go_of(func, args, kwargs):
     completed = torch._C._distributed_c10d._create_work_from_future(done).boxed()
     out = (*out[:-1], completed) if isinstance(out, tuple) else completed
     del work
-    deadline = time.monotonic() + _RELEASE_WAIT_SECONDS  # a holder other than gloo's worker would never let go
+    deadline = time.monotonic() + _RELEASE_WAIT_SECONDS
     while any(t._use_count() > n for t, n in zip(held, counts, strict=True)) and time.monotonic() < deadline:
         time.sleep(0)  # lets the worker thread run; it needs no GIL while the tensors' Python objects live
     return out
