@@ -265,3 +265,12 @@ def test_bad_arguments_exit_2_before_any_work(argv, message, capsys):
         e2e.main(argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_no_arm_always_follows_the_same_arm_in_the_timed_passes():
+    names = ["tp_sp/tp_sp", "ulysses/zero3", "ring/zero3", "lean/lean", "megatron", "adaptive", "adaptive+learn"]
+    orders = [e2e._arm_order(names, repeat) for repeat in range(3)]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    assert orders == [e2e._arm_order(names, repeat) for repeat in range(3)]  # the same on every rank
+    before_adaptive = {order[order.index("adaptive") - 1] for order in orders}  # cyclically: a rotation fails
+    assert len(before_adaptive) == 3, orders
