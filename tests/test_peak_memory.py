@@ -60,25 +60,25 @@ def _peaks_around_collectives(rank: int, world_size: int) -> dict:
 
     from megatron_paradyse.core.memory import PeakMemory
 
-    n = 1 << 14  # 64 KiB of float32 per buffer
+    n = 1 << 14  # elements per buffer
 
-    def dropped_then_allocated(collective) -> int:
+    def dropped_then_allocated(collective, dtype: torch.dtype) -> int:
         with PeakMemory() as memory:
-            buffer = torch.ones(n)
+            buffer = torch.ones(n, dtype=dtype)
             collective(buffer)
             del buffer
-            torch.empty(n)
+            torch.empty(n, dtype=dtype)
         return memory.peak_bytes
 
     def gathered(buffer: torch.Tensor) -> None:
-        gathered.out = torch.empty(n * world_size)
+        gathered.out = torch.empty(n * world_size, dtype=buffer.dtype)
         dist.all_gather_into_tensor(gathered.out, buffer, async_op=True).wait()
 
-    peaks = {
-        "all_reduce": [dropped_then_allocated(dist.all_reduce) for _ in range(40)],
-        "all_gather, async": [dropped_then_allocated(gathered) for _ in range(40)],
-    }
-    assert torch.equal(gathered.out, torch.ones(n * world_size))
+    peaks = {}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        peaks[str(dtype), "all_reduce"] = [dropped_then_allocated(dist.all_reduce, dtype) for _ in range(40)]
+        peaks[str(dtype), "all_gather, async"] = [dropped_then_allocated(gathered, dtype) for _ in range(40)]
+        assert torch.equal(gathered.out, torch.ones(n * world_size, dtype=dtype))
     ring = torch.full((4,), float(rank))  # point-to-point, crossing: left to run as it is
     with PeakMemory():
         sent = dist.isend(ring, (rank + 1) % world_size)
@@ -90,5 +90,9 @@ def _peaks_around_collectives(rank: int, world_size: int) -> dict:
 
 
 def test_a_collectives_buffer_is_freed_when_the_code_drops_it():
-    one = (1 << 14) * 4
-    assert run_on_ranks(_peaks_around_collectives, 2) == [{"all_reduce": [one], "all_gather, async": [one * 3]}] * 2
+    expected = {}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        one = (1 << 14) * dtype.itemsize
+        expected[str(dtype), "all_reduce"] = [one]
+        expected[str(dtype), "all_gather, async"] = [one * 3]
+    assert run_on_ranks(_peaks_around_collectives, 2) == [expected] * 2

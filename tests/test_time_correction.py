@@ -89,7 +89,7 @@ def test_corrections_round_trip_through_a_checkpoint_and_bump_the_version():
         restored.load_state_dict({"factors": {}})
 
 
-def _agree_on_rank(rank: int, world_size: int, measurements: list) -> dict:
+def _agree_on_rank(rank: int, world_size: int, measurements: list) -> tuple[dict, list[str]]:
     corrections = TimeCorrections()
     for iteration in measurements:  # each iteration: this rank's own measurements, then one agreement
         for plan, bucket, times, seconds in iteration[rank]:
