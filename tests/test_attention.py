@@ -158,14 +158,18 @@ def fresh_kernels():
 
 
 @pytest.mark.parametrize("flash_attn_installed", [False, True])
-def test_auto_picks_flash_attn_then_torch_then_math(fresh_kernels, monkeypatch, flash_attn_installed):
-    """Resolving a kernel touches no device: CUDA choices are checked on a machine without one."""
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0)], ids=["ampere", "hopper"])
+def test_auto_picks_flash_attn_then_torch_then_math(fresh_kernels, monkeypatch, flash_attn_installed, capability):
+    """CUDA choices are checked on a machine without a GPU (its compute capability pretended). From
+    Hopper on, ``auto`` takes the torch kernel (cuDNN's attention, 1.8x faster than FlashAttention-2 on
+    an H200) even where flash-attn is installed."""
+    monkeypatch.setattr(kernels, "_capability", lambda device: capability)
     flash = kernels._KERNELS["flash_attn"]["cuda"]
     takes = (torch.float16, torch.bfloat16) if flash_attn_installed else ()
     monkeypatch.setattr(flash, "unsupported", lambda device, dtype: None if dtype in takes else "not here")
     assert get_kernel("auto", CPU, torch.float32).name == "torch"
     half = get_kernel("auto", CUDA, torch.bfloat16)
-    assert half is (flash if flash_attn_installed else kernels._KERNELS["torch"]["cuda"])
+    assert half is (flash if flash_attn_installed and capability < (9, 0) else kernels._KERNELS["torch"]["cuda"])
     assert isinstance(get_kernel("auto", CUDA, torch.float32), kernels.TorchCudaKernel)
     assert get_kernel("auto", CUDA, torch.float64).name == "math"
 
@@ -239,22 +243,45 @@ def test_one_variable_length_call_over_packed_documents_matches_a_dense_mask(cau
         torch.testing.assert_close(mine.grad, theirs.grad)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_torch_cuda_kernel_calls_match_the_ops_schemas_and_shapes(monkeypatch, dtype):
+@pytest.mark.parametrize(
+    ("dtype", "d", "capability", "dense_op"),
+    [
+        (torch.bfloat16, 64, (8, 0), "_flash_attention_forward"),
+        (torch.bfloat16, 64, (9, 0), "_scaled_dot_product_cudnn_attention"),
+        (torch.bfloat16, 60, (9, 0), "_flash_attention_forward"),  # cuDNN takes multiples of 8; padded
+        (torch.float32, 64, (9, 0), "_scaled_dot_product_efficient_attention"),
+    ],
+)
+def test_torch_cuda_kernel_calls_match_the_ops_schemas_and_shapes(monkeypatch, dtype, d, capability, dense_op):
     """The CUDA kernel's op calls on meta tensors (torch's shape functions, no device): arguments
-    against each op's schema, and the shapes it hands back, FlashAttention (bf16) and memory-efficient
-    attention (fp32, whose log-sum-exp rows come padded to a multiple of 32), GQA, dense and
-    variable-length. The numbers are checked on a GPU (tests/test_attention_gpu.py)."""
-    monkeypatch.setattr(kernels, "_sm80_or_newer", lambda device: True)
+    against each op's schema, and the shapes it hands back: cuDNN (bf16 on Hopper, queries and keys
+    equally many), FlashAttention (bf16: rectangles, head sizes padded to a multiple of 8, Ampere),
+    memory-efficient attention (fp32, whose log-sum-exp rows come padded to a multiple of 32), GQA,
+    dense and variable-length. The numbers are checked on a GPU (tests/test_attention_gpu.py)."""
+    monkeypatch.setattr(kernels, "_capability", lambda device: capability)
+    called = []
+    for name in (
+        "_scaled_dot_product_cudnn_attention",
+        "_flash_attention_forward",
+        "_scaled_dot_product_efficient_attention",
+    ):
+        op = getattr(torch.ops.aten, name)
+        monkeypatch.setattr(
+            torch.ops.aten, name, lambda *a, _op=op, _name=name, **k: called.append(_name) or _op(*a, **k)
+        )
     kernel = kernels.TorchCudaKernel()
-    b, sq, sk, d = 2, 40, 24, 64
+    b = 2
     meta = dict(device="meta", dtype=dtype)
-    q = torch.empty(sq, b, 4, d, **meta).permute(1, 2, 0, 3)
-    k, v = (torch.empty(sk, b, 2, d, **meta).permute(1, 2, 0, 3) for _ in range(2))
-    out, lse = kernel.forward(q, k, v, False, 0.1)
-    assert out.shape == q.shape and lse.shape == (b, 4, sq) and lse.dtype == torch.float32
-    dq, dk, dv = kernel.backward(torch.empty_like(out), q, k, v, out, lse, False, 0.1)
-    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
+    for sq, sk in ((40, 40), (40, 24)):
+        called.clear()
+        q = torch.empty(sq, b, 4, d, **meta).permute(1, 2, 0, 3)
+        k, v = (torch.empty(sk, b, 2, d, **meta).permute(1, 2, 0, 3) for _ in range(2))
+        out, lse = kernel.forward(q, k, v, False, 0.1)
+        square_op = dense_op if sq == sk or dense_op != "_scaled_dot_product_cudnn_attention" else None
+        assert called == [square_op or "_flash_attention_forward"]
+        assert out.shape == q.shape and lse.shape == (b, 4, sq) and lse.dtype == torch.float32
+        dq, dk, dv = kernel.backward(torch.empty_like(out), q, k, v, out, lse, False, 0.1)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
     assert kernel.varlen(q) == (dtype == torch.bfloat16)
     if kernel.varlen(q):
         cu = torch.tensor([0, 10, 40, 50, 80], dtype=torch.int32, device="meta")
