@@ -214,5 +214,9 @@ def test_bench_allocator_on_a_gpu(tmp_path):
     assert figures["cases"] == "4" and figures["longest"] == "8192"
     assert float(figures["slack"]) >= 1.0 and float(figures["expandable_slack"]) >= 1.0
     for row in json.loads(out.read_text())["results"]["default"]["sweep"]:
-        # the allocator rounds every block up (to 512 B at least) and reserves whole segments
-        assert row["reserved_peak_bytes"] >= row["allocated_peak_bytes"] >= row["traced_peak_bytes"] > 0
+        # the allocator rounds every block up (to 512 B at least) and reserves whole segments; what it
+        # reserved can grow less than what it allocated where its cache held free blocks at the start
+        # (on an H200: 394 MB more reserved, 414 MB more allocated), so reserved holds allocated in total
+        assert row["allocated_peak_bytes"] >= row["traced_peak_bytes"] > 0
+        held = row["held_reserved_bytes"] - row["held_allocated_bytes"]
+        assert row["reserved_peak_bytes"] + held >= row["allocated_peak_bytes"]

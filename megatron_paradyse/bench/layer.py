@@ -13,8 +13,9 @@ GPU tests). For each length, one document of that many tokens, micro-batch 1, TP
 - **attention**: the Paradyse attention core (:func:`~megatron_paradyse.attention.segment_attention`
   with the config's ``auto`` kernel) against ``F.scaled_dot_product_attention(is_causal=True)`` under
   each SDPA backend that takes the shape, the fastest of them.
-- **host syncs**: one more forward + backward of the Paradyse layer at the first length, counted under
-  ``torch.cuda.set_sync_debug_mode("warn")`` on CUDA (elsewhere by
+- **host syncs**: one more forward + backward of the Paradyse layer at the first length (after one
+  that sets up what a process sets up once), counted under ``torch.cuda.set_sync_debug_mode("warn")``
+  on CUDA, each printed with where it happened (elsewhere by
   :class:`~megatron_paradyse.core.host_sync.HostSyncs`).
 
 Times are medians over ``--repeats`` runs after ``--warmup`` (CUDA events on a GPU). The last line:
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 
 from megatron_paradyse.bench.memory import TRACE_MODELS
 from megatron_paradyse.core import compat
-from megatron_paradyse.core.host_sync import HostSyncs
+from megatron_paradyse.core.host_sync import HostSyncs, cuda_sync_debug
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.mcore.trace import LayerModel, fake_world
 from megatron_paradyse.strategies import ModelShape
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
     if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
 
     with fake_world(0, 1), _LayerPair(model, dtype, device) as pair:
@@ -267,17 +269,19 @@ def _or_oom(measure: Callable[[], float], *errors: type[BaseException]) -> float
 
 
 def _host_syncs(run: Callable[[], None], device: torch.device) -> int:
-    """Host synchronisations in one ``run()``: the sync-debug mode's warnings on CUDA, else the operators
-    :class:`HostSyncs` finds."""
+    """Host synchronisations in one ``run()`` after a first one (which sets up what a process sets up
+    once: library handles, workspaces): the sync-debug mode's warnings on CUDA, each printed with where
+    it was raised, else the operators :class:`HostSyncs` finds."""
+    run()
     if device.type != "cuda":
         with HostSyncs(device) as watch:
             run()
         return len(watch.found)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, cuda_sync_debug("warn"):
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+        run()
+    # the mode also warns, once, that it is a prototype ("... synchronizing operations"): not a sync
+    syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
+    for w in syncs:
+        print(f"[bench layer] host sync: {w.message} (at {w.filename}:{w.lineno})", file=sys.stderr)
+    return len(syncs)

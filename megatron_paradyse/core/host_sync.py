@@ -19,15 +19,17 @@ machine the ``meta`` device stands in for it (tensors without data, on a device 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import traceback
+from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["HostSync", "HostSyncs"]
+__all__ = ["HostSync", "HostSyncs", "cuda_sync_debug"]
 
 _COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
 _HOST_READS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
@@ -79,6 +81,17 @@ class HostSyncs(TorchDispatchMode):
         frames = [f for f in traceback.extract_stack()[:-2] if not f.filename.startswith(_TORCH)]
         where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
         self.found.append(HostSync(str(func), reason, where))
+
+
+@contextlib.contextmanager
+def cuda_sync_debug(mode: str = "error") -> Iterator[None]:
+    """``torch.cuda.set_sync_debug_mode(mode)`` inside the block (``"error"``: a host synchronisation
+    raises; ``"warn"``: it warns), the default mode after it."""
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def _copy_ends(func, args, kwargs) -> tuple[torch.device, torch.device]:

@@ -48,7 +48,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.core import compat
@@ -272,10 +271,11 @@ class RankTracer:
         layout: SequenceLayout,
         *,
         record: bool = False,
-        watch: TorchDispatchMode | None = None,
+        watch: contextlib.AbstractContextManager | None = None,
     ) -> LayerTrace:
         """Forward and backward of the layer under ``option`` on ``layout``, counted (module docstring);
-        ``watch``: a dispatch mode that sees the layer's operators, and only those."""
+        ``watch``: a context the layer's forward and backward run in, and nothing else (a dispatch mode
+        that sees their operators, :func:`~megatron_paradyse.core.host_sync.cuda_sync_debug`)."""
         if layout.p != self.p:
             raise ValueError(f"the layout is for p={layout.p}, this rank's group has {self.p} ranks")
         cuda = self.device.type == "cuda" and self._mode is None
@@ -448,8 +448,7 @@ class _AllocatorWindow:
         return self
 
     def forward_done(self) -> None:
-        if self.enabled:
-            torch.cuda.synchronize(self.device)
+        if self.enabled:  # the allocator counts on the host, as it hands out and takes back blocks: no sync
             self._saved = torch.cuda.memory_allocated(self.device) - self._start_allocated
 
     def __exit__(self, *exc) -> None:
