@@ -64,6 +64,12 @@ class Dims:
     """The layer's norms (Megatron's ``config.normalization``)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where the layer runs: norms keep other tensors on each (see :func:`_norm_forward`)."""
+    grads_held: bool = False
+    """Autograd holds the weight gradients the backward hands it (:meth:`_Memory.to_autograd`): the
+    weights have other uses whose gradients are still to come, as the tiles of a tiled MLP have."""
+    grads_before: tuple[float, ...] = ()
+    """Weight gradients autograd holds from the weights' earlier uses when the backward starts, in the
+    order the backward hands its own over (each is added to its weight's)."""
 
     @property
     def acc(self) -> int:
@@ -159,12 +165,17 @@ class _Memory:
     high-water mark. Names are unique while alive; freeing a name that is not alive is a bug in a
     script and raises ``KeyError``."""
 
-    __slots__ = ("sizes", "live", "peak")
+    __slots__ = ("sizes", "live", "peak", "grads_held", "handed")
 
-    def __init__(self, **alive: float):
-        self.sizes: dict[str, float] = dict(alive)
-        self.live = float(sum(alive.values()))
+    def __init__(self, grads: Dims | None = None, **alive: float):
+        """``grads``: the weight-gradient setting of :meth:`to_autograd` (:attr:`Dims.grads_held` and
+        :attr:`Dims.grads_before`, whose gradients are alive from the start); none held without it."""
+        before = {f"held:{i}": nbytes for i, nbytes in enumerate(grads.grads_before)} if grads else {}
+        self.sizes: dict[str, float] = {**before, **alive}
+        self.live = float(sum(self.sizes.values()))
         self.peak = self.live
+        self.grads_held = grads is not None and grads.grads_held
+        self.handed: list[float] = []
 
     def alloc(self, **tensors: float) -> None:
         sizes, live = self.sizes, self.live  # locals: the planner runs thousands of these per decision
@@ -182,6 +193,24 @@ class _Memory:
         for name in names:
             live -= sizes.pop(name)
         self.live = live
+
+    def to_autograd(self, *names: str) -> None:
+        """Weight (and bias) gradients handed to autograd (their sizes recorded in :attr:`handed`).
+        Autograd adds a weight's gradients from all its uses, out of place (a new tensor, then the two
+        die), and the sum into ``.grad`` once the last has come: without :attr:`grads_held` the
+        gradient (or sum) dies; with it, it waits in autograd's input buffer, alive to the end (as
+        ``held:<i>``, the ``i``-th gradient handed over)."""
+        for name in names:
+            held = f"held:{len(self.handed)}"
+            self.handed.append(self.sizes[name])
+            if held in self.sizes:
+                self.alloc(**{f"{held}+": self.sizes[name]})
+                self.free(held, name)
+                name = f"{held}+"
+            if self.grads_held:
+                self.rename(**{name: held})
+            else:
+                self.free(name)
 
     def temporary(self, **tensors: float) -> None:
         """Tensors that live for one operation."""
@@ -258,6 +287,8 @@ class SublayerMemory:
     bwd_prelude: float = 0.0
     """Bytes the backward allocates, and still holds, before it first reads what the forward saved:
     with recompute, the layer is rebuilt on top of them."""
+    grads_handed: tuple[float, ...] = ()
+    """The weight (and bias) gradients the backward hands to autograd, in order (bytes)."""
 
     @property
     def saved_bytes(self) -> float:
@@ -267,9 +298,9 @@ class SublayerMemory:
 def _sublayer(fwd_peak: float, bwd: _Memory, saved: dict[str, float], prelude: float = 0.0) -> SublayerMemory:
     """A sublayer's memory from its forward's high-water mark and its backward, which must release
     everything saved and leave the input's gradient."""
-    if set(bwd.sizes) != {"dy_local", "dx_local"}:
+    if {name for name in bwd.sizes if not name.startswith("held:")} != {"dy_local", "dx_local"}:
         raise AssertionError(f"memory script: backward ends with {sorted(bwd.sizes)} alive")
-    return SublayerMemory(tuple(saved.items()), fwd_peak, bwd.peak - sum(saved.values()), prelude)
+    return SublayerMemory(tuple(saved.items()), fwd_peak, bwd.peak - sum(saved.values()), prelude, tuple(bwd.handed))
 
 
 # -- building blocks: one per function of the strategies' code ---------------------------------------
@@ -282,13 +313,15 @@ def _linear_backward(m: _Memory, dx: str, dx_bytes: float, w: float, bias: float
         m.alloc(**{dx: dx_bytes}, **grads)
     else:
         m.alloc(**grads, **{dx: dx_bytes})
-    m.free(*grads, *release)
+    m.free(*release)
+    m.to_autograd(*grads)
 
 
 def _bias_grad(m: _Memory, d: Dims, bias: bool) -> None:
     """``y + b`` for a replicated ``[h]`` bias: its gradient, the incoming one summed over tokens."""
     if bias:
-        m.temporary(bias_grad=d.h * d.e)
+        m.alloc(bias_grad=d.h * d.e)
+        m.to_autograd("bias_grad")
 
 
 def _gather_weight(m: _Memory, name: str, nbytes: float, *, row: bool) -> str:
@@ -367,7 +400,8 @@ def _zero3_backward(
         else:
             m.rename(db_shard="db")
         grads = ("dw", "db")
-    m.free(*release, *grads)
+    m.free(*release)
+    m.to_autograd(*grads)
 
 
 def _column_forward(m: _Memory, d: Dims, out: str, out_bytes: float, bias: bool) -> None:
@@ -391,10 +425,11 @@ def _column_backward(m: _Memory, d: Dims, dy: str, w: float, bias: float) -> Non
     grads = {"column_dw": w, **({"column_db": bias} if bias else {})}
     if d.p == 1:
         m.alloc(dx_local=d.x, **grads)
-        m.free(dy, "x_local", *grads)
-        return
-    m.alloc(dx_full=d.s * d.b * d.h * d.e, dx_local=d.x, **grads)
-    m.free("dx_full", dy, "x_local", *grads)
+        m.free(dy, "x_local")
+    else:
+        m.alloc(dx_full=d.s * d.b * d.h * d.e, dx_local=d.x, **grads)
+        m.free("dx_full", dy, "x_local")
+    m.to_autograd(*grads)
 
 
 def _row_forward(m: _Memory, d: Dims, bias: bool) -> None:
@@ -429,12 +464,14 @@ def _row_backward(m: _Memory, d: Dims, dx: str, dx_bytes: float, w: float, *, re
     if gathered:
         m.alloc(dy_full=_gathered_gradient(d))
     m.alloc(**{dx: dx_bytes}, row_dw=w)
-    m.free(*gathered, *release, "row_dw")
+    m.free(*gathered, *release)
+    m.to_autograd("row_dw")
 
 
 def _flash(d: Dims) -> bool:
-    """Attention runs FlashAttention (``kernels.TorchCudaKernel``'s fp16/bf16 path, or flash-attn's, which
-    allocate alike; head sizes a multiple of 8 up to 256 on Ampere or newer): native GQA, one
+    """Attention runs a fused half-precision kernel (``kernels.TorchCudaKernel``'s FlashAttention-2 or,
+    on Hopper, cuDNN's, or flash-attn's, which allocate alike: the output, the log-sum-exp, the three
+    gradients; measured against the CUDA allocator on an H200 with cuDNN's): native GQA, one
     variable-length call over packed documents. Elsewhere: repeated key heads; on CUDA in fp32,
     memory-efficient attention."""
     return d.device == "cuda" and d.half
@@ -1154,13 +1191,14 @@ def _tp_sp_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
     _row_forward(fwd, d, d.bias)
     saved = fwd.returns("y_local", "x_local", "fc1_out", *act)
 
-    bwd = _Memory(dy_local=0.0, **saved)
+    bwd = _Memory(d, dy_local=0.0, **saved)
     _bias_grad(bwd, d, d.bias)
     _row_backward(bwd, d, "d_act", s * b * units * e, d.h * units * e, release=(act[-1],))
     gate = act[0] if len(act) > 1 else None
     d_fc1 = _activation_backward(bwd, d, s, units, d_act="d_act", fc1_out="fc1_out", act_gate=gate)
     if d.bias:  # linear_fc1 returns its bias (skip_bias_add): its gradient is the addition's, summed first
-        bwd.temporary(fc1_bias_grad=d.f1 // p * e)
+        bwd.alloc(fc1_bias_grad=d.f1 // p * e)
+        bwd.to_autograd("fc1_bias_grad")
     _column_backward(bwd, d, d_fc1, d.f1 // p * d.h * e, 0.0)
     return _sublayer(fwd.peak, bwd, saved, prelude=_gathered_gradient(d))
 
@@ -1176,7 +1214,7 @@ def _zero3_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
     _add_bias(fwd, d, "fc2_out")
     saved = fwd.returns("y_local", "x_local", "fc1_out", *act)
 
-    bwd = _Memory(dy_local=0.0, **saved)
+    bwd = _Memory(d, dy_local=0.0, **saved)
     _bias_grad(bwd, d, d.bias)
     _zero3_backward(bwd, d, "fc2", "d_act", t * b * d.f * e, w2, row=True, release=(act[-1],))
     gate = act[0] if len(act) > 1 else None
@@ -1208,7 +1246,7 @@ def _lean_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
     _add_bias(fwd, d, "y_sum")
     saved = fwd.returns("y_local", "x_local")
 
-    bwd = _Memory(dy_local=0.0, **saved)
+    bwd = _Memory(d, dy_local=0.0, **saved)
     _bias_grad(bwd, d, d.bias)
     bwd.alloc(dx_local=d.x, shard0=shard)  # dx accumulates shard by shard
     arrived = sent = None
@@ -1243,7 +1281,8 @@ def _lean_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
         bwd.alloc(grad_cast=shard)
         bwd.free(arrived)
         arrived = "grad_cast"
-    bwd.free(f"shard{p - 1}", "x_local", arrived)
+    bwd.free(f"shard{p - 1}", "x_local")
+    bwd.to_autograd(arrived)
     return _sublayer(fwd.peak, bwd, saved)
 
 
@@ -1277,22 +1316,32 @@ def tiled_mlp_memory(name: str, d: Dims, layout: SequenceLayout, tile_tokens: in
 
     Forward, beside the input (which it keeps: the tiles are views of it): each tile's working set above
     its input beside the outputs of the tiles before; the outputs joined into the output (both whole for a
-    moment). Backward, from the last tile: each tile rebuilt (what its forward keeps, its input aside)
-    and its backward, beside the input gradients of the tiles done; those joined into the input's."""
+    moment). Backward, from the last tile: each tile rebuilt (what its forward keeps, its input aside) on
+    top of what its backward makes before it reads a saved tensor, and its backward, beside the input
+    gradients of the tiles done and the weight gradients autograd holds for the tiles still to come;
+    the input gradients joined into the input's."""
     x, t = d.x, d.t
     rows = mlp_tile_rows(tile_tokens, d.p, t)
     sizes = [min(rows, t - start) for start in range(0, t, rows)]
-    tiles = {n: sublayer_memory("mlp", name, dataclasses.replace(d, s=n * d.p), layout) for n in set(sizes)}
+
+    def tile_memory(n: int, **grads) -> SublayerMemory:
+        return sublayer_memory("mlp", name, dataclasses.replace(d, s=n * d.p, **grads), layout)
+
     forward = backward = 0.0
     done = 0.0  # the outputs of the tiles so far
     for n in sizes:
-        forward = max(forward, done + tiles[n].fwd_peak - x * n / t)
+        forward = max(forward, done + tile_memory(n).fwd_peak - x * n / t)
         done += x * n / t
+    # the weights serve every tile: autograd holds their gradients from the first tile's backward and
+    # adds each later tile's to them, until the last tile's have come
+    handed = tile_memory(sizes[0]).grads_handed  # the same weights' gradients, whatever the tile
     done = 0.0  # the input gradients of the tiles so far
-    for n in reversed(sizes):
-        tile, tile_x = tiles[n], x * n / t
+    for i, n in enumerate(reversed(sizes)):
+        before = handed if i > 0 else ()
+        tile, tile_x = tile_memory(n, grads_held=i < len(sizes) - 1, grads_before=before), x * n / t
         kept = tile.saved_bytes - (tile_x if "x_local" in dict(tile.saved) else 0.0)
-        backward = max(backward, done + max(tile.fwd_peak - tile_x, kept + tile.bwd_peak))
+        rebuilt = sum(before) + tile.bwd_prelude + tile.fwd_peak - tile_x  # on what the backward made first
+        backward = max(backward, done + max(rebuilt, kept + tile.bwd_peak))
         done += tile_x
     return SublayerMemory((("x_local", x),), max(x + forward, 3 * x), max(backward, 2 * x))
 
