@@ -167,7 +167,7 @@ class _Memory:
 
     __slots__ = ("sizes", "live", "peak", "grads_held", "handed")
 
-    def __init__(self, grads: Dims | None = None, **alive: float):
+    def __init__(self, grads: Dims | None = None, /, **alive: float):
         """``grads``: the weight-gradient setting of :meth:`to_autograd` (:attr:`Dims.grads_held` and
         :attr:`Dims.grads_before`, whose gradients are alive from the start); none held without it."""
         before = {f"held:{i}": nbytes for i, nbytes in enumerate(grads.grads_before)} if grads else {}
