@@ -26,8 +26,12 @@ JOB = {  # rank 9 of 16, the second GPU of the second node
     "SLURM_GPUS_ON_NODE": "8",
     "SLURM_CPUS_PER_TASK": "8",
 }
-LAUNCH = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_DEVICE_MAX_CONNECTIONS")
-RANK_9_ENV = "RANK=9 WORLD_SIZE=16 LOCAL_RANK=1 MASTER_ADDR=gpu-a007 MASTER_PORT=24242 CUDA_DEVICE_MAX_CONNECTIONS="
+LAUNCH = (
+    *("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"),
+    *("CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_CUDA_ALLOC_CONF"),
+)
+RANK_9_ENV = "RANK=9 WORLD_SIZE=16 LOCAL_RANK=1 MASTER_ADDR=gpu-a007 MASTER_PORT=24242"
+JOB_CUDA_ENV = "CUDA_DEVICE_MAX_CONNECTIONS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -82,7 +86,7 @@ def _show_launch_env() -> str:
 
 def test_srun_rank_environment():
     result = _bash(f"source {ENV_SH}; paradyse_srun_env; echo {_show_launch_env()}", _env(**JOB))
-    assert result.stdout == f"{RANK_9_ENV}\n"
+    assert result.stdout == f"{RANK_9_ENV} CUDA_DEVICE_MAX_CONNECTIONS= PYTORCH_CUDA_ALLOC_CONF=\n"
     given = _env(**JOB, MASTER_ADDR="10.0.0.1", MASTER_PORT="6000")  # the job's own choice is kept
     kept = _bash(f"source {ENV_SH}; paradyse_srun_env; echo $MASTER_ADDR:$MASTER_PORT", given)
     assert kept.stdout == "10.0.0.1:6000\n"
@@ -118,9 +122,11 @@ def test_train_srun_starts_each_rank_with_its_environment(tmp_path):
     assert result.stdout.splitlines() == [
         *("srun --kill-on-bad-exit=1", "srun --cpus-per-task=8", f"srun --container-image={IMAGE}"),
         *(f"srun --container-workdir={ROOT}", "srun --container-mounts=/data:/data"),
-        f"{RANK_9_ENV}1",
+        f"{RANK_9_ENV} {JOB_CUDA_ENV}",
         *TRAIN_ARGS,
     ]
+    own = _bash(f"bash {SLURM / 'train_srun.sbatch'}", {**env, "PYTORCH_CUDA_ALLOC_CONF": "backend:native"})
+    assert f"{RANK_9_ENV} CUDA_DEVICE_MAX_CONNECTIONS=1 PYTORCH_CUDA_ALLOC_CONF=backend:native" in own.stdout
     dry = _bash(f"bash {SLURM / 'train_srun.sbatch'}", {**env, "PARADYSE_DRY_RUN": "1"})
     assert shlex.split(dry.stdout)[:3] == ["srun", "--kill-on-bad-exit=1", "--cpus-per-task=8"]
     assert shlex.split(dry.stdout)[-len(TRAIN_ARGS) :] == TRAIN_ARGS
