@@ -248,6 +248,8 @@ def test_one_variable_length_call_over_packed_documents_matches_a_dense_mask(cau
     [
         (torch.bfloat16, 64, (8, 0), "_flash_attention_forward"),
         (torch.bfloat16, 64, (9, 0), "_scaled_dot_product_cudnn_attention"),
+        (torch.float16, 128, (9, 0), "_scaled_dot_product_cudnn_attention"),
+        (torch.float16, 60, (8, 0), "_flash_attention_forward"),
         (torch.bfloat16, 60, (9, 0), "_flash_attention_forward"),  # cuDNN takes multiples of 8; padded
         (torch.float32, 64, (9, 0), "_scaled_dot_product_efficient_attention"),
     ],
@@ -282,7 +284,7 @@ def test_torch_cuda_kernel_calls_match_the_ops_schemas_and_shapes(monkeypatch, d
         assert out.shape == q.shape and lse.shape == (b, 4, sq) and lse.dtype == torch.float32
         dq, dk, dv = kernel.backward(torch.empty_like(out), q, k, v, out, lse, False, 0.1)
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
-    assert kernel.varlen(q) == (dtype == torch.bfloat16)
+    assert kernel.varlen(q) == (dtype != torch.float32)
     if kernel.varlen(q):
         cu = torch.tensor([0, 10, 40, 50, 80], dtype=torch.int32, device="meta")
         qt, kt, vt = (torch.empty(b * sq, n, d, **meta) for n in (4, 2, 2))
