@@ -12,15 +12,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
-import sys
 import types
 from pathlib import Path
 
 import pytest
 import yaml
+from torchrun import torchrun
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve().parent / "stock_pretrain_gpt.py"
 GPT = [
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--seed", "1234",
@@ -51,11 +49,7 @@ def profile(tmp_path_factory) -> Path:
 
 def _train(*flags: str, config: Path | None = None) -> tuple[list[float], str]:
     """(Megatron's lm loss per iteration, stdout) of a 2-rank torchrun of the stock-style script."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if config is not None:
-        env["PARADYSE_CONFIG"] = str(config)
-    result = subprocess.run([*command, *GPT, *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    result = torchrun(2, str(SCRIPT), *GPT, *flags, env=None if config is None else {"PARADYSE_CONFIG": str(config)})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"\blm loss: ([-+.\dE]+)", result.stdout)]
     assert len(losses) == 4, result.stdout[-3000:]

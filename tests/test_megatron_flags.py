@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from torchrun import rank_output, torchrun
 
 from megatron_paradyse.run.log import read_jsonl
 
@@ -49,20 +50,8 @@ def _config(path: Path, cache_p2: Path, **sections) -> Path:
     return path
 
 
-def _torchrun(nproc: int, *args: str, timeout: float = 400, log_dir: Path | None = None) -> subprocess.CompletedProcess:
-    """With ``log_dir``, each rank's output goes to its own files there (:func:`_rank_stdout`), whole lines
-    that another rank's writes to the shared pipe cannot split."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    if log_dir is not None:
-        command += ["--log-dir", str(log_dir), "--redirects", "3"]
-    command += ["-m", "megatron_paradyse.pretrain_gpt", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _rank_stdout(log_dir: Path, rank: int) -> str:
-    (path,) = log_dir.glob(f"*/attempt_0/{rank}/stdout.log")
-    return path.read_text()
+def _torchrun(nproc: int, *args: str, log_dir: Path | None = None) -> subprocess.CompletedProcess:
+    return torchrun(nproc, "-m", "megatron_paradyse.pretrain_gpt", *args, log_dir=log_dir)
 
 
 def _refused(config: Path, flags: list[str], error: str) -> None:
@@ -180,7 +169,7 @@ def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses
     flags += ["--global-batch-size", "2", "--train-iters", "2"]
     config = _config(tmp_path / "cfg.yaml", cache_p2)
     result = _torchrun(2, "--paradyse-config", str(config), *flags, log_dir=tmp_path / "logs")
-    stdout = [_rank_stdout(tmp_path / "logs", rank) for rank in range(2)]
+    stdout = [rank_output(tmp_path / "logs", rank) for rank in range(2)]
     assert result.returncode == 0, stdout[0][-3000:] + stdout[1][-3000:] + result.stderr[-3000:]
     records = read_jsonl(tmp_path / "log.jsonl")
     assert [r.iteration for r in records] == [1, 2] and all(len(r.micro_batches) == 2 for r in records)
@@ -213,7 +202,7 @@ def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses
     assert not re.search(r"\[rank\d\]: Traceback", result.stderr), result.stderr[-3000:]
     config = _config(tmp_path / "roomy" / "cfg.yaml", cache_p2)
     result = _torchrun(2, "--paradyse-config", str(config), *four_layers, log_dir=tmp_path / "roomy" / "logs")
-    stdout = [_rank_stdout(tmp_path / "roomy" / "logs", rank) for rank in range(2)]
+    stdout = [rank_output(tmp_path / "roomy" / "logs", rank) for rank in range(2)]
     assert result.returncode == 0, stdout[0][-3000:] + stdout[1][-3000:] + result.stderr[-3000:]
     records = read_jsonl(tmp_path / "roomy" / "log.jsonl")
     assert [r.iteration for r in records] == [1, 2] and all(len(r.micro_batches) == 4 for r in records)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from torchrun import rank_output, rank_outputs, torchrun
 
 from megatron_paradyse import pretrain_gpt
 from megatron_paradyse.cli import main as paradyse
@@ -57,11 +58,8 @@ def _write_config(path: Path, cache: Path, **sections) -> Path:
     return path
 
 
-def _torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    command += ["-m", "megatron_paradyse.pretrain_gpt", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+def _torchrun(nproc: int, *args: str, log_dir: Path | None = None) -> subprocess.CompletedProcess:
+    return torchrun(nproc, "-m", "megatron_paradyse.pretrain_gpt", *args, timeout=300, log_dir=log_dir)
 
 
 # -- errors before any process group ------------------------------------------------------------
@@ -236,9 +234,10 @@ def test_validation_runs_forward_only_plans_on_held_out_documents(tmp_path, cach
         log={"measure": True},
     )
     evaluation = ["--eval-iters", "2", "--eval-interval", "2", "--split", "70,30,0"]
-    result = _torchrun(2, "--paradyse-config", str(config), *SMALL_GPT, "--train-iters", "4", *evaluation)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    logs = tmp_path / "logs"
+    result = _torchrun(2, "--paradyse-config", str(config), *SMALL_GPT, "--train-iters", "4", *evaluation, log_dir=logs)
+    assert result.returncode == 0, rank_outputs(logs)
+    out = rank_output(logs, 1)  # the last rank logs; on one pipe, rank 0 once split its third evaluation line
     assert "paradyse: documents: 7 for training, 3 for validation, 0 for test (--split 70,30,0)" in out
     losses = re.findall(r"validation loss at iteration (\d+( on validation set)?) \| lm loss value: (\S+)", out)
     assert [where for where, _, _ in losses] == ["2", "4", "4 on validation set"]
@@ -252,7 +251,7 @@ def test_validation_runs_forward_only_plans_on_held_out_documents(tmp_path, cach
     )
     # every evaluation: the same micro-batches, plans and prediction; the measured peak is a measurement (a
     # first evaluation was once seen 0.1 MiB above the next ones: something built once), under the prediction
-    assert len(evaluations) == 3 and len({e[:3] for e in evaluations}) == 1, evaluations
+    assert len(evaluations) == 3 and len({e[:3] for e in evaluations}) == 1, re.findall(".*evaluation at.*", out)
     tokens, plans, predicted, _ = evaluations[0]
     assert "+rc" not in plans  # nothing to recompute without a backward
     assert all(0 < float(measured) <= float(predicted) for *_, measured in evaluations), evaluations

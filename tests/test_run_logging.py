@@ -12,18 +12,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
+from torchrun import rank_output, rank_outputs, torchrun
 
 from megatron_paradyse.config import ConfigError, load_config
 from megatron_paradyse.run.log import IterationLog, read_jsonl
 
-ROOT = Path(__file__).resolve().parent.parent
 STAND_INS = Path(__file__).resolve().parent / "stand_ins"
 GIB = 2**30
 ITERATIONS = 4
@@ -71,21 +69,15 @@ def run(tmp_path_factory, cache_p2) -> Run:
     )
     flags = ["--tensorboard-dir", str(folder / "tb"), "--log-interval", "2"]
     flags += ["--wandb-project", "paradyse-test", "--wandb-exp-name", "run", "--wandb-save-dir", str(folder / "wandb")]
-    # each rank's output to its own file: ranks writing to one pipe can split each other's lines
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    command += ["--log-dir", str(folder / "ranks"), "--redirects", "3"]
-    command += ["-m", "megatron_paradyse.pretrain_gpt", "--paradyse-config", str(config), *MODEL, *flags]
     env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(STAND_INS), os.environ.get("PYTHONPATH", "")]),
         "WANDB_STAND_IN_LOG": str(folder / "wandb.jsonl"),
     }
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    logs = {path.parent.name + "/" + path.name: path.read_text() for path in (folder / "ranks").glob("**/std*.log")}
-    assert result.returncode == 0, "\n".join(f"{name}:\n{text[-3000:]}" for name, text in sorted(logs.items()))
+    program = ["-m", "megatron_paradyse.pretrain_gpt", "--paradyse-config", str(config), *MODEL, *flags]
+    result = torchrun(2, *program, log_dir=folder / "ranks", env=env)
+    assert result.returncode == 0, rank_outputs(folder / "ranks")
     calls = [json.loads(line) for line in (folder / "wandb.jsonl").read_text().splitlines()]
-    return Run(logs["1/stdout.log"], read_jsonl(folder / "log.jsonl"), folder / "tb", calls)
+    return Run(rank_output(folder / "ranks", 1), read_jsonl(folder / "log.jsonl"), folder / "tb", calls)
 
 
 def _expected(records: list[IterationLog]) -> dict[str, dict[int, float]]:

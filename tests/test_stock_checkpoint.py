@@ -14,19 +14,18 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from torchrun import torchrun
 
 from megatron_paradyse.data import ByteTokenizer, DocumentDataset
 from megatron_paradyse.data.corpora import build_code_corpus
 from megatron_paradyse.data.subset import spread_by_length
 from megatron_paradyse.run.log import read_jsonl
 
-ROOT = Path(__file__).resolve().parent.parent
 STOCK_SCRIPT = Path(__file__).resolve().parent / "stock_pretrain_gpt.py"
 DOCS = {"num_documents": 6, "min_len": 128, "max_len": 1024}
 # Both runs: the same model, layout, batch and schedule (Megatron checks the schedule against the
@@ -50,10 +49,8 @@ STOCK = [
 BETA1, BETA2, WEIGHT_DECAY = 0.9, 0.999, 0.01  # Megatron's Adam defaults
 
 
-def _torchrun(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+def _torchrun(*program: str) -> subprocess.CompletedProcess:
+    result = torchrun(2, *program)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
