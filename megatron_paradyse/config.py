@@ -67,6 +67,13 @@ class MemorySection:
         if self.oom_retries < 0:
             raise ValueError(f"memory.oom_retries must be >= 0, got {self.oom_retries}")
 
+    def budget_bytes(self, device_bytes: float | None) -> float | None:
+        """The per-rank budget plans are made to: ``budget_gib``, else the device's memory (``device_bytes``,
+        None where there is no device to size it by) less ``margin``; None where neither is given."""
+        if self.budget_gib is not None:
+            return self.budget_gib * 2**30
+        return None if device_bytes is None else device_bytes * (1.0 - self.margin)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CostSection:

@@ -95,3 +95,12 @@ def test_a_planner_config_built_in_code_refuses_an_infinite_bucket_ratio():
 
     with pytest.raises(ValueError, match=r"planner.bucket_ratio must be a finite number > 1, got inf"):
         PlannerConfig(bucket_ratio=float("inf"))
+
+
+def test_the_budget_is_the_configs_else_the_devices_memory_less_the_margin():
+    """One rule for the entry point, the drop-in spec and ``paradyse plan``."""
+    from megatron_paradyse.config import MemorySection
+
+    assert MemorySection(budget_gib=1.5, margin=0.2).budget_bytes(80 * 2**30) == 1.5 * 2**30
+    assert MemorySection(margin=0.03).budget_bytes(100 * 2**30) == pytest.approx(97 * 2**30)
+    assert MemorySection().budget_bytes(None) is None

@@ -88,6 +88,21 @@ def test_a_config_that_asks_the_drop_in_spec_to_learn_the_time_model_is_refused(
     assert drop_in._paradyse_config().memory.budget_gib == 1.0
 
 
+def test_the_drop_in_planner_on_a_cpu_needs_the_configs_budget():
+    """No device memory to size the budget by: the layers' first build says which setting to give."""
+    import torch
+
+    from megatron_paradyse.config import ParadyseConfig
+    from megatron_paradyse.mcore import drop_in
+
+    with pytest.raises(ValueError) as error:
+        drop_in._budget_bytes(ParadyseConfig(), torch.device("cpu"))
+    assert str(error.value) == (
+        "the Paradyse layers need a memory budget on a machine without CUDA: set memory.budget_gib in the "
+        "paradyse config PARADYSE_CONFIG names"
+    )
+
+
 def test_a_fused_cross_entropy_is_refused_by_the_drop_in_planner():
     """The cost model counts Megatron's unfused cross-entropy: a job with the fused one gets no planner
     that would count the wrong working set."""

@@ -66,3 +66,16 @@ def test_plan_refuses_what_it_cannot_price(tmp_path, capsys):
     assert "paradyse: error: --gpu h100: the published figures are for TP=8, the config has TP=4" in (
         capsys.readouterr().err
     )
+
+
+def test_plan_without_a_budget_or_a_gpu_says_which_to_give(tmp_path, capsys):
+    config = yaml.safe_load((CONFIGS / "llama3-8b.yaml").read_text())
+    assert config["memory"].get("budget_gib") is None  # sized by the GPU's memory
+    path = tmp_path / "no-gpu.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exit_status:  # before any profile is read: this one does not exist
+        paradyse(["plan", str(path), "--profile", str(tmp_path / "none.json"), "--lengths", "4096"])
+    assert exit_status.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "paradyse: error: set memory.budget_gib, or pass --gpu for a GPU's memory\n"
+    )

@@ -30,6 +30,7 @@ __all__ = [
     "MemoryEvent",
     "PeakMemory",
     "collective_buffers_freed_promptly",
+    "device_memory_bytes",
     "host_memory",
     "peak_bytes_of",
     "recurring_least",
@@ -223,6 +224,11 @@ def collective_buffers_freed_promptly() -> Iterator[None]:
         yield
     finally:
         sys.setswitchinterval(switch_interval)
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """A CUDA device's whole memory; None for the CPU, whose memory no plan is sized by."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
 def peak_bytes_of(work: Callable[[], object], device: torch.device | str = "cpu") -> int:

@@ -30,6 +30,7 @@ import torch
 
 from megatron_paradyse.config import DataSection, ParadyseConfig, load_config
 from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.memory import device_memory_bytes
 from megatron_paradyse.core.micro_batch import MicroBatch
 
 __all__ = ["CONFIG_ENV", "implicit_micro_batch", "stage_cost_models", "stage_footprints", "stage_planner"]
@@ -354,14 +355,13 @@ def _data_parallel_rank() -> int:
 
 
 def _budget_bytes(config: ParadyseConfig, device: torch.device) -> float:
-    if config.memory.budget_gib is not None:
-        return config.memory.budget_gib * _GIB
-    if device.type != "cuda":
+    budget = config.memory.budget_bytes(device_memory_bytes(device))
+    if budget is None:
         raise ValueError(
             f"the Paradyse layers need a memory budget on a machine without CUDA: set memory.budget_gib in the "
             f"paradyse config {CONFIG_ENV} names"
         )
-    return torch.cuda.get_device_properties(device).total_memory * (1.0 - config.memory.margin)
+    return budget
 
 
 def _profile(config: ParadyseConfig, p: int, dtype: torch.dtype, device: torch.device, group) -> dict:

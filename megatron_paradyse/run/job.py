@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from megatron_paradyse.config import ParadyseConfig
+from megatron_paradyse.core.memory import device_memory_bytes
 from megatron_paradyse.run.fault import STATE_FILE, BudgetState, read_state
 
 __all__ = ["Job", "add_paradyse_args", "dataset_tokenizer", "entry_defaults"]
@@ -134,7 +135,7 @@ class Job:
         model_config.transformer_layer_spec = functools.partial(get_paradyse_layer_spec, attn_mask_type=mask)
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         pad_id = dataset_tokenizer(config)[1]
-        budget_bytes = _budget_bytes(config, device)
+        budget_bytes = config.memory.budget_bytes(device_memory_bytes(device))  # set on the CPU (config_problems)
         budget_state = read_state(args.load)
         if budget_state is not None:
             budget_state.check_retries(config.memory.oom_retries, Path(args.load) / STATE_FILE)
@@ -334,12 +335,6 @@ def _read_profile(config: ParadyseConfig, args: argparse.Namespace) -> dict | No
         check_machine=config.cost.check_machine,
         host_link=config.planner.host_memory_gib > 0,
     )
-
-
-def _budget_bytes(config: ParadyseConfig, device: torch.device) -> float:
-    if config.memory.budget_gib is not None:
-        return config.memory.budget_gib * _GIB
-    return torch.cuda.get_device_properties(device).total_memory * (1.0 - config.memory.margin)
 
 
 @contextlib.contextmanager

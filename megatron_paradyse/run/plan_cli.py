@@ -115,25 +115,20 @@ class _Job:
 
         args = parse_megatron_args(config.megatron_args)
         tp = args.tensor_model_parallel_size
+        budget = config.memory.budget_bytes(None if gpu is None else HARDWARE[gpu].memory_bytes)
+        if budget is None:
+            raise ValueError("set memory.budget_gib, or pass --gpu for a GPU's memory")
         if gpu is not None:
             node = HARDWARE[gpu]
             if tp != node.p:
                 raise ValueError(f"--gpu {gpu}: the published figures are for TP={node.p}, the config has TP={tp}")
             rates, description = hardware_profile(node), f"{gpu} node, published figures (simulated, not measured)"
-            device_bytes = node.memory_bytes
         else:
             path = profile or config.cost.profile
             if path is None:
                 raise ValueError("no cost profile: pass --gpu or --profile, or name one in cost.profile")
             rates = load_profile(path, p=tp, check_machine=False, host_link=config.planner.host_memory_gib > 0)
             description = f"calibrated profile {path}"
-            device_bytes = None
-        if config.memory.budget_gib is not None:
-            budget = config.memory.budget_gib * _GIB
-        elif device_bytes is not None:
-            budget = device_bytes * (1.0 - config.memory.margin)
-        else:
-            raise ValueError("set memory.budget_gib, or pass --gpu for a GPU's memory")
         args.padded_vocab_size = _padded_vocab(args, config)
         # what Megatron's argument check would fill in, on one data-parallel rank: the distributed optimizer's
         # shards are not counted, and the step runs the whole global batch's micro-batches (conservative)
