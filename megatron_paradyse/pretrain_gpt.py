@@ -60,7 +60,7 @@ from typing import NoReturn
 import torch
 
 from megatron_paradyse.config import ParadyseConfig, load_config
-from megatron_paradyse.core import compat
+from megatron_paradyse.core import allocator, compat
 from megatron_paradyse.run.job import Job, add_paradyse_args
 
 __all__ = ["main"]
@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if {"-h", "--help"} & set(argv):
         return _print_help()
+    allocator.prefer_expandable_segments()  # before anything initialises CUDA
     try:
         config = _paradyse_config(argv)
     except ValueError as e:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from megatron_paradyse.config import DataSection, ParadyseConfig, load_config
+from megatron_paradyse.core.allocator import expandable_segments_off
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.memory import device_memory_bytes
 from megatron_paradyse.core.micro_batch import MicroBatch
@@ -286,6 +287,9 @@ class _Stage:
         self.planner = stage_planner(planner_config, cost, footprints[pp_rank], budget, args)
         self.printing = torch.distributed.get_rank(layer.tp_group) == 0 and _data_parallel_rank() == 0
         self.pp_rank = pp_rank
+        reserving_more = device.type == "cuda" and expandable_segments_off()
+        if reserving_more and self.printing:  # CUDA is up: too late to turn them on here
+            logger.warning("paradyse: stage %d: %s", pp_rank, reserving_more)
         self.shown: str | None = None
         self.last: tuple | None = None
 

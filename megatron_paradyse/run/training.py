@@ -33,6 +33,7 @@ from typing import NoReturn
 import torch
 
 from megatron_paradyse.config import ParadyseConfig
+from megatron_paradyse.core.allocator import expandable_segments_off
 from megatron_paradyse.mcore.chunked_loss import output_processor
 from megatron_paradyse.mcore.step_buffers import release_step_buffers
 from megatron_paradyse.run.fault import STATE_FILE, FaultWatch
@@ -208,6 +209,9 @@ class TrainingRun:
             )
         if not self.iterators and torch.distributed.get_rank() == 0:  # once
             _say_how_forwards_in_flight_are_budgeted(args, job.model_config.transformer)
+            reserving_more = job.device.type == "cuda" and expandable_segments_off()
+            if reserving_more:
+                print(f"paradyse: warning: {reserving_more}", flush=True)
         if job.args.iteration > 0:
             self._resume(iterator)
         self.iterators.append(iterator)
