@@ -162,12 +162,13 @@ def test_overlapped_reduction_is_refused_where_lean_would_break_it(tmp_path, cac
 
 def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses_learning(tmp_path, cache_p2):
     """PP=2 with two micro-batches per step trains; stage 0 holds both micro-batches' activations at once,
-    and plans each to hold no more than the longest would beside the other: one line says so. So does the interleaved
-    schedule, with its own counts. Learning the time model is refused, and a budget that cannot hold what
-    the schedule keeps between micro-batches."""
+    and plans each to hold no more than the step's longest would beside the other (``stop``: the step is known
+    before it runs): one line says so. So does the interleaved schedule, with its own counts, planned for
+    --seq-length (``skip``). Learning the time model is refused, and a budget that cannot hold what the
+    schedule keeps between micro-batches."""
     flags = [*SMALL_GPT, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
     flags += ["--global-batch-size", "2", "--train-iters", "2"]
-    config = _config(tmp_path / "cfg.yaml", cache_p2)
+    config = _config(tmp_path / "cfg.yaml", cache_p2, planner={"on_infeasible": "stop"})
     result = _torchrun(2, "--paradyse-config", str(config), *flags, log_dir=tmp_path / "logs")
     stdout = [rank_output(tmp_path / "logs", rank) for rank in range(2)]
     assert result.returncode == 0, stdout[0][-3000:] + stdout[1][-3000:] + result.stderr[-3000:]
@@ -176,8 +177,9 @@ def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses
     assert [out.count("paradyse: warning:") for out in stdout] == [0, 0]
     assert (
         "paradyse: PP=2: with 2 micro-batches per step under 1F1B, pipeline stages 0..1 hold activations of up to "
-        "2, 1 micro-batches at once: each may hold what a micro-batch of --seq-length 4096 tokens holds under the "
-        "fastest plan that fits that many of it, and peak in what the others leave\n" in stdout[0]
+        "2, 1 micro-batches at once: each may hold what the step's longest micro-batch (at most --seq-length 4096 "
+        "tokens) holds under the fastest plan that fits that many of it, and peak in what the others leave\n"
+        in stdout[0]
     ), stdout[0][-3000:]
 
     # Megatron's interleaved schedule, two chunks of one layer a stage: five chunk forwards in flight on stage 0.

@@ -20,7 +20,7 @@ OPTIONS = (LayerOption("tp_sp", "tp_sp"), LayerOption("tp_sp", "tp_sp", recomput
 BUDGET = 4000.0
 
 
-def _planner(static: float, on_infeasible: str) -> Planner:
+def _planner(static: float, on_infeasible: str, **in_flight) -> Planner:
     """Two layers; per layer: saved 4s (s/1 recomputed), transient s. The leanest stage peak is
     static + 3s, so a stage with static 0 fits s <= 1333, one with static 1000 fits s <= 1000."""
 
@@ -29,14 +29,16 @@ def _planner(static: float, on_infeasible: str) -> Planner:
 
     model = FunctionCostModel(costs, lambda saved, transient: static + saved + transient)
     config = PlannerConfig(on_infeasible=on_infeasible, bucket_tokens=4)
-    return Planner(config, model, options=OPTIONS, num_layers=2, budget_bytes=BUDGET)
+    return Planner(config, model, options=OPTIONS, num_layers=2, budget_bytes=BUDGET, **in_flight)
 
 
-def _loader(tmp_path, lengths, *, dp_rank=0, dp_size=1) -> DynamicSequenceLoader:
+def _loader(tmp_path, lengths, *, dp_rank=0, dp_size=1, micro_batches_per_step=1) -> DynamicSequenceLoader:
     prefix = tmp_path / "docs"
     if not prefix.with_suffix(".idx").exists():
         write_documents(prefix, [np.arange(n) % 256 for n in lengths], vocab_size=258)
-    config = LoaderConfig(p=2, max_len=max(lengths), sampler="curriculum", pad_id=257)
+    config = LoaderConfig(
+        p=2, max_len=max(lengths), sampler="curriculum", pad_id=257, micro_batches_per_step=micro_batches_per_step
+    )
     return DynamicSequenceLoader(DocumentDataset(prefix), config, dp_rank=dp_rank, dp_size=dp_size)
 
 
@@ -84,7 +86,32 @@ def test_every_data_parallel_rank_stops_at_the_step_holding_a_sequence_no_plan_f
             next(it)
 
 
-def test_the_position_resumes_from_saved_state(tmp_path):
+def test_forwards_in_flight_hold_what_the_steps_longest_holds(tmp_path):
+    """Two forwards in flight, two micro-batches per step on each of two data-parallel ranks. At 400 tokens
+    (any step's longest) two forwards fit alike only recomputed (RC: 2 x 800 held + 1200 running = 2800;
+    FAST+RC holds 2000 and peaks at 2400: 4400 > 4000), so a forward may hold 800. The first step's
+    micro-batches are all of 200 tokens, where two FAST forwards fit alike (1600 + 1800 = 3400): they run
+    FAST, which the 800 would have ruled out. In the second step the one of 300 tokens holds to the
+    global batch's longest, 400, on whichever rank it runs (at its own length it would run FAST+RC)."""
+    lengths = [200, 200, 200, 200, 300, 400, 400, 400]
+    fast, recomputed = (OPTIONS[0],) * 2, (OPTIONS[1],) * 2
+    ranks = [
+        PlannedMicroBatches(
+            _loader(tmp_path, lengths, dp_rank=rank, dp_size=2, micro_batches_per_step=2),
+            [_planner(0, "stop", forwards_in_flight=2, longest_tokens=400)],
+            stage=0,
+        )
+        for rank in (0, 1)
+    ]
+    first = [[(mb.layout.valid_len, mb.decision.plan.layers) for mb in (next(it), next(it))] for it in ranks]
+    assert first == [[(200, fast)] * 2] * 2
+    second = sorted((mb.layout.valid_len, mb.decision.plan.layers) for it in ranks for mb in (next(it), next(it)))
+    assert second == [(300, recomputed)] + [(400, recomputed)] * 3
+    # the same planner told no step: any step's longest sets the hold
+    unknown = _planner(0, "stop", forwards_in_flight=2, longest_tokens=400)
+    assert unknown.decide(ranks[0].loader.sampler.layout((0,))).plan.layers == recomputed  # document 0: 200 tokens
+    unknown.set_step_longest(300)
+    assert unknown.decide(ranks[0].loader.sampler.layout((4,))).plan.layers not in (fast, recomputed)  # FAST+RC
     lengths = [100, 200, 300, 400, 500]
     it = PlannedMicroBatches(_loader(tmp_path, lengths), [_planner(0, "skip")], stage=0)
     next(it), next(it)

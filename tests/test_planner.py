@@ -252,6 +252,26 @@ def test_forwards_in_flight_hold_what_the_longest_holds_and_peak_in_what_the_oth
     assert _in_flight_planner(20.0, 1, None, method).decide(layout(1024)).plan.layers == (FAST, FAST)
 
 
+def test_forwards_in_flight_of_a_step_hold_what_its_longest_holds():
+    """Two forwards in flight on a budget of 15. Any step's longest (1024 tokens) fits two alike as
+    FAST+LEAN at most (2 x 5 + 3 = 13; FAST+FAST 19), so a forward of 768 tokens may hold 5 and runs
+    FAST+LEAN (FAST+FAST holds 6). In a step whose longest is 768, two FAST+FAST fit alike (6 + 6 + 2.25 =
+    14.25): it runs FAST+FAST, and the stage still peaks within the budget."""
+    planner = _in_flight_planner(15.0, 2, 1024)
+    assert planner.decide(layout(768)).plan.layers == (FAST, LEAN)
+    planner.set_step_longest(768)
+    plan = planner.decide(layout(768)).plan
+    assert (plan.layers, plan.predicted_peak_bytes) == ((FAST, FAST), 8.25)
+    assert plan.predicted_peak_bytes + 6.0 <= planner.budget_bytes  # beside the other forward's 6 held
+    planner.set_step_longest(None)
+    decision = planner.decide(layout(768))
+    assert (decision.plan.layers, decision.cached) == ((FAST, LEAN), True)  # each step length's plans are kept
+    with pytest.raises(
+        ValueError, match=r"^the step's longest micro-batch must be a positive number of tokens, got 0$"
+    ):
+        planner.set_step_longest(0)
+
+
 def test_forwards_in_flight_longer_than_fits_set_the_caps_at_the_longest_that_does():
     """At 4096 tokens not even LEAN+LEAN fits three alike (7 x 4 = 28 > 20): the caps come from the longest
     bucket that does, 2816 (LEAN+LEAN holds 5.5 there, the others leave 9), which trains; the longest is

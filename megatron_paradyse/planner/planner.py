@@ -167,7 +167,8 @@ class Planner:
         forwards_in_flight: the most forwards (of micro-batches, or of one model chunk of them) whose
             backward has not run that the stage holds at once
             (:func:`~megatron_paradyse.mcore.drop_in.forwards_in_flight`); with several,
-            ``longest_tokens`` is the longest micro-batch a step may have.
+            ``longest_tokens`` is the longest micro-batch a step may have (:meth:`set_step_longest`
+            narrows it to the step about to run).
 
     **Forwards in flight.** The stage peaks while one forward runs and the ``n - 1`` others hold what
     they keep for their backward (:meth:`CostModel.held_bytes`). Every forward is planned to hold at
@@ -175,7 +176,10 @@ class Planner:
     budget whatever lengths and plans its forwards have. ``A`` is what a micro-batch of
     ``longest_tokens`` holds under the fastest plan that fits ``n`` of it at once: the longest
     micro-batch gets the plan it would have if every forward in flight were as long, and one working
-    set is counted beside the held activations, not ``n``.
+    set is counted beside the held activations, not ``n``. A pipeline drains at the end of each step, so
+    only one step's forwards are ever in flight together: where the step's micro-batches are known before
+    it runs, ``A`` is its longest one's (:meth:`set_step_longest`), and a step of short micro-batches
+    leaves each of them the room a step with a ``longest_tokens`` one would not.
     """
 
     def __init__(
@@ -212,13 +216,14 @@ class Planner:
         self.chunk_layers = chunk_layers if len(chunk_layers) > 1 else ()
         self.forwards_in_flight = forwards_in_flight
         self.longest_tokens = longest_tokens
-        self._held_caps: dict[tuple[int, bool, int], float] = {}
+        self._step_longest: int | None = None
+        self._held_caps: dict[tuple, float] = {}
         self.excluded: dict[str, str] = {}
         """Strategies (or pairs) left out of the plan space, with the reason (set by :meth:`for_model`)."""
         self._solve = solve_exact if config.method == "exact" else solve_heuristic
         self._buckets = LengthBuckets(config.bucket, config.bucket_tokens, config.bucket_ratio)
         self._cache: collections.OrderedDict[tuple, _Bucket] = collections.OrderedDict()
-        self._longest: dict[tuple[int, bool, int], int] = {}
+        self._longest: dict[tuple, int] = {}
         self._stage_options = cost_model.stage_options(config.loss_chunk_tokens)
         self._previous: tuple[StageOptions, tuple[int, ...]] | None = None
         self.exploration: Exploration | None = None
@@ -283,6 +288,14 @@ class Planner:
         self._cache.clear()
         self._longest.clear()
         self._held_caps.clear()
+
+    def set_step_longest(self, tokens: int | None) -> None:
+        """The tokens of the longest micro-batch of the step about to run, which every forward in flight
+        with the ones planned next belongs to (None: any step's, ``longest_tokens``). Plans and the held
+        cap are cached per step length (its bucket's edge), so steps alike reuse them."""
+        if tokens is not None and not (isinstance(tokens, int) and tokens > 0):
+            raise ValueError(f"the step's longest micro-batch must be a positive number of tokens, got {tokens!r}")
+        self._step_longest = tokens
 
     def forget_previous(self) -> None:
         """Start a new run of decisions: no previous plan for hysteresis (cached plans stay)."""
@@ -387,22 +400,31 @@ class Planner:
 
         Binary search over bucket edges, assuming the leanest plan's peak grows with length.
         """
-        key = (p, causal, micro_batch_size)
+        key = (p, causal, micro_batch_size, self._cap_edge(p))
         if key not in self._longest:
             self._longest[key] = self._search_longest(p, causal, lambda layout: self.fits(layout, micro_batch_size))
         return self._longest[key]
 
     # -- internals --------------------------------------------------------------------------------
     def _key(self, layout: SequenceLayout, micro_batch_size: int) -> tuple:
-        """(bucket edge, micro-batch size, p, causal, token order, document lengths or None)."""
+        """(bucket edge, micro-batch size, p, causal, token order, document lengths or None, the held cap's
+        length or None)."""
         edge = self._buckets.edge(layout.padded_len, 2 * layout.p)
         docs = layout.doc_lengths if self.config.packed_as == "documents" else None
-        return (edge, micro_batch_size, layout.p, layout.causal, layout.order, docs)
+        return (edge, micro_batch_size, layout.p, layout.causal, layout.order, docs, self._cap_edge(layout.p))
 
     @staticmethod
     def _bucket_layout(key: tuple) -> SequenceLayout:
-        edge, _, p, causal, order, docs = key
+        edge, _, p, causal, order, docs, _ = key
         return SequenceLayout(docs or (edge,), p, causal, edge, order)
+
+    def _cap_edge(self, p: int) -> int | None:
+        """The length whose forward in flight sets the held cap (:meth:`_held_cap`): the bucket edge of the
+        step's longest micro-batch, or of any step's; None with one forward in flight."""
+        if self.forwards_in_flight == 1:
+            return None
+        tokens = self._step_longest or self.longest_tokens
+        return self._buckets.edge(-(-tokens // (2 * p)) * 2 * p, 2 * p)
 
     def _plan_bucket(self, key: tuple) -> _Bucket:
         edge, micro_batch_size = key[:2]
@@ -498,10 +520,10 @@ class Planner:
         """``A`` of the class docstring: what the longest micro-batch holds under the fastest plan that fits
         all forwards in flight alike; where none fits it, the longest micro-batch for which one does is
         taken instead (then the longest ones are reported, and as many others as can be train)."""
-        key = (p, causal, micro_batch_size)
+        edge = self._cap_edge(p)
+        key = (p, causal, micro_batch_size, edge)
         if key not in self._held_caps:
-            tokens = -(-self.longest_tokens // (2 * p)) * 2 * p
-            layout = self._bucket_layout(self._key(SequenceLayout((tokens,), p, causal, tokens), micro_batch_size))
+            layout = SequenceLayout((edge,), p, causal, edge)
 
             def alike_fits(layout: SequenceLayout) -> bool:
                 problems = self._alike_problems(layout, micro_batch_size)

@@ -208,7 +208,7 @@ class TrainingRun:
                 flush=True,
             )
         if not self.iterators and torch.distributed.get_rank() == 0:  # once
-            _say_how_forwards_in_flight_are_budgeted(args, job.model_config.transformer)
+            _say_how_forwards_in_flight_are_budgeted(args, job.model_config.transformer, planner_config.on_infeasible)
             reserving_more = job.device.type == "cuda" and expandable_segments_off()
             if reserving_more:
                 print(f"paradyse: warning: {reserving_more}", flush=True)
@@ -628,9 +628,10 @@ def _attempt(fn):
         return None, f"{type(e).__name__}: {e}"
 
 
-def _say_how_forwards_in_flight_are_budgeted(args, transformer) -> None:
+def _say_how_forwards_in_flight_are_budgeted(args, transformer, on_infeasible: str) -> None:
     """Where the pipeline schedule keeps several forwards on a stage, say how the planner budgets them
-    (:func:`~megatron_paradyse.mcore.drop_in.forwards_in_flight`)."""
+    (:func:`~megatron_paradyse.mcore.drop_in.forwards_in_flight`; by each step's longest micro-batch where the
+    step is known before it runs, :meth:`PlannedMicroBatches.check_step`)."""
     from megatron_paradyse.mcore.drop_in import forwards_in_flight, step_micro_batches
 
     pp, virtual_stages, micro_batches = (
@@ -648,8 +649,12 @@ def _say_how_forwards_in_flight_are_budgeted(args, transformer) -> None:
     print(
         f"paradyse: PP={pp}: with {micro_batches} micro-batches per step under {schedule}, pipeline stages "
         f"0..{pp - 1} hold activations of up to {', '.join(map(str, in_flight))} {held} at once: each may hold "
-        f"what a micro-batch of --seq-length {args.seq_length} tokens holds under the fastest plan that fits that "
-        f"many of it, and peak in what the others leave",
+        + (
+            f"what the step's longest micro-batch (at most --seq-length {args.seq_length} tokens) holds"
+            if on_infeasible == "stop"
+            else f"what a micro-batch of --seq-length {args.seq_length} tokens holds"
+        )
+        + " under the fastest plan that fits that many of it, and peak in what the others leave",
         flush=True,
     )
 
