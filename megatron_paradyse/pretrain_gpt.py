@@ -179,6 +179,7 @@ def run(job: Job) -> None:
         _after_each_iteration(training_run.end_iteration),
         _around_each_evaluation(training_run.begin_evaluation, training_run.end_evaluation),
         _around_each_step(training_run.begin_step, training_run.out_of_memory),
+        _each_schedule_leaving_nothing(),
         training_run.fault_watch,
     ):
         pretrain(
@@ -228,6 +229,28 @@ def _around_each_evaluation(begin: Callable[[], None], end: Callable[[str], None
         yield
     finally:
         training.evaluate_and_print_results = original
+
+
+@contextlib.contextmanager
+def _each_schedule_leaving_nothing() -> Iterator[None]:
+    """Every pipeline schedule Megatron's training and evaluation run releases what its model chunks keep of
+    the step's last micro-batch when it returns (:func:`~megatron_paradyse.mcore.step_buffers.leaving_nothing`):
+    the planners budget each step for its own micro-batches. Both look ``get_forward_backward_func`` up in
+    their module."""
+    from megatron.training import training
+
+    from megatron_paradyse.mcore.step_buffers import leaving_nothing
+
+    original = training.get_forward_backward_func
+
+    def get_forward_backward_func(*args, **kwargs):
+        return leaving_nothing(original(*args, **kwargs))
+
+    training.get_forward_backward_func = get_forward_backward_func
+    try:
+        yield
+    finally:
+        training.get_forward_backward_func = original
 
 
 @contextlib.contextmanager

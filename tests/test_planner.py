@@ -272,6 +272,30 @@ def test_forwards_in_flight_of_a_step_hold_what_its_longest_holds():
         planner.set_step_longest(0)
 
 
+def test_a_reserve_follows_the_steps_longest():
+    """One forward at a time on a budget of 8, beside a reserve of 4 bytes per 1,024 tokens of the step's
+    longest micro-batch (what a receiving pipeline stage keeps of the previous one). Planned for any step
+    (1,024 tokens: 4 left), a micro-batch of 512 runs FAST+LEAN (FAST+FAST peaks at 5.5); in a step whose
+    longest it is (6 left), FAST+FAST."""
+    base = {FAST: LayerCost(1.0, 4.0, 3.0), LEAN: LayerCost(2.0, 1.0, 1.0)}
+    model = FunctionCostModel(
+        lambda o, s: LayerCost(base[o].time_s, base[o].saved_bytes * s / 1024, base[o].transient_bytes * s / 1024),
+        lambda saved, transient: saved + transient,
+    )
+
+    def planner(**reserve) -> Planner:
+        config = PlannerConfig(bucket_tokens=256)
+        return Planner(config, model, options=(FAST, LEAN), num_layers=2, budget_bytes=8.0, **reserve)
+
+    reserving = planner(longest_tokens=1024, reserved_bytes_per_token=4 / 1024)
+    assert (reserving.step_budget_bytes(2), reserving.decide(layout(512)).plan.layers) == (4.0, (FAST, LEAN))
+    reserving.set_step_longest(512)
+    plan = reserving.decide(layout(512)).plan
+    assert (reserving.step_budget_bytes(2), plan.layers, plan.predicted_peak_bytes) == (6.0, (FAST, FAST), 5.5)
+    with pytest.raises(ValueError, match=r"^a reserve per token needs the longest micro-batch's tokens"):
+        planner(reserved_bytes_per_token=1.0)
+
+
 def test_forwards_in_flight_longer_than_fits_set_the_caps_at_the_longest_that_does():
     """At 4096 tokens not even LEAN+LEAN fits three alike (7 x 4 = 28 > 20): the caps come from the longest
     bucket that does, 2816 (LEAN+LEAN holds 5.5 there, the others leave 9), which trains; the longest is

@@ -293,3 +293,31 @@ def test_demo_trains_switches_plans_and_skips_what_no_plan_fits(tmp_path, cache,
     options = {option for plan in plans for option in re.findall(r"\dx ([\w/+]+)", plan)}
     assert options == set(re.findall(r"([\w/+]+) x\[", learned.group(1))), (options, learned.group(1))
     assert re.search(r"^\s+1 +[\d.]+ \|  0 +\d+  4x ", stdout, re.MULTILINE)  # the table's first row
+
+
+def test_every_schedule_the_entry_point_runs_leaves_its_chunks_no_input(monkeypatch):
+    """Megatron's training and evaluation get their schedule from ``get_forward_backward_func``; under the
+    entry point each run of it then drops the input every model chunk keeps of the step's last micro-batch,
+    so that a step leaves nothing to the next (``tests/test_step_memory.py`` measures it), and the hook goes
+    when ``pretrain`` returns."""
+    from megatron_paradyse.core import compat
+
+    compat.install()
+    from megatron.training import training
+
+    calls = []
+
+    def schedule(*, model, **kwargs):
+        calls.append(("ran", len(model)))
+        return "losses"
+
+    class Chunk(torch.nn.Module):
+        def set_input_tensor(self, tensor):
+            calls.append(("input", tensor))
+
+    monkeypatch.setattr(training, "get_forward_backward_func", lambda **kwargs: schedule)
+    with pretrain_gpt._each_schedule_leaving_nothing():
+        run = training.get_forward_backward_func(schedule_pg_collection=None)
+        assert run(forward_step_func=None, model=[Chunk(), Chunk()], num_microbatches=2) == "losses"
+    assert calls == [("ran", 2), ("input", None), ("input", None)]
+    assert training.get_forward_backward_func() is schedule

@@ -114,10 +114,17 @@ class StageBudget:
     """What a pipeline stage's planner plans to (:class:`~megatron_paradyse.planner.Planner`)."""
 
     bytes: float
-    """The most the stage may hold at once: the budget less what its schedule keeps of the previous
-    micro-batch (:func:`kept_between_micro_batches_bytes`)."""
+    """The memory budget, shared by the stage's forwards and what its schedule keeps of the previous
+    micro-batch."""
     forwards_in_flight: int
     """The most forwards the stage holds at once (:func:`forwards_in_flight`)."""
+    kept_bytes_per_token: float = 0.0
+    """What the schedule keeps of the previous micro-batch (:func:`kept_between_micro_batches_bytes`), per
+    token of the step's longest micro-batch."""
+
+    def holding(self, tokens: int) -> float:
+        """The most the stage's forwards may hold at once in a step whose longest micro-batch has ``tokens``."""
+        return self.bytes - self.kept_bytes_per_token * tokens
 
 
 def forwards_in_flight(
@@ -151,8 +158,8 @@ def step_stage_budgets(
     job with Megatron's validated ``args``: a training step runs the global batch's micro-batches (the
     final one, also while ``--rampup-batch-size`` grows it) through 1F1B or the interleaved schedule,
     each stage that receives its input from another keeping the previous micro-batch's input and its
-    gradient, of ``--seq-length`` tokens, into the next micro-batch's forward; a forward-only step keeps
-    nothing past a forward."""
+    gradient, at most as long as the step's longest, into the next micro-batch's forward; a forward-only
+    step keeps nothing past a forward."""
     virtual_stages = args.virtual_pipeline_model_parallel_size
     chunks = {len(f.chunk_layers) for f in footprints}
     if chunks != {virtual_stages or 1}:
@@ -167,14 +174,11 @@ def step_stage_budgets(
         None if forward_only else virtual_stages,
         transformer.microbatch_group_size_per_vp_stage,
     )
-    kept = (
-        kept_between_micro_batches_bytes(transformer, args.seq_length, args.micro_batch_size)
-        if micro_batches > 1
-        else 0.0
-    )
+    tp = transformer.tensor_model_parallel_size
+    kept = kept_between_micro_batches_bytes(transformer, tp, args.micro_batch_size) / tp if micro_batches > 1 else 0.0
     # interleaved, the first stage's later chunks receive their input from the last stage
     return [
-        StageBudget(budget_bytes - (kept if stage > 0 or virtual_stages is not None else 0.0), k)
+        StageBudget(budget_bytes, k, kept if stage > 0 or virtual_stages is not None else 0.0)
         for stage, k in enumerate(in_flight)
     ]
 
@@ -197,6 +201,7 @@ def stage_planner(
         chunk_layers=footprint.chunk_layers,
         forwards_in_flight=budget.forwards_in_flight,
         longest_tokens=args.seq_length,
+        reserved_bytes_per_token=budget.kept_bytes_per_token,
         time_corrections=time_corrections,
     )
 
@@ -308,7 +313,7 @@ class _Stage:
             print(
                 f"paradyse: stage {self.pp_rank}: {layout.valid_len} tokens ({len(layout.doc_lengths)} documents) x "
                 f"{micro_batch_size}: plan {plan.compact()} (predicted {plan.predicted_time_s:.4g} s, peak "
-                f"{plan.predicted_peak_bytes / _GIB:.3f} GiB of {self.planner.budget_bytes / _GIB:.3f})",
+                f"{plan.predicted_peak_bytes / _GIB:.3f} GiB of {self.planner.step_budget_bytes(layout.p) / _GIB:.3f})",
                 flush=True,
             )
         return MicroBatch(layout=layout, plan=plan)

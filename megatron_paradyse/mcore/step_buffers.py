@@ -7,11 +7,20 @@ Megatron keeps both across micro-batches: the global buffer at the longest seque
 ``RotaryEmbedding.forward``). With lengths that vary, both hold memory no plan of the current
 micro-batch accounts for. Releasing them before each micro-batch makes them its own; the caching
 allocator serves the new ones from the freed blocks.
+
+Megatron's pipeline schedules also leave each model chunk that receives its input holding the input of
+the step's last micro-batch (``set_input_tensor``) until the next step's first forward on that chunk
+replaces it: one activation of the last step, beside the next step's forwards (under the interleaved
+schedule, a stage's first chunk runs several before its second chunk's first). Releasing it when the
+schedule returns (:func:`leaving_nothing`) lets the planner budget each step for its own micro-batches.
 """
 
 from __future__ import annotations
 
-__all__ = ["release_step_buffers"]
+import functools
+from collections.abc import Callable
+
+__all__ = ["leaving_nothing", "release_step_buffers"]
 
 
 def release_step_buffers() -> None:
@@ -24,3 +33,19 @@ def release_step_buffers() -> None:
         for key in [key for key in buffers if key[0] == "mpu"]:
             del buffers[key]
     RotaryEmbedding.forward.cache_clear()
+
+
+def leaving_nothing(schedule: Callable) -> Callable:
+    """Megatron's ``schedule`` (a ``forward_backward_func``), releasing the inputs its model chunks keep of
+    the step's last micro-batch when it returns."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    @functools.wraps(schedule)
+    def run(*args, model, **kwargs):
+        try:
+            return schedule(*args, model=model, **kwargs)
+        finally:
+            for chunk in model if isinstance(model, list) else [model]:
+                get_attr_wrapped_model(chunk, "set_input_tensor")(None)
+
+    return run

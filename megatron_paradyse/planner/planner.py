@@ -169,6 +169,9 @@ class Planner:
             (:func:`~megatron_paradyse.mcore.drop_in.forwards_in_flight`); with several,
             ``longest_tokens`` is the longest micro-batch a step may have (:meth:`set_step_longest`
             narrows it to the step about to run).
+        reserved_bytes_per_token: what the stage keeps beside its forwards, per token of the step's
+            longest micro-batch, out of ``budget_bytes`` (a receiving pipeline stage keeps the previous
+            micro-batch's input and its gradient: :func:`~megatron_paradyse.mcore.drop_in.step_stage_budgets`).
 
     **Forwards in flight.** The stage peaks while one forward runs and the ``n - 1`` others hold what
     they keep for their backward (:meth:`CostModel.held_bytes`). Every forward is planned to hold at
@@ -179,7 +182,8 @@ class Planner:
     set is counted beside the held activations, not ``n``. A pipeline drains at the end of each step, so
     only one step's forwards are ever in flight together: where the step's micro-batches are known before
     it runs, ``A`` is its longest one's (:meth:`set_step_longest`), and a step of short micro-batches
-    leaves each of them the room a step with a ``longest_tokens`` one would not.
+    leaves each of them the room a step with a ``longest_tokens`` one would not; so does what the stage
+    keeps beside them (``reserved_bytes_per_token``).
     """
 
     def __init__(
@@ -193,6 +197,7 @@ class Planner:
         chunk_layers: Sequence[int] = (),
         forwards_in_flight: int = 1,
         longest_tokens: int | None = None,
+        reserved_bytes_per_token: float = 0.0,
     ) -> None:
         options = tuple(options)
         if not options or len(set(options)) != len(options):
@@ -209,6 +214,12 @@ class Planner:
                 f"with {forwards_in_flight} forwards in flight the planner needs the longest micro-batch's tokens "
                 f"(longest_tokens), got {longest_tokens!r}"
             )
+        if not 0 <= reserved_bytes_per_token < math.inf:
+            raise ValueError(f"reserved_bytes_per_token must be finite and >= 0, got {reserved_bytes_per_token!r}")
+        if reserved_bytes_per_token and not (isinstance(longest_tokens, int) and longest_tokens > 0):
+            raise ValueError(
+                f"a reserve per token needs the longest micro-batch's tokens (longest_tokens), got {longest_tokens!r}"
+            )
         self.config = config
         self.cost_model = cost_model
         self.options = options
@@ -216,6 +227,7 @@ class Planner:
         self.chunk_layers = chunk_layers if len(chunk_layers) > 1 else ()
         self.forwards_in_flight = forwards_in_flight
         self.longest_tokens = longest_tokens
+        self.reserved_bytes_per_token = float(reserved_bytes_per_token)
         self._step_longest: int | None = None
         self._held_caps: dict[tuple, float] = {}
         self.excluded: dict[str, str] = {}
@@ -243,6 +255,7 @@ class Planner:
         chunk_layers: Sequence[int] = (),
         forwards_in_flight: int = 1,
         longest_tokens: int | None = None,
+        reserved_bytes_per_token: float = 0.0,
         time_corrections: TimeCorrections | None = None,
     ) -> Planner:
         """A planner over the options ``config`` enables for ``shape`` on ``p`` ranks.
@@ -265,6 +278,7 @@ class Planner:
             chunk_layers=chunk_layers,
             forwards_in_flight=forwards_in_flight,
             longest_tokens=longest_tokens,
+            reserved_bytes_per_token=reserved_bytes_per_token,
         )
         planner.excluded = excluded
         if time_corrections is not None and config.explore_share > 0:
@@ -291,11 +305,17 @@ class Planner:
 
     def set_step_longest(self, tokens: int | None) -> None:
         """The tokens of the longest micro-batch of the step about to run, which every forward in flight
-        with the ones planned next belongs to (None: any step's, ``longest_tokens``). Plans and the held
-        cap are cached per step length (its bucket's edge), so steps alike reuse them."""
+        with the ones planned next belongs to, and what the stage keeps beside them is no longer than (None:
+        any step's, ``longest_tokens``). Plans and the held cap are cached per step length (its bucket's
+        edge), so steps alike reuse them."""
         if tokens is not None and not (isinstance(tokens, int) and tokens > 0):
             raise ValueError(f"the step's longest micro-batch must be a positive number of tokens, got {tokens!r}")
         self._step_longest = tokens
+
+    def step_budget_bytes(self, p: int) -> float:
+        """What the stage's forwards may hold at once in the step (:meth:`set_step_longest`) on ``p`` ranks:
+        the budget less the reserve."""
+        return self._budget - self.reserved_bytes_per_token * (self._step_edge(p) or 0)
 
     def forget_previous(self) -> None:
         """Start a new run of decisions: no previous plan for hysteresis (cached plans stay)."""
@@ -400,28 +420,28 @@ class Planner:
 
         Binary search over bucket edges, assuming the leanest plan's peak grows with length.
         """
-        key = (p, causal, micro_batch_size, self._cap_edge(p))
+        key = (p, causal, micro_batch_size, self._step_edge(p))
         if key not in self._longest:
             self._longest[key] = self._search_longest(p, causal, lambda layout: self.fits(layout, micro_batch_size))
         return self._longest[key]
 
     # -- internals --------------------------------------------------------------------------------
     def _key(self, layout: SequenceLayout, micro_batch_size: int) -> tuple:
-        """(bucket edge, micro-batch size, p, causal, token order, document lengths or None, the held cap's
-        length or None)."""
+        """(bucket edge, micro-batch size, p, causal, token order, document lengths or None, the step's
+        length or None: :meth:`_step_edge`)."""
         edge = self._buckets.edge(layout.padded_len, 2 * layout.p)
         docs = layout.doc_lengths if self.config.packed_as == "documents" else None
-        return (edge, micro_batch_size, layout.p, layout.causal, layout.order, docs, self._cap_edge(layout.p))
+        return (edge, micro_batch_size, layout.p, layout.causal, layout.order, docs, self._step_edge(layout.p))
 
     @staticmethod
     def _bucket_layout(key: tuple) -> SequenceLayout:
         edge, _, p, causal, order, docs, _ = key
         return SequenceLayout(docs or (edge,), p, causal, edge, order)
 
-    def _cap_edge(self, p: int) -> int | None:
-        """The length whose forward in flight sets the held cap (:meth:`_held_cap`): the bucket edge of the
-        step's longest micro-batch, or of any step's; None with one forward in flight."""
-        if self.forwards_in_flight == 1:
+    def _step_edge(self, p: int) -> int | None:
+        """The step's longest micro-batch (or any step's) at its bucket's edge: what sets the held cap
+        (:meth:`_held_cap`) and the reserve; None where neither is (one forward in flight, no reserve)."""
+        if self.forwards_in_flight == 1 and not self.reserved_bytes_per_token:
             return None
         tokens = self._step_longest or self.longest_tokens
         return self._buckets.edge(-(-tokens // (2 * p)) * 2 * p, 2 * p)
@@ -492,7 +512,7 @@ class Planner:
             for option, cost in zip(self.options, costs)
         )
         peak = functools.partial(self.cost_model.peak_bytes, layout, micro_batch_size, stage=stage)
-        budget, saved_budget = self._budget, math.inf
+        budget, saved_budget = self.step_budget_bytes(layout.p), math.inf
         others = self.forwards_in_flight - 1
         if others and in_flight_alike:
             held = functools.partial(self.cost_model.held_bytes, layout, micro_batch_size, stage=stage)
@@ -520,7 +540,7 @@ class Planner:
         """``A`` of the class docstring: what the longest micro-batch holds under the fastest plan that fits
         all forwards in flight alike; where none fits it, the longest micro-batch for which one does is
         taken instead (then the longest ones are reported, and as many others as can be train)."""
-        edge = self._cap_edge(p)
+        edge = self._step_edge(p)
         key = (p, causal, micro_batch_size, edge)
         if key not in self._held_caps:
             layout = SequenceLayout((edge,), p, causal, edge)
@@ -564,7 +584,7 @@ class Planner:
                 leanest_held_bytes=self.cost_model.held_bytes(
                     bucket, micro_batch_size, leanest.saved_bytes, problem.stage
                 ),
-                stage_budget_bytes=self._budget,
+                stage_budget_bytes=self.step_budget_bytes(layout.p),
             )
         report = InfeasibleReport(
             length=layout.valid_len,

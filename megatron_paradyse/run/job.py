@@ -193,7 +193,7 @@ class Job:
             )
             if f.static_bytes + f.optimizer_step_bytes > self.budget_bytes:
                 over.append(f"{static}, and {f.optimizer_step_bytes / _GIB:.3g} GiB more while the optimizer steps")
-            elif budget.bytes <= f.static_bytes:
+            elif budget.holding(self.args.seq_length) <= f.static_bytes:
                 over.append(
                     f"{static}, and {kept / _GIB:.3g} GiB for a micro-batch's input and its gradient, of --seq-length "
                     f"{self.args.seq_length} tokens, that the pipeline schedule keeps into the next one (a shorter "

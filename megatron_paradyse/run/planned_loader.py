@@ -105,20 +105,19 @@ class PlannedMicroBatches:
         return self
 
     def check_step(self) -> None:
-        """Under ``stop``, at a step's start: the planners hold the step's forwards in flight to what its longest
-        micro-batch holds (:meth:`Planner.set_step_longest`; the global batch's longest, the same on every
-        rank), and raise if a micro-batch of the step (every data-parallel rank's) fits no plan on some stage.
-        Called before the pipeline schedule starts, every rank raises before a stage waits on another;
-        :meth:`__next__` checks again where nobody called it. Under ``skip`` a skipped micro-batch's place goes
-        to one of the next step, so a step's micro-batches are not known before it runs: any step's longest
-        sets the hold (``--seq-length``)."""
+        """Under ``stop``, at a step's start: the planners hold the step's forwards in flight, and reserve what a
+        stage keeps between them, for its longest micro-batch (:meth:`Planner.set_step_longest`; the global
+        batch's longest, the same on every rank), and raise if a micro-batch of the step (every data-parallel
+        rank's) fits no plan on some stage. Called before the pipeline schedule starts, every rank raises
+        before a stage waits on another; :meth:`__next__` checks again where nobody called it. Under ``skip`` a
+        skipped micro-batch's place goes to one of the next step, so a step's micro-batches are not known
+        before it runs: any step's longest (``--seq-length``) sets both."""
         sampler = self.loader.sampler
         if self.policy == "stop" and sampler.consumed == 0:
             layouts = [sampler.layout(micro_batch) for micro_batch in sampler.plan_step(sampler.position).micro_batches]
             longest = max(layout.padded_len for layout in layouts)
             for planner in (*self.planners, *self._checkers):
-                if planner.forwards_in_flight > 1:
-                    planner.set_step_longest(longest)
+                planner.set_step_longest(longest)
             self._check_global_batch(layouts)
 
     def __next__(self) -> PlannedMicroBatch:
@@ -217,4 +216,5 @@ def _checker(planner: Planner) -> Planner:
         chunk_layers=planner.chunk_layers,
         forwards_in_flight=planner.forwards_in_flight,
         longest_tokens=planner.longest_tokens,
+        reserved_bytes_per_token=planner.reserved_bytes_per_token,
     )
