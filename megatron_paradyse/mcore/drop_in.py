@@ -175,6 +175,7 @@ def step_stage_budgets(
         transformer.microbatch_group_size_per_vp_stage,
     )
     tp = transformer.tensor_model_parallel_size
+    # per token of the step's longest micro-batch: what tp tokens (one row on each rank) keep, over tp
     kept = kept_between_micro_batches_bytes(transformer, tp, args.micro_batch_size) / tp if micro_batches > 1 else 0.0
     # interleaved, the first stage's later chunks receive their input from the last stage
     return [
