@@ -37,7 +37,8 @@ def entry_defaults(config: ParadyseConfig, *, cuda: bool) -> list[str]:
     """The Megatron flags this entry point needs, before the config's and the command line's."""
     longest = config.data.token_budget or config.data.max_len
     # the layers' linear modules: Transformer Engine's where it is installed, as in a stock job
-    impl = "transformer_engine" if cuda and importlib.util.find_spec("transformer_engine") else "local"
+    te = cuda and importlib.util.find_spec("transformer_engine") is not None
+    impl = "transformer_engine" if te else "local"
     flags = [
         "--dataloader-type", "external",
         "--no-create-attention-mask-in-dataloader",
@@ -50,6 +51,10 @@ def entry_defaults(config: ParadyseConfig, *, cuda: bool) -> list[str]:
         "--eval-iters", "0",
         "--eval-interval", "1000",
     ]  # fmt: skip
+    if not te:
+        # Megatron turns RoPE fusion on by default, and its fused RoPE is Transformer Engine's kernel:
+        # without TE, building the model's config fails ("apply_rope_fusion is not available")
+        flags.append("--no-rope-fusion")
     vocab_size = dataset_tokenizer(config)[0]
     if vocab_size is not None:
         # megatron-core 0.19's NullTokenizer(n) has ids 0..n-1: the dataset's whole vocabulary.
@@ -59,7 +64,6 @@ def entry_defaults(config: ParadyseConfig, *, cuda: bool) -> list[str]:
             "--distributed-backend", "gloo",
             "--use-cpu-initialization",
             "--no-gradient-accumulation-fusion",
-            "--no-rope-fusion",
         ]  # fmt: skip
     return flags
 
