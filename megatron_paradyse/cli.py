@@ -28,18 +28,27 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     folder = os.path.dirname(os.path.abspath(args.output))
     if not os.access(folder, os.W_OK):  # before minutes of measuring, not after
         raise ValueError(f"cannot write the profile to {args.output}: {folder} is not a writable directory")
+    p, dtype, model = args.p or [4], args.dtype or "float32", {}
+    if args.config is not None:
+        job = config_cli.calibration_target(args.config, args.megatron_flags)
+        p, dtype = args.p or [job.p], args.dtype or job.dtype
+        model = {"shape": job.shape, "longest": job.longest}
+    elif args.megatron_flags:
+        raise ValueError(f"Megatron flags ({' '.join(args.megatron_flags)}) go with --config, which they override")
     start = time.perf_counter()
     profile = calibrate(
-        args.p,
+        p,
         device=args.device,
         grid=args.grid,
-        dtype=getattr(torch, args.dtype),
+        dtype=getattr(torch, dtype),
         fit_correction=args.fit_correction,
         show_progress=not args.quiet,
+        **model,
     )
     save_profile(profile, args.output)
+    measured = "" if not model else f", the model's own work up to {model['longest']} tokens"
     print(
-        f"wrote {args.output}: {args.grid} grid, p in {sorted(profile['collectives'], key=int) or [1]}, "
+        f"wrote {args.output}: {args.grid} grid{measured}, p in {sorted(profile['collectives'], key=int) or [1]}, "
         f"{profile['concurrency']} ranks at once, {time.perf_counter() - start:.0f} s",
         file=sys.stderr,
     )
@@ -61,9 +70,23 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     cal = commands.add_parser("calibrate", help="measure kernels and collectives; write a cost profile (JSON)")
     cal.add_argument("--output", "-o", required=True, help="profile file to write")
-    cal.add_argument("--p", type=_p_list, default=[4], help="group sizes to calibrate collectives for (default 4)")
+    cal.add_argument(
+        "--p", type=_p_list, help="group sizes to calibrate collectives for (default: --config's TP size, else 4)"
+    )
     cal.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    cal.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    cal.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), help="default: --config's precision, else float32"
+    )
+    cal.add_argument(
+        "--config",
+        help="a paradyse config: also measure its model's own GEMMs and attention, up to its longest micro-batch",
+    )
+    cal.add_argument(
+        "megatron_flags",
+        nargs="*",
+        metavar="-- MEGATRON_FLAGS",
+        help="after --config and a '--': Megatron flags that override its megatron_args, as in the job",
+    )
     cal.add_argument("--grid", choices=("quick", "full"), default="full", help="measurement grid (default full)")
     cal.add_argument(
         "--fit-correction",

@@ -11,7 +11,8 @@ import yaml
 
 from megatron_paradyse.cli import main as paradyse
 from megatron_paradyse.config import ConfigError, ParadyseConfig, load_config
-from megatron_paradyse.run.config_cli import calibration_argv, format_config
+from megatron_paradyse.run.config_cli import calibration_argv, calibration_target, format_config
+from megatron_paradyse.strategies import ModelShape
 
 README = Path(__file__).resolve().parent.parent / "configs" / "README.md"
 
@@ -86,17 +87,30 @@ def test_a_valid_config_is_printed_resolved_and_reads_back_the_same(tmp_path, ca
     assert format_config(config).startswith("planner:\n  method: exact\n  attention: null\n")
 
 
-def test_calibration_covers_the_jobs_group_size_and_dtype(tmp_path):
+def test_calibration_covers_the_jobs_group_size_dtype_and_model(tmp_path):
     path = tmp_path / "cfg.yaml"
-    path.write_text('cost: {profile: prof/p4.json}\nmegatron_args: [--tensor-model-parallel-size, "4"]\n')
-    config = load_config(path)
+    path.write_text(
+        "cost: {profile: prof/p4.json}\ndata: {max_len: 8192}\n"
+        'megatron_args: [--tensor-model-parallel-size, "4", --hidden-size, "256", --num-attention-heads, "8"]\n'
+    )
     output = str(tmp_path / "prof/p4.json")
     expected = ["calibrate", "--output", output, "--p", "4", "--dtype", "float32", "--device", "cuda", "--grid", "full"]
-    assert calibration_argv(config) == expected
-    assert calibration_argv(config, ["--bf16"])[5:7] == ["--dtype", "bfloat16"]
-    assert calibration_argv(config, ["--fp16"])[5:7] == ["--dtype", "float16"]
-    # flags after the config's win, as on the command line; or the group sizes are given
-    assert calibration_argv(config, ["--tensor-model-parallel-size", "2"])[3:5] == ["--p", "2"]
-    assert calibration_argv(config, p="2,4")[3:5] == ["--p", "2,4"]
+    assert calibration_argv(path) == [*expected, "--config", str(path)]
+    assert calibration_argv(path, ["--bf16"])[5:7] == ["--dtype", "bfloat16"]
+    assert calibration_argv(path, ["--fp16"])[5:7] == ["--dtype", "float16"]
+    # flags after the config's win, as on the command line, and go on to the model; or the group sizes are given
+    assert calibration_argv(path, ["--tensor-model-parallel-size", "2"])[3:5] == ["--p", "2"]
+    assert calibration_argv(path, ["--bf16"])[-3:] == [str(path), "--", "--bf16"]
+    assert calibration_argv(path, p="2,4")[3:5] == ["--p", "2,4"]
+    target = calibration_target(path, ["--ffn-hidden-size", "640"])
+    assert (target.p, target.dtype, target.longest) == (4, "float32", 8192)
+    assert target.shape == ModelShape(
+        hidden_size=256, num_attention_heads=8, num_query_groups=8, kv_channels=32, ffn_hidden_size=640
+    )
+    assert calibration_target(path, ["--seq-length", "16384"]).longest == 16384  # the job's --seq-length
+    bare = tmp_path / "bare.yaml"
+    bare.write_text('megatron_args: [--num-layers, "2"]\n')
     with pytest.raises(ConfigError, match=r"^cost.profile is not set: name the file that calibration writes"):
-        calibration_argv(ParadyseConfig())
+        calibration_argv(bare)
+    with pytest.raises(ConfigError, match=r"bare.yaml: calibration measures the model's own work, and the config's "):
+        calibration_target(bare)

@@ -6,6 +6,7 @@ The memory terms are checked against what the strategies allocate in ``tests/tes
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -17,6 +18,7 @@ from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost import calibrate as calibration
 from megatron_paradyse.cost.analytic import AnalyticCostModel
 from megatron_paradyse.cost.profile import load_profile
+from megatron_paradyse.cost.terms import Dims, layer_terms
 from megatron_paradyse.strategies import ModelShape
 
 MHA = ModelShape(hidden_size=128, num_attention_heads=4, num_query_groups=4, kv_channels=32, ffn_hidden_size=512)
@@ -95,3 +97,70 @@ def test_a_sample_is_the_slowest_ranks_time():
     """As in a job, where the ranks meet at every collective: rank 0 alone would read 1 ms per call."""
     per_rank = run_on_ranks(_sample_of_uneven_ranks, 2, timeout_s=60)
     assert per_rank[0] == per_rank[1] >= 0.005
+
+
+LLAMA3_8B = ModelShape(
+    hidden_size=4096, num_attention_heads=32, num_query_groups=8, kv_channels=128, ffn_hidden_size=14336, gated_mlp=True
+)
+
+
+@pytest.mark.parametrize("p", [1, 8])
+def test_a_models_grid_measures_every_gemm_its_layers_are_priced_with(p):
+    """On an H200 the generic grid's GEMMs were all launch overhead: its fit priced no FLOP, and four
+    Llama-3-8B layers at 64K tokens were predicted at 11.2 s against 2.7 s measured."""
+    longest = 131072
+    grid = calibration.model_grid(TINY, LLAMA3_8B, p, longest, "cuda")
+    measured = {(n, k) for _, n, k in grid.gemms}
+    d = Dims(LLAMA3_8B, p, 8192, 1, 2)
+    layout = SequenceLayout.build(8192, p, causal=True)
+    priced = {
+        (g.n, g.k)
+        for option in OPTIONS
+        for terms in [layer_terms(option, d, layout)]
+        for sub in (terms.attention, terms.mlp)
+        for g in (*sub.gemms, *sub.recompute_gemms)
+    }
+    assert priced <= measured
+    cap = calibration.SAMPLE_FLOPS["cuda"]
+    ladder = [256 * 4**i for i in range(5)] + [longest]  # 256 to 65536 tokens, then the longest
+    for n, k in measured:  # each shape from 256 tokens up to as many as the cap allows
+        tokens = sorted(m for m, n2, k2 in grid.gemms if (n2, k2) == (n, k))
+        assert tokens == [m for m in ladder if 2 * m * n * k <= cap] or tokens == [256]
+    assert (65536, 4096, 4096) in grid.gemms and (longest, 4096, 4096) not in grid.gemms  # 4.4 TFLOP: over
+    blocks = {(sq, causal) for heads, hn, sq, sk, causal in grid.attention_calls if hn == 128 and sq == sk}
+    assert (32768, True) in blocks and (longest, True) not in blocks  # over the cap: the 32K rate prices it
+    assert grid.correction_lengths == (64, 128, 512)  # the correction's layers: the grid's lengths and 4x the longest
+    assert calibration.model_grid(TINY, LLAMA3_8B, p, 100, "cuda").correction_lengths == (64, 100)
+
+
+def test_calibrate_measures_the_configs_model(tmp_path, monkeypatch, capsys):
+    """``--config``: the model's own GEMMs and attention, up to its longest micro-batch, its TP size and dtype."""
+    monkeypatch.setitem(calibration.GRIDS, "quick", TINY)
+    config = tmp_path / "cfg.yaml"
+    config.write_text(
+        "data: {max_len: 1024}\n"
+        'megatron_args: [--hidden-size, "64", --num-attention-heads, "4", --ffn-hidden-size, "192"]\n'
+    )
+    path = tmp_path / "profile.json"
+    argv = ["calibrate", "--output", str(path), "--grid", "quick", "--quiet", "--config", str(config)]
+    assert cli_main([*argv, "--fit-correction", "--", "--ffn-hidden-size", "256"]) == 0
+    profile = load_profile(path, p=1)
+    assert profile["concurrency"] == 1 and profile["dtype"] == "float32"
+    assert profile["model"] == {
+        "shape": dataclasses.asdict(
+            ModelShape(hidden_size=64, num_attention_heads=4, num_query_groups=4, kv_channels=16, ffn_hidden_size=256)
+        ),
+        "p": 1,
+        "longest": 1024,
+    }
+    gemms = {(g["m"], g["n"], g["k"]) for g in profile["samples"]["gemm"]}
+    assert {(1024, 192, 64), (1024, 256, 64), (1024, 64, 256)} <= gemms  # qkv, fc1 (the flag's width), fc2
+    lengths = profile["attention"]["forward"]["causal"]["by_head_dim"]["16"]["lengths"]
+    assert lengths == [128.0, 512.0, 1024.0]
+    assert {fitted.split("@")[1] for fitted in profile["correction"]["fitted_on"]} == {"64", "128", "512"}
+    with pytest.raises(SystemExit) as stopped:
+        cli_main(["calibrate", "--output", str(path), "--", "--bf16"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "paradyse: error: Megatron flags (--bf16) go with --config, which they override\n"
+    )

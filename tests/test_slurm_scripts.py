@@ -164,7 +164,8 @@ def test_a_megatron_lm_checkout_must_be_patched(tmp_path):
 @pytest.mark.timeout(120)
 def test_calibrate_writes_the_profile_the_config_names(tmp_path):
     (tmp_path / "cfg.yaml").write_text(
-        'cost: {profile: prof/p.json}\nmegatron_args: [--tensor-model-parallel-size, "4", --bf16]\n'
+        'cost: {profile: prof/p.json}\nmegatron_args: [--tensor-model-parallel-size, "4", --bf16, '
+        '--hidden-size, "256", --num-attention-heads, "8"]\n'
     )
     stub = tmp_path / "stub"  # `paradyse calibrate` itself: a stand-in that shows its arguments
     stub.mkdir()
@@ -178,6 +179,8 @@ def test_calibrate_writes_the_profile_the_config_names(tmp_path):
     env.update(MEGATRON_ARGS="--tensor-model-parallel-size 2", PYTHONPATH=f"{stub}:{ROOT}")
     result = _bash(f"bash {SLURM / 'calibrate.sbatch'}", env)
     assert result.returncode == 0, result.stderr
-    measured = "--p 2 --dtype bfloat16 --device cuda --grid full --fit-correction"
-    assert result.stdout.splitlines()[-1] == f"paradyse calibrate --output {tmp_path}/prof/p.json {measured}"
+    measured = f"--fit-correction --output {tmp_path}/prof/p.json --p 2 --dtype bfloat16 --device cuda --grid full"
+    command, flags = result.stdout.splitlines()[-1].split(" -- ")  # the job's model: its config, its flags last
+    assert command == f"paradyse calibrate {measured} --config {tmp_path}/cfg.yaml"
+    assert flags.endswith("--tensor-model-parallel-size 2")
     assert (tmp_path / "prof").is_dir()

@@ -13,12 +13,21 @@ the job. Measured:
   ``latency + bytes * per_byte``;
 - how much of a ring hop hides behind a kernel running at the same time;
 - optionally (``fit_correction``) a few whole layers, to fit the correction of DESIGN §4.
+
+Given the model (``shape``, ``longest``: its layer and longest micro-batch), the grid also measures
+that model's own work (:func:`model_grid`): every GEMM the strategies' cost terms run for its layer
+at ``p`` ranks, at token counts up to the longest micro-batch, and its attention at its head dim up
+to that length. The generic grid alone stops at 4096x3072x1024 GEMMs and 8K-token blocks: on an H200
+its GEMMs are all launch overhead, the fit found no time per FLOP, and a 64K-token micro-batch of
+four Llama-3-8B layers was predicted at 11.2 s against 2.7 s measured.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
+import json
 import os
 import statistics
 import sys
@@ -34,15 +43,25 @@ import torch.nn.functional as F
 
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.core.comm import RingComm, all_gather_seq, all_to_all_seq_to_heads, reduce_scatter_seq
+from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.offload import ActivationOffload
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.fitting import fit_nonnegative
 from megatron_paradyse.cost.profile import fingerprint
-from megatron_paradyse.cost.terms import COLLECTIVE_KINDS, AttentionCall
+from megatron_paradyse.cost.terms import COLLECTIVE_KINDS, AttentionCall, Dims, sublayer_terms, supported_options
 from megatron_paradyse.strategies import ModelShape
 
-__all__ = ["CORRECTION_LAYERS", "GRIDS", "Grid", "REFERENCE_SHAPE", "calibrate", "fit_profile"]
+__all__ = [
+    "CORRECTION_LAYERS",
+    "GRIDS",
+    "Grid",
+    "REFERENCE_SHAPE",
+    "SAMPLE_FLOPS",
+    "calibrate",
+    "fit_profile",
+    "model_grid",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,6 +77,10 @@ class Grid:
     comm_bytes: tuple[int, ...]
     repeats: int
     correction_lengths: tuple[int, ...]
+    gemms: tuple[tuple[int, int, int], ...] = ()
+    """``(m, n, k)`` measured besides the ``gemm_m x gemm_nk`` product: a model's own (:func:`model_grid`)."""
+    attention_calls: tuple[tuple[int, int, int, int, bool], ...] = ()
+    """``(heads, hn, sq, sk, causal)`` blocks measured besides the generic ones: a model's own."""
 
 
 GRIDS = {
@@ -82,6 +105,60 @@ GRIDS = {
         correction_lengths=(512, 4096),
     ),
 }
+
+SAMPLE_FLOPS = {"cpu": 2e10, "cuda": 4e12}
+"""The most forward FLOPs of one sample of a model's own work: a few milliseconds on a GPU, a fraction of
+a second on a CPU core. Longer GEMMs are priced by the fit (linear in FLOPs and bytes), longer attention
+blocks at the rate of the longest one measured (the rates are flat beyond the measured lengths)."""
+
+
+def model_grid(grid: Grid, shape: ModelShape, p: int, longest: int, device: str) -> Grid:
+    """``grid`` with the work of ``shape``'s layer at ``p`` ranks added, for micro-batches up to ``longest``
+    tokens: the ``(n, k)`` of every GEMM the cost terms of every strategy run (so nothing priced is
+    extrapolated from other shapes), at token counts from 256 up to ``longest`` in steps of 4x, and
+    causal and full attention blocks at the model's head dim up to ``longest``, one head each; samples
+    over :data:`SAMPLE_FLOPS` are left out (a GEMM shape keeps its smallest token count). The correction
+    is fitted on the model's own layers, at the grid's correction lengths and 4x the longest of them,
+    none over ``longest``: on an H200 the reference layer's are launch overhead, and a correction fitted
+    on them halved the model's compute (predicted 0.83 s for 2.72 s measured)."""
+    if longest < 1 or p < 1:
+        raise ValueError(f"model_grid needs longest >= 1 and p >= 1, got longest={longest}, p={p}")
+    cap = SAMPLE_FLOPS[device]
+    s = 2 * p * 64  # any length: the GEMMs' (n, k) do not depend on it
+    dims = Dims(shape, p, s, 1, 2)
+    layout = SequenceLayout.build(s, p, causal=True)
+    attention, mlp = supported_options()
+    nk = sorted(
+        {
+            (g.n, g.k)
+            for kind, names in (("attention", attention), ("mlp", mlp))
+            for name in names
+            for terms in [sublayer_terms(kind, name, dims, layout)]
+            for g in (*terms.gemms, *terms.recompute_gemms)
+        }
+    )
+    tokens = sorted({*(256 * 4**i for i in range(32) if 256 * 4**i < longest), longest})
+    gemms = []
+    for n, k in nk:
+        fitting = [m for m in tokens if 2 * m * n * k <= cap] or tokens[:1]
+        gemms += [(m, n, k) for m in fitting]
+    hn = shape.kv_channels
+    calls = []
+    for length in sorted({*(128 * 4**i for i in range(32) if 128 * 4**i < longest), longest}):
+        for causal in (True, False):
+            if AttentionCall(1, 1, length, length, hn, causal).flops <= cap:
+                calls.append((1, hn, length, length, causal))
+    corrections = sorted({min(n, longest) for n in (*grid.correction_lengths, 4 * max(grid.correction_lengths))})
+    return dataclasses.replace(
+        grid, gemms=tuple(gemms), attention_calls=tuple(calls), correction_lengths=tuple(corrections)
+    )
+
+
+def model_key(shape: ModelShape) -> str:
+    """A short name for the layer a profile measured (cache file names)."""
+    text = json.dumps(dataclasses.asdict(shape), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
 
 REFERENCE_SHAPE = ModelShape(
     hidden_size=256, num_attention_heads=8, num_query_groups=8, kv_channels=32, ffn_hidden_size=1024
@@ -168,12 +245,15 @@ def _time_linear(m: int, n: int, k: int, repeats: int, device, dtype) -> tuple[f
 
 def _gemm_samples(grid: Grid, device, dtype, progress: Progress) -> list[dict]:
     samples = []
-    for m in grid.gemm_m:
-        for n, k in grid.gemm_nk:
-            fwd, bwd = _time_linear(m, n, k, grid.repeats, device, dtype)
-            samples.append({"m": m, "n": n, "k": k, "forward_s": fwd, "backward_s": bwd})
-            progress.step(f"gemm {m}x{n}x{k}")
+    for m, n, k in _gemm_shapes(grid):
+        fwd, bwd = _time_linear(m, n, k, grid.repeats, device, dtype)
+        samples.append({"m": m, "n": n, "k": k, "forward_s": fwd, "backward_s": bwd})
+        progress.step(f"gemm {m}x{n}x{k}")
     return samples
+
+
+def _gemm_shapes(grid: Grid) -> list[tuple[int, int, int]]:
+    return [*((m, n, k) for m in grid.gemm_m for n, k in grid.gemm_nk), *grid.gemms]
 
 
 def _time_attention(kernel, heads: int, hn: int, sq: int, sk: int, causal: bool, repeats: int, device, dtype):
@@ -189,27 +269,28 @@ def _time_attention(kernel, heads: int, hn: int, sq: int, sk: int, causal: bool,
     return forward, backward
 
 
-def _attention_blocks(grid: Grid, hn: int) -> list[tuple[int, int, int, bool]]:
-    """(heads, sq, sk, causal) of every measured block: causal and full squares, ring rectangles."""
+def _attention_blocks(grid: Grid) -> list[tuple[int, int, int, int, bool]]:
+    """(heads, hn, sq, sk, causal) of every measured block: causal and full squares, ring rectangles, at
+    each of the grid's head dims; then the model's own blocks."""
     blocks = []
-    for length, heads in grid.attention_blocks:
-        heads = max(1, heads * 32 // hn)  # the grid's head counts are for hn=32: the same work per block
-        blocks += [(heads, length, length, True), (heads, length, length, False)]
-        if length <= grid.attention_rect_max:
-            blocks.append((heads, length, 2 * length, False))
-    return blocks
+    for hn in grid.attention_hn:
+        for length, heads in grid.attention_blocks:
+            heads = max(1, heads * 32 // hn)  # the grid's head counts are for hn=32: the same work per block
+            blocks += [(heads, hn, length, length, True), (heads, hn, length, length, False)]
+            if length <= grid.attention_rect_max:
+                blocks.append((heads, hn, length, 2 * length, False))
+    return [*blocks, *grid.attention_calls]
 
 
 def _attention_samples(grid: Grid, device, dtype, progress: Progress) -> list[dict]:
     kernel = get_kernel("auto", device, dtype)
     samples = []
-    for hn in grid.attention_hn:
-        for heads, sq, sk, causal in _attention_blocks(grid, hn):
-            fwd, bwd = _time_attention(kernel, heads, hn, sq, sk, causal, grid.repeats, device, dtype)
-            samples.append(
-                {"heads": heads, "hn": hn, "sq": sq, "sk": sk, "causal": causal} | {"forward_s": fwd, "backward_s": bwd}
-            )
-            progress.step(f"attention {sq}x{sk} {'causal' if causal else 'full'} hn={hn}")
+    for heads, hn, sq, sk, causal in _attention_blocks(grid):
+        fwd, bwd = _time_attention(kernel, heads, hn, sq, sk, causal, grid.repeats, device, dtype)
+        samples.append(
+            {"heads": heads, "hn": hn, "sq": sq, "sk": sk, "causal": causal} | {"forward_s": fwd, "backward_s": bwd}
+        )
+        progress.step(f"attention {sq}x{sk} {'causal' if causal else 'full'} hn={hn}")
     return samples
 
 
@@ -350,8 +431,8 @@ def _measure_on_rank(rank: int, world: int, grid: Grid, p_values, device_type: s
     device = _rank_device(rank, device_type)
     dtype = getattr(torch, dtype_name)
     steps = (
-        len(grid.gemm_m) * len(grid.gemm_nk)
-        + sum(len(_attention_blocks(grid, hn)) for hn in grid.attention_hn)
+        len(_gemm_shapes(grid))
+        + len(_attention_blocks(grid))
         + 4
         + len(p_values) * len(COLLECTIVE_KINDS) * len(grid.comm_bytes)
         + 1
@@ -440,8 +521,12 @@ def calibrate(
     fit_correction: bool = False,
     show_progress: bool = True,
     timeout_s: float = 1800.0,
+    shape: ModelShape | None = None,
+    longest: int | None = None,
 ) -> dict[str, Any]:
-    """Measure and fit on ``max(p_values)`` ranks; returns the profile (see :mod:`cost.profile`)."""
+    """Measure and fit on ``max(p_values)`` ranks; returns the profile (see :mod:`cost.profile`). With
+    ``shape`` and ``longest``, the grid has that model's own work at ``max(p_values)`` ranks too
+    (:func:`model_grid`)."""
     if grid not in GRIDS:
         raise ValueError(f"unknown calibration grid {grid!r}; known: {', '.join(GRIDS)}")
     if device not in ("cpu", "cuda"):
@@ -449,7 +534,10 @@ def calibrate(
     p_values = sorted({int(p) for p in p_values})
     if not p_values or p_values[0] < 1:
         raise ValueError(f"group sizes must be >= 1, got {p_values}")
+    if (shape is None) != (longest is None):
+        raise ValueError("a model's own work is measured with both its shape and its longest micro-batch, or neither")
     world = max(p_values)
+    measured = GRIDS[grid] if shape is None else model_grid(GRIDS[grid], shape, world, longest, device)
     if device == "cuda" and world > torch.cuda.device_count():
         raise ValueError(
             f"calibrating p={world} on CUDA needs {world} GPUs (one per rank), this machine has "
@@ -460,7 +548,7 @@ def calibrate(
     samples = run_on_ranks(
         _measure_on_rank,
         world,
-        args=(GRIDS[grid], [p for p in p_values if p > 1], device, dtype_name, show_progress),
+        args=(measured, [p for p in p_values if p > 1], device, dtype_name, show_progress),
         timeout_s=timeout_s,
         backend=backend,
     )[0]
@@ -476,18 +564,19 @@ def calibrate(
         # model's small tensors outside the terms (RoPE's temporaries, norms' gradients) add up
         "allocator_slack": 0.05,
         "correction": None,
+        "model": None if shape is None else {"shape": dataclasses.asdict(shape), "p": world, "longest": longest},
         "samples": samples,
     }
     fitted = fit_profile(samples, element_size)
     profile["attention"].update(fitted.pop("attention"))
     profile.update(fitted)
     if fit_correction:
-        profile["correction"] = fit_correction_from_layers(profile, world, GRIDS[grid], device, dtype, timeout_s)
+        layers = REFERENCE_SHAPE if shape is None else shape
+        profile["correction"] = fit_correction_from_layers(profile, world, measured, device, dtype, timeout_s, layers)
     return profile
 
 
-def _measure_correction_layers(rank: int, world: int, lengths, device_type: str, dtype_name: str):
-    from megatron_paradyse.core.layout import SequenceLayout
+def _measure_correction_layers(rank: int, world: int, shape: ModelShape, lengths, device_type: str, dtype_name: str):
     from megatron_paradyse.cost.measure import measure_layer
 
     device = _rank_device(rank, device_type)
@@ -498,7 +587,7 @@ def _measure_correction_layers(rank: int, world: int, lengths, device_type: str,
             m = measure_layer(
                 option,
                 layout,
-                REFERENCE_SHAPE,
+                shape,
                 dist.group.WORLD,
                 dtype=getattr(torch, dtype_name),
                 device=device,
@@ -508,44 +597,67 @@ def _measure_correction_layers(rank: int, world: int, lengths, device_type: str,
     return out
 
 
-def cached_quick_profile(cache_dir: str | os.PathLike, p: int, *, device: str, dtype: torch.dtype) -> dict[str, Any]:
+def cached_quick_profile(
+    cache_dir: str | os.PathLike,
+    p: int,
+    *,
+    device: str,
+    dtype: torch.dtype,
+    shape: ModelShape | None = None,
+    longest: int | None = None,
+) -> dict[str, Any]:
     """The quick profile with its correction fitted on measured layers, for ``p`` ranks on ``device`` in
-    ``dtype``: the one an earlier run saved in ``cache_dir``, else calibrated now (a few minutes on a CPU)
-    and saved there. Run it on one rank; the caller shares the result with the ranks that plan with it."""
+    ``dtype`` (with ``shape`` and ``longest``: measuring that model's own work too, :func:`model_grid`):
+    the one an earlier run saved in ``cache_dir`` (for the same model, up to ``longest`` tokens or more),
+    else calibrated now (a minute or two on a CPU) and saved there. Run it on one rank; the caller shares
+    the result with the ranks that plan with it."""
     from megatron_paradyse.cost.profile import ProfileError, load_profile, save_profile
 
     name = str(dtype).removeprefix("torch.")
-    path = Path(cache_dir) / f"cost-profile-quick-corrected-{device}-p{p}-{name}.json"
+    model = "" if shape is None else f"-model{model_key(shape)}"
+    path = Path(cache_dir) / f"cost-profile-quick-corrected-{device}-p{p}-{name}{model}.json"
     try:
         profile = load_profile(path, p=p, host_link=True)  # one calibrated before offload is made again
-        print(f"paradyse: no cost.profile: using the quick profile calibrated before, {path}", flush=True)
-        return profile
+        if shape is None or profile.get("model") and profile["model"]["longest"] >= longest:
+            print(f"paradyse: no cost.profile: using the quick profile calibrated before, {path}", flush=True)
+            return profile
     except ProfileError:
         pass
     print(f"paradyse: no cost.profile: calibrating a quick profile for p={p} into {path} ...", flush=True)
     start = time.perf_counter()
-    profile = calibrate([p], device=device, grid="quick", dtype=dtype, fit_correction=True, show_progress=False)
+    profile = calibrate(
+        [p],
+        device=device,
+        grid="quick",
+        dtype=dtype,
+        fit_correction=True,
+        show_progress=False,
+        shape=shape,
+        longest=longest,
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     save_profile(profile, path)
     print(f"paradyse: calibrated in {time.perf_counter() - start:.0f} s", flush=True)
     return profile
 
 
-def fit_correction_from_layers(profile, world: int, grid: Grid, device: str, dtype, timeout_s: float) -> dict:
+def fit_correction_from_layers(
+    profile, world: int, grid: Grid, device: str, dtype, timeout_s: float, shape: ModelShape = REFERENCE_SHAPE
+) -> dict:
     """Fit ``time = k_compute * compute + k_comm * comm + per_sync_s * syncs + per_layer_s`` on measured
-    reference layers (``syncs``: collectives and ring hops, each a point where ranks wait for each
-    other: on an oversubscribed CPU a rank that arrives early waits for the scheduler to run the rest)."""
-    from megatron_paradyse.core.layout import SequenceLayout
+    layers of ``shape`` at the grid's ``correction_lengths`` (``syncs``: collectives and ring hops, each
+    a point where ranks wait for each other: on an oversubscribed CPU a rank that arrives early waits
+    for the scheduler to run the rest)."""
     from megatron_paradyse.cost.analytic import AnalyticCostModel
 
     measured = run_on_ranks(
         _measure_correction_layers,
         world,
-        args=(grid.correction_lengths, device, str(dtype).removeprefix("torch.")),
+        args=(shape, grid.correction_lengths, device, str(dtype).removeprefix("torch.")),
         timeout_s=timeout_s,
         backend="nccl" if device == "cuda" else "gloo",
     )[0]
-    model = AnalyticCostModel(profile, REFERENCE_SHAPE, world, dtype=dtype, use_correction=False)
+    model = AnalyticCostModel(profile, shape, world, dtype=dtype, use_correction=False)
     features, target = [], []
     for option, s, seconds in measured:
         b = model.time_breakdown(LayerOption.parse(option), SequenceLayout.build(s, world, causal=True), 1)

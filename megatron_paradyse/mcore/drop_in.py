@@ -281,7 +281,7 @@ class _Stage:
         args = _megatron_args()
         p = layer.tp_group.size()
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        profile = _profile(config, p, transformer.params_dtype, device, layer.tp_group)
+        profile = _profile(config, p, transformer, args.seq_length, device, layer.tp_group)
         pp_rank = get_pg_rank(layer.pg_collection.pp)
         footprints = stage_footprints(args, transformer, device.type)
         cost = stage_cost_models(args, transformer, profile, footprints)[pp_rank]
@@ -374,9 +374,10 @@ def _budget_bytes(config: ParadyseConfig, device: torch.device) -> float:
     return budget
 
 
-def _profile(config: ParadyseConfig, p: int, dtype: torch.dtype, device: torch.device, group) -> dict:
-    """The config's cost profile; or a quick one, read from the cache or calibrated by the first rank of
-    the tensor-parallel group (the ranks that plan together) and sent to the others."""
+def _profile(config: ParadyseConfig, p: int, transformer, longest: int, device: torch.device, group) -> dict:
+    """The config's cost profile; or a quick one with the model's own work up to ``longest`` tokens, read
+    from the cache or calibrated by the first rank of the tensor-parallel group (the ranks that plan
+    together) and sent to the others."""
     from megatron_paradyse.cost import ProfileError, load_profile
 
     if config.cost.profile is not None:
@@ -387,11 +388,19 @@ def _profile(config: ParadyseConfig, p: int, dtype: torch.dtype, device: torch.d
             host_link=config.planner.host_memory_gib > 0,
         )
     from megatron_paradyse.cost.calibrate import cached_quick_profile
+    from megatron_paradyse.mcore.model_shape import model_shape
 
     message: list = [None]
     if torch.distributed.get_rank(group) == 0:
         try:
-            message[0] = cached_quick_profile(config.data.cache_dir, p, device=device.type, dtype=dtype)
+            message[0] = cached_quick_profile(
+                config.data.cache_dir,
+                p,
+                device=device.type,
+                dtype=transformer.params_dtype,
+                shape=model_shape(transformer),
+                longest=longest,
+            )
         except Exception as e:  # noqa: BLE001 - the group's other ranks must hear of it, not wait
             message[0] = ProfileError(f"could not calibrate a cost profile ({e}); name one in cost.profile")
     torch.distributed.broadcast_object_list(message, group_src=0, group=group)

@@ -9,7 +9,7 @@ A bad config prints ``paradyse: error: ...`` (every problem, one per line) and e
 ``paradyse``'s parser (``megatron_paradyse/cli.py``) wires :func:`add_check_config_arguments` and
 :func:`run_check_config`.
 :func:`calibration_argv` gives the ``paradyse calibrate`` arguments a config's job needs (used by
-``scripts/slurm/calibrate.sbatch``).
+``scripts/slurm/calibrate.sbatch``), :func:`calibration_target` what that job computes.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 import yaml
 
@@ -25,8 +26,10 @@ from megatron_paradyse.config import ConfigError, ParadyseConfig, load_config
 from megatron_paradyse.strategies import ModelShape
 
 __all__ = [
+    "CalibrationTarget",
     "add_check_config_arguments",
     "calibration_argv",
+    "calibration_target",
     "format_config",
     "model_shape_from_args",
     "parse_megatron_args",
@@ -88,20 +91,49 @@ def model_shape_from_args(args: argparse.Namespace) -> ModelShape:
     )
 
 
-def calibration_argv(config: ParadyseConfig, megatron_flags: Sequence[str] = (), *, p: str | None = None) -> list[str]:
-    """``paradyse calibrate`` arguments for a job run with ``config`` and ``megatron_flags`` (given
-    after the config's ``megatron_args``): its tensor-parallel size (or the group sizes ``p``, e.g.
-    ``"4,8"``), its dtype, on CUDA, the full grid, written where ``cost.profile`` points."""
+@dataclasses.dataclass(frozen=True)
+class CalibrationTarget:
+    """What a job run with a config (and Megatron flags after its ``megatron_args``) computes: its
+    tensor-parallel size, dtype, layer and longest micro-batch (``--seq-length``, else the config's)."""
+
+    p: int
+    dtype: str
+    shape: ModelShape
+    longest: int
+
+
+def calibration_target(config_path: str | Path, megatron_flags: Sequence[str] = ()) -> CalibrationTarget:
+    config = load_config(config_path)
+    args = parse_megatron_args([*config.megatron_args, *megatron_flags])
+    if args.hidden_size is None or args.num_attention_heads is None:
+        raise ConfigError(
+            f"{config_path}: calibration measures the model's own work, and the config's megatron_args (with the "
+            f"flags given) name no model: add --hidden-size and --num-attention-heads (--ffn-hidden-size, "
+            f"--num-query-groups, --kv-channels where they differ from Megatron's defaults)"
+        )
+    return CalibrationTarget(
+        p=args.tensor_model_parallel_size,
+        dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
+        shape=model_shape_from_args(args),
+        longest=args.seq_length or config.data.token_budget or config.data.max_len,
+    )
+
+
+def calibration_argv(config_path: str | Path, megatron_flags: Sequence[str] = (), *, p: str | None = None) -> list[str]:
+    """``paradyse calibrate`` arguments for a job run with the config at ``config_path`` and
+    ``megatron_flags`` (given after the config's ``megatron_args``): its tensor-parallel size (or the
+    group sizes ``p``, e.g. ``"4,8"``), its dtype, its model's own work, on CUDA, the full grid, written
+    where ``cost.profile`` points."""
+    config = load_config(config_path)
     if config.cost.profile is None:
         raise ConfigError(
             "cost.profile is not set: name the file that calibration writes and training reads, "
             "e.g. cost: {profile: profiles/p8-bf16.json}"
         )
-    args = parse_megatron_args([*config.megatron_args, *megatron_flags])
-    dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
-    p = p or str(args.tensor_model_parallel_size)
-    measured = ["--p", p, "--dtype", dtype, "--device", "cuda", "--grid", "full"]
-    return ["calibrate", "--output", config.cost.profile, *measured]
+    target = calibration_target(config_path, megatron_flags)
+    measured = ["--p", p or str(target.p), "--dtype", target.dtype, "--device", "cuda", "--grid", "full"]
+    flags = ["--", *megatron_flags] if megatron_flags else []
+    return ["calibrate", "--output", config.cost.profile, *measured, "--config", str(config_path), *flags]
 
 
 def format_config(config: ParadyseConfig) -> str:

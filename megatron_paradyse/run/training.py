@@ -665,12 +665,20 @@ def _calibrate_once(job: Job) -> dict:
     plans from rank 0's. A failure on rank 0 raises on every rank."""
     from megatron_paradyse.cost import ProfileError
     from megatron_paradyse.cost.calibrate import cached_quick_profile
+    from megatron_paradyse.mcore.model_shape import model_shape
 
-    dtype = job.model_config.transformer.params_dtype
+    transformer = job.model_config.transformer
     message: list = [None]
     if torch.distributed.get_rank() == 0:
         try:
-            message[0] = cached_quick_profile(job.config.data.cache_dir, job.tp, device=job.device.type, dtype=dtype)
+            message[0] = cached_quick_profile(
+                job.config.data.cache_dir,
+                job.tp,
+                device=job.device.type,
+                dtype=transformer.params_dtype,
+                shape=model_shape(transformer),
+                longest=job.args.seq_length,
+            )
         except Exception as e:  # noqa: BLE001 - every rank must hear about it, not wait forever
             message[0] = ProfileError(
                 f"rank 0 could not calibrate a cost profile ({e}); make one with `paradyse calibrate --p {job.tp}` "
