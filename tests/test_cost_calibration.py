@@ -130,6 +130,11 @@ def test_a_models_grid_measures_every_gemm_its_layers_are_priced_with(p):
     blocks = {(sq, causal) for heads, hn, sq, sk, causal in grid.attention_calls if hn == 128 and sq == sk}
     assert (32768, True) in blocks and (longest, True) not in blocks  # over the cap: the 32K rate prices it
     assert grid.correction_lengths == (64, 128, 512)  # the correction's layers: the grid's lengths and 4x the longest
+    # one activation (fp32 bytes) at each token count, up to 2 GiB: a 16 MB add is launch overhead on a GPU
+    generic = {4 << 10, 256 << 10, 4 << 20, 16 << 20}
+    assert grid.elementwise_bytes == tuple(sorted(generic | {m * 4096 * 4 for m in ladder}))
+    cpu = calibration.model_grid(TINY, LLAMA3_8B, p, longest, "cpu")  # up to 256 MiB
+    assert cpu.elementwise_bytes == tuple(sorted(generic | {m * 4096 * 4 for m in ladder[:4]}))
     assert calibration.model_grid(TINY, LLAMA3_8B, p, 100, "cuda").correction_lengths == (64, 100)
 
 

@@ -57,6 +57,7 @@ __all__ = [
     "GRIDS",
     "Grid",
     "REFERENCE_SHAPE",
+    "SAMPLE_BYTES",
     "SAMPLE_FLOPS",
     "calibrate",
     "fit_profile",
@@ -81,6 +82,8 @@ class Grid:
     """``(m, n, k)`` measured besides the ``gemm_m x gemm_nk`` product: a model's own (:func:`model_grid`)."""
     attention_calls: tuple[tuple[int, int, int, int, bool], ...] = ()
     """``(heads, hn, sq, sk, causal)`` blocks measured besides the generic ones: a model's own."""
+    elementwise_bytes: tuple[int, ...] = (4 << 10, 256 << 10, 4 << 20, 16 << 20)
+    """Sizes of the elementwise samples (fp32 bytes of each operand; a model adds its activations')."""
 
 
 GRIDS = {
@@ -110,6 +113,9 @@ SAMPLE_FLOPS = {"cpu": 2e10, "cuda": 4e12}
 """The most forward FLOPs of one sample of a model's own work: a few milliseconds on a GPU, a fraction of
 a second on a CPU core. Longer GEMMs are priced by the fit (linear in FLOPs and bytes), longer attention
 blocks at the rate of the longest one measured (the rates are flat beyond the measured lengths)."""
+SAMPLE_BYTES = {"cpu": 1 << 28, "cuda": 1 << 31}
+"""The largest operand of an elementwise sample of a model's activations (fp32 bytes): a millisecond on
+a GPU, a tenth of a second on a CPU core."""
 
 
 def model_grid(grid: Grid, shape: ModelShape, p: int, longest: int, device: str) -> Grid:
@@ -117,7 +123,9 @@ def model_grid(grid: Grid, shape: ModelShape, p: int, longest: int, device: str)
     tokens: the ``(n, k)`` of every GEMM the cost terms of every strategy run (so nothing priced is
     extrapolated from other shapes), at token counts from 256 up to ``longest`` in steps of 4x, and
     causal and full attention blocks at the model's head dim up to ``longest``, one head each; samples
-    over :data:`SAMPLE_FLOPS` are left out (a GEMM shape keeps its smallest token count). The correction
+    over :data:`SAMPLE_FLOPS` are left out (a GEMM shape keeps its smallest token count); elementwise
+    samples of one activation at those token counts, up to :data:`SAMPLE_BYTES` (on an H200 the generic
+    ones, 16 MB at most, are launch overhead: their fit priced no byte). The correction
     is fitted on the model's own layers, at the grid's correction lengths and 4x the longest of them,
     none over ``longest``: on an H200 the reference layer's are launch overhead, and a correction fitted
     on them halved the model's compute (predicted 0.83 s for 2.72 s measured)."""
@@ -149,8 +157,13 @@ def model_grid(grid: Grid, shape: ModelShape, p: int, longest: int, device: str)
             if AttentionCall(1, 1, length, length, hn, causal).flops <= cap:
                 calls.append((1, hn, length, length, causal))
     corrections = sorted({min(n, longest) for n in (*grid.correction_lengths, 4 * max(grid.correction_lengths))})
+    activations = [m * shape.hidden_size * 4 for m in tokens if m * shape.hidden_size * 4 <= SAMPLE_BYTES[device]]
     return dataclasses.replace(
-        grid, gemms=tuple(gemms), attention_calls=tuple(calls), correction_lengths=tuple(corrections)
+        grid,
+        gemms=tuple(gemms),
+        attention_calls=tuple(calls),
+        correction_lengths=tuple(corrections),
+        elementwise_bytes=tuple(sorted({*grid.elementwise_bytes, *activations})),
     )
 
 
@@ -303,7 +316,7 @@ def _time_add(nbytes: int, repeats: int, device, dtype) -> float:
 def _elementwise_samples(grid: Grid, device, dtype, progress: Progress) -> list[dict]:
     samples = []
     element_size = torch.empty((), dtype=dtype).element_size()
-    for nbytes in (4 << 10, 256 << 10, 4 << 20, 16 << 20):
+    for nbytes in grid.elementwise_bytes:
         seconds = _time_add(nbytes, grid.repeats, device, dtype)
         samples.append({"bytes": 3 * nbytes // 4 * element_size, "seconds": seconds})  # read 2, write 1
         progress.step(f"elementwise {nbytes >> 10} KiB")
@@ -433,7 +446,7 @@ def _measure_on_rank(rank: int, world: int, grid: Grid, p_values, device_type: s
     steps = (
         len(_gemm_shapes(grid))
         + len(_attention_blocks(grid))
-        + 4
+        + len(grid.elementwise_bytes)
         + len(p_values) * len(COLLECTIVE_KINDS) * len(grid.comm_bytes)
         + 1
         + len(grid.comm_bytes)
