@@ -1,5 +1,5 @@
-"""The shipped presets: Megatron accepts their flags, the library can run their models, and the paper
-presets hold the paper's setting (ParaDySe, Table 4 and section 7)."""
+"""The shipped presets (and the GPU runs' configs in scripts/gpu): Megatron accepts their flags, the library
+can run their models, and the paper presets hold the paper's setting (ParaDySe, Table 4 and section 7)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from megatron_paradyse.config import load_config
 from megatron_paradyse.planner import layer_options
 from megatron_paradyse.run.config_cli import model_shape_from_args, parse_megatron_args
 
-PRESETS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
+GPU_RUNS = sorted((ROOT / "scripts" / "gpu").glob("*.yaml"))
 
 
 def _load(path: Path):
@@ -19,7 +21,7 @@ def _load(path: Path):
     return config, parse_megatron_args(config.megatron_args)
 
 
-@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
+@pytest.mark.parametrize("preset", PRESETS + GPU_RUNS, ids=lambda p: p.name)
 def test_megatron_accepts_the_flags_and_every_strategy_can_run_the_model(preset):
     config, args = _load(preset)
     shape = model_shape_from_args(args)
