@@ -95,13 +95,15 @@ def random_problem(rng: random.Random, *, num_options: int, num_layers: int, int
 
 
 def brute_force(problem: StageProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Every per-layer assignment (positions included): (assignments [K^L, L], time, peak, fits)."""
+    """Every per-layer assignment, in the order its layers run (a layer's working set beside the saved
+    bytes of the layers before it): (assignments [K^L, L], time, peak, fits)."""
     k, n = len(problem.options), problem.num_layers
     assignments = np.array(list(itertools.product(range(k), repeat=n)), dtype=np.int64).reshape(-1, n)
     t = np.array([c.time_s for c in problem.costs])[assignments]
     m = np.array([c.saved_bytes for c in problem.costs])[assignments]
     r = np.array([c.transient_bytes for c in problem.costs])[assignments]
-    peak = np.asarray(problem.peak(m.sum(axis=1), r.max(axis=1)), dtype=float)
+    after = m[:, ::-1].cumsum(axis=1)[:, ::-1] - m  # saved by the layers after each position
+    peak = np.asarray(problem.peak(m.sum(axis=1), (r - after).max(axis=1)), dtype=float)
     return assignments, t.sum(axis=1), peak, peak <= problem.budget_bytes
 
 

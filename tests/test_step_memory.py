@@ -59,8 +59,16 @@ PLANS = {
         "tp_sp/tp_sp+tile256",
         "ring/zero3+tile256",
         "ulysses/lean+tile256+rc, lean/lean+tile256+rc+off",
+        "ulysses/zero3+rc, ring/zero3",  # the recomputed layer's working set before the plain one's saved bytes
     ),
-    1: ("tp_sp/tp_sp", "tp_sp/tp_sp+rc", "tp_sp/tp_sp+rc" + CHUNKED, "tp_sp/tp_sp+rc+off", "tp_sp/tp_sp+tile256"),
+    1: (
+        "tp_sp/tp_sp",
+        "tp_sp/tp_sp+rc",
+        "tp_sp/tp_sp+rc" + CHUNKED,
+        "tp_sp/tp_sp+rc+off",
+        "tp_sp/tp_sp+tile256",
+        "tp_sp/tp_sp+rc, tp_sp/tp_sp",
+    ),
 }
 DOCUMENTS = {"one": (1000,), "packed": (300, 500, 196)}
 

@@ -1,9 +1,12 @@
 """The interface between cost models and the planner.
 
 Layers of a pipeline stage are alike, so a layer option has one cost per micro-batch. The stage's
-predicted peak is ``peak_bytes(saved = sum of saved_bytes over layers, transient = max of
-transient_bytes over layers)``: activations saved for backward accumulate layer after layer, while
-only one layer's working set is alive at a time. ``peak_bytes`` adds what every plan shares (weights,
+predicted peak is ``peak_bytes(saved, transient)`` (:func:`stage_layer_bytes`): ``saved`` is the sum of
+saved_bytes over layers, ``transient`` what a layer's working set adds to them at its highest. Layer
+``l`` runs (forward, recompute, backward) while layers ``1..l-1`` hold their saved activations and
+later layers hold none (not yet made in forward, released in backward), so the stage's layers peak at
+``max_l (saved by layers 1..l + transient of layer l)``: the working set of a layer counts beside the
+saved activations of the layers before it only. ``peak_bytes`` adds what every plan shares (weights,
 gradients, optimizer state, embedding and loss working set) and the allocator's slack, and must not
 decrease in either argument. Around its layers a stage has a choice that changes both (a
 :class:`StageOptions`): its output layer and loss at once or in chunks.
@@ -19,7 +22,7 @@ from typing import Protocol
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption, Plan
 
-__all__ = ["WHOLE_LOSS", "CostModel", "LayerCost", "StageOptions", "stage_layer_bytes"]
+__all__ = ["WHOLE_LOSS", "CostModel", "LayerCost", "StageOptions", "run_order", "stage_layer_bytes"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,17 +75,28 @@ class LayerCost:
     """Host memory held from the layer's forward until its backward (an offloaded layer's input)."""
 
 
+def run_order(option: LayerOption, cost: LayerCost) -> tuple:
+    """Sort key of the order a stage runs its layers' options in: offloaded layers last, the others by
+    decreasing transient (then saved) bytes. The stage peak, ``max_l (saved by layers 1..l + transient
+    of layer l)``, is lowest in this order: swapping two adjacent layers so that the larger transient
+    comes first never raises it (an exchange argument). Offloaded layers run last so that their saved
+    bytes are right (:func:`stage_layer_bytes`)."""
+    return (option.offload, -cost.transient_bytes, -cost.saved_bytes)
+
+
 def stage_layer_bytes(layers: Iterable[tuple[int, LayerCost]], num_layers: int) -> tuple[float, float]:
-    """The summed saved bytes and the largest transient of a stage's ``num_layers`` layers, given as
-    (how many, cost) pairs, for :meth:`CostModel.peak_bytes`.
+    """The summed saved bytes of a stage's ``num_layers`` layers, given as (how many, cost) pairs in the
+    order they run, and the transient their working sets add at the highest: ``max_l (transient of
+    layer l - saved by the layers after l)``, so that ``saved + transient`` is the layers' peak (module
+    docstring), for :meth:`CostModel.peak_bytes`.
 
     An offloaded layer's saved bytes leave out one activation, which stands for its input (the same
     size): another layer's output, which that layer counts. Plans run offloaded layers last
-    (:meth:`~megatron_paradyse.planner.problem.StageProblem.to_plan`), so that holds unless every layer
-    is offloaded: the first layer's input is then the stage's own, which the model keeps on the device
-    through the forward (GPTModel holds its embedding's output), one activation more until the
-    backward, by when it is on the host. An offloaded layer's transient holds the next offloaded
-    layer's input, prefetched, which a lone offloaded layer has none of.
+    (:func:`run_order`), so that holds unless every layer is offloaded: the first layer's input is then
+    the stage's own, which the model keeps on the device through the forward (GPTModel holds its
+    embedding's output), one activation more until the backward, by when it is on the host. An
+    offloaded layer's transient holds the next offloaded layer's input, prefetched, which a lone
+    offloaded layer has none of.
     """
     layers = [(n, cost) for n, cost in layers if n]
     saved, offloaded, activation = 0.0, 0, 0.0
@@ -91,10 +105,11 @@ def stage_layer_bytes(layers: Iterable[tuple[int, LayerCost]], num_layers: int) 
         if cost.host_bytes:
             offloaded += n
             activation = max(activation, cost.host_bytes)
-    transient = max(
-        (cost.transient_bytes - (cost.host_bytes if offloaded == 1 else 0.0) for _, cost in layers),
-        default=-math.inf,
-    )
+    transient, after = -math.inf, 0.0
+    for n, cost in reversed(layers):  # the last layer of each run of alike ones has the most before it
+        own = cost.transient_bytes - (cost.host_bytes if offloaded == 1 else 0.0)
+        transient = max(transient, own - after)
+        after += n * cost.saved_bytes
     if offloaded == num_layers:  # in peak_bytes: beside the loss, not beside the layers' working sets
         return saved + activation, transient - activation
     return saved, transient

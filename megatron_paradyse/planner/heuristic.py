@@ -14,8 +14,10 @@ Fixed on the way (``reference_code_lessons.md`` B4, B5, B11): every candidate is
 vector evaluated on its own (no list mutated after being recorded); pruning checks every pair, not
 only sorted neighbours; no sticky out-of-memory flag (when nothing fits it says so, like the exact
 planner, instead of returning the leanest plan regardless); caching is the planner's, keyed by
-length bucket. Mixing only two options with one switch point, it can miss the optimum; it is never
-better than :func:`~megatron_paradyse.planner.exact.solve_exact`.
+length bucket. Mixing only two options with one switch point, it can miss the optimum; and mixing an
+option only with one whose uniform plan fits, it finds nothing where only mixes fit (a mix can peak
+lower than both its options' uniform plans: a layer's working set is beside the saved bytes of the
+layers before it only). It is never better than :func:`~megatron_paradyse.planner.exact.solve_exact`.
 """
 
 from __future__ import annotations

@@ -408,7 +408,7 @@ class Planner:
     def fits(self, layout: SequenceLayout, micro_batch_size: int = 1) -> bool:
         """Whether some plan fits ``layout`` (costed as it is, not at its bucket's edge)."""
         problems = self._problems(layout, micro_batch_size, stop_when_fastest=False)
-        return any(problem.fits(problem.leanest()) for problem in problems.values())
+        return any(solve_exact(problem) is not None for problem in problems.values())
 
     def leanest_peak_bytes(self, layout: SequenceLayout, micro_batch_size: int = 1) -> float:
         """The least predicted peak of any plan for ``layout`` (costed as it is)."""
@@ -547,7 +547,7 @@ class Planner:
 
             def alike_fits(layout: SequenceLayout) -> bool:
                 problems = self._alike_problems(layout, micro_batch_size)
-                return any(problem.fits(problem.leanest()) for problem in problems)
+                return any(solve_exact(problem) is not None for problem in problems)
 
             if not alike_fits(layout):
                 edge = self._search_longest(p, causal, alike_fits) or layout.padded_len

@@ -2,14 +2,18 @@
 
 A stage has ``L`` alike layers. Layer option ``o`` costs ``t_o`` seconds, keeps ``m_o`` bytes saved
 for backward and needs ``r_o`` transient bytes while it runs (:class:`~megatron_paradyse.cost.LayerCost`).
-The cost model sums saved bytes over layers and takes the largest transient, so only *how many*
-layers take each option matters, not which ones. A solution is a count vector ``n``::
+Layers run their options in one order (:func:`~megatron_paradyse.cost.base.run_order`: by decreasing
+transient), so only *how many* layers take each option matters, not which ones. A solution is a count
+vector ``n``::
 
     minimise    T(n) = sum_o n_o t_o
     subject to  sum_o n_o = L,   n_o >= 0 integer,
-                peak(sum_o n_o m_o, max_{o: n_o > 0} r_o) <= budget
+                peak(sum_o n_o m_o, R(n)) <= budget,   R(n) = max_{o: n_o > 0} (r_o - sum_{o' after o} n_o' m_o')
 
-where ``peak`` is the cost model's stage peak, non-decreasing in both arguments, and the host memory
+where ``R(n)`` is what the working set of a layer adds to the saved bytes of the layers before it, at
+its largest (:func:`~megatron_paradyse.cost.base.stage_layer_bytes`; at most the largest ``r_o``, and
+at least the smallest), ``peak`` is the cost model's stage peak, non-decreasing in both arguments, and
+the host memory
 of offloaded layers (``sum_o n_o h_o``) stays within the host budget. A problem is posed for
 one choice of how the stage runs around its layers (:class:`~megatron_paradyse.cost.base.StageOptions`):
 it sets ``peak`` and adds a constant to ``T``; an option it rules out costs infinite working memory, so
@@ -29,7 +33,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from megatron_paradyse.core.plan import LayerOption, Plan
-from megatron_paradyse.cost.base import WHOLE_LOSS, LayerCost, StageOptions, stage_layer_bytes
+from megatron_paradyse.cost.base import WHOLE_LOSS, LayerCost, StageOptions, run_order, stage_layer_bytes
 
 __all__ = ["Solution", "StageProblem"]
 
@@ -74,6 +78,8 @@ class StageProblem:
     saved_budget_bytes: float = math.inf
     """The most saved bytes a plan's layers may keep: what the stage holds of it while other forwards
     run (:class:`~megatron_paradyse.planner.planner.Planner`'s forwards in flight)."""
+    run_order: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    """The options in the order the layers run them (:func:`~megatron_paradyse.cost.base.run_order`)."""
 
     def __post_init__(self) -> None:
         if len(self.options) != len(self.costs) or not self.options:
@@ -82,6 +88,8 @@ class StageProblem:
             raise ValueError(f"a stage needs at least one layer, got num_layers={self.num_layers}")
         if self.chunk_layers and max(self.chunk_layers) != self.num_layers:
             raise ValueError(f"num_layers={self.num_layers} is not the largest of chunk_layers={self.chunk_layers}")
+        order = sorted(range(len(self.options)), key=lambda o: (*run_order(self.options[o], self.costs[o]), o))
+        object.__setattr__(self, "run_order", tuple(order))
 
     @property
     def repeats(self) -> int:
@@ -96,7 +104,7 @@ class StageProblem:
             if n:
                 time_s += n * cost.time_s
                 host += n * cost.host_bytes
-        saved, transient = stage_layer_bytes(zip(counts, self.costs), self.num_layers)
+        saved, transient = stage_layer_bytes(((counts[o], self.costs[o]) for o in self.run_order), self.num_layers)
         return Solution(
             tuple(counts),
             self.stage_time_s + self.repeats * time_s,
@@ -113,13 +121,12 @@ class StageProblem:
         return tuple(counts)
 
     def leanest(self) -> Solution:
-        """The plan of least predicted peak within the host budget and the saved bytes' (if any plan is;
-        else the host budget's alone).
-
-        Without offload it is uniform: a plan whose largest transient is ``r`` peaks at least at
-        ``peak(L * min_{r_o <= r} m_o, r)``, which the uniform plan of that minimising option attains
-        or beats, keeping the fewest saved bytes too. An offloaded option takes as many layers as the
-        host budget holds, beside one other option on the rest (the same argument, per option pair).
+        """The uniform plan of least predicted peak within the host budget and the saved bytes' (if any
+        is; else the host budget's alone); an offloaded option takes as many layers as the host budget
+        holds, beside one other option on the rest. What a report names as the leanest plan: a mix can
+        peak lower still (a working-set-heavy option on a few first layers, beside few saved bytes), so
+        whether any plan fits is :func:`~megatron_paradyse.planner.exact.solve_exact`'s answer, not this
+        plan's.
         """
         candidates = [self.uniform(o) for o in range(len(self.options))]
         for o, cost in enumerate(self.costs):
@@ -150,28 +157,16 @@ class StageProblem:
         )
 
     def to_plan(self, solution: Solution) -> Plan:
-        """The plan of a count vector, layers ordered by decreasing transient (then saved) bytes.
-
-        The cost model's peak, ``sum of saved + max transient``, does not depend on the order, but
-        the real one is ``max_l (saved by layers 1..l + transient of layer l)``: in forward, layer
-        ``l`` runs while layers ``1..l-1`` hold their activations, and in backward (1F1B included:
-        other in-flight micro-batches only add a constant) layer ``l`` runs before layers
-        ``1..l-1`` release theirs. Swapping two adjacent layers so the larger transient comes first
-        never raises that maximum (an exchange argument), so the sorted order is the best one: the
-        working-set-heavy fast options run on the first layers, the lean ones last.
-
-        Offloaded layers run after all others, so that their saved bytes are right
-        (:func:`~megatron_paradyse.cost.base.stage_layer_bytes`).
+        """The plan of a count vector, its layers in :attr:`run_order`, the order its peak was
+        predicted for: the working-set-heavy fast options run on the first layers, the lean ones last
+        (in forward, layer ``l`` runs while layers ``1..l-1`` hold their activations; in backward, 1F1B
+        included, before they release them: other in-flight micro-batches only add a constant).
 
         With model chunks, each chunk runs that order, a shorter one its first layers: a prefix of it
-        holds no more than the whole (its saved bytes a part, its transients among them), and its time
-        is what its layers take.
+        holds no more than the whole (its saved bytes a part, its working sets among the whole's, each
+        beside no more than there), and its time is what its layers take.
         """
-        used = sorted(
-            (o for o, n in enumerate(solution.counts) if n),
-            key=lambda o: (self.options[o].offload, -self.costs[o].transient_bytes, -self.costs[o].saved_bytes, o),
-        )
-        order = [o for o in used for _ in range(solution.counts[o])]
+        order = [o for o in self.run_order for _ in range(solution.counts[o])]
         chunks = self.chunk_layers or (self.num_layers,)
         run = [o for layers in chunks for o in order[:layers]]
         time_s = solution.time_s
