@@ -106,7 +106,8 @@ def test_tp1_trains_choosing_recompute_only(tmp_path, cache_p2):
     records = read_jsonl(tmp_path / "log.jsonl")
     assert [r.iteration for r in records] == [1, 2, 3, 4]
     plans = {mb.plan for r in records for mb in r.micro_batches}
-    assert plans <= {"2x tp_sp/tp_sp", "1x tp_sp/tp_sp, 1x tp_sp/tp_sp+rc", "2x tp_sp/tp_sp+rc"}, plans
+    # a mix runs its recomputed layer first (the larger working set beside the fewer saved bytes)
+    assert plans <= {"2x tp_sp/tp_sp", "1x tp_sp/tp_sp+rc, 1x tp_sp/tp_sp", "2x tp_sp/tp_sp+rc"}, plans
     assert len(plans) >= 2, plans  # the budget makes the longer files recompute
 
 
