@@ -245,19 +245,9 @@ class _Envelope:
     mix whose saved bytes per layer average at most ``x``."""
 
     def __init__(self, saved: list[float], times: list[float]) -> None:
-        points = sorted(zip(saved, times))  # leanest first
-        chain: list[tuple[float, float]] = []
-        for x, y in points:
-            if chain and y >= chain[-1][1]:
-                continue  # heavier and no faster than a leaner one
-            while len(chain) >= 2:
-                (x0, y0), (x1, y1) = chain[-2], chain[-1]
-                if (y1 - y0) * (x - x0) >= (y - y0) * (x1 - x0):
-                    chain.pop()  # the middle point is not below the segment
-                else:
-                    break
-            chain.append((x, y))
-        self.chain = chain
+        options = sorted(range(len(saved)), key=lambda o: (times[o], saved[o]))
+        vertices = _lower_envelope(_frontier(options, saved), times, saved)  # leanest first
+        self.chain = [(saved[o], times[o]) for o in vertices]
 
     def least_time(self, x: float) -> float:
         chain = self.chain
