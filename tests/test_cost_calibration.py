@@ -10,6 +10,7 @@ import dataclasses
 import time
 
 import pytest
+import torch
 
 from megatron_paradyse.cli import main as cli_main
 from megatron_paradyse.core.layout import SequenceLayout
@@ -169,3 +170,23 @@ def test_calibrate_measures_the_configs_model(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err.endswith(
         "paradyse: error: Megatron flags (--bf16) go with --config, which they override\n"
     )
+
+
+def test_the_cached_profile_of_a_model_serves_every_length_it_measured(tmp_path, monkeypatch, capsys):
+    """Start-up calibration (no cost.profile) keeps one profile per layer: calibrated up to 512 tokens, it
+    serves a job whose longest micro-batch is 256, and is measured again, up to 1024, for one of 1024."""
+    monkeypatch.setitem(calibration.GRIDS, "quick", TINY)
+    shape = ModelShape(hidden_size=64, num_attention_heads=4, num_query_groups=4, kv_channels=16, ffn_hidden_size=128)
+
+    def profile(longest: int) -> dict:
+        return calibration.cached_quick_profile(
+            tmp_path, 1, device="cpu", dtype=torch.float32, shape=shape, longest=longest
+        )
+
+    assert profile(512)["model"]["longest"] == 512
+    assert "calibrating a quick profile for p=1" in capsys.readouterr().out
+    assert profile(256)["model"]["longest"] == 512
+    assert "using the quick profile calibrated before" in capsys.readouterr().out
+    assert profile(1024)["model"]["longest"] == 1024
+    assert "calibrating a quick profile for p=1" in capsys.readouterr().out
+    assert len(list(tmp_path.glob("cost-profile-quick-corrected-cpu-p1-float32-model*.json"))) == 1
