@@ -36,23 +36,59 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     elif args.megatron_flags:
         raise ValueError(f"Megatron flags ({' '.join(args.megatron_flags)}) go with --config, which they override")
     start = time.perf_counter()
-    profile = calibrate(
-        p,
-        device=args.device,
-        grid=args.grid,
-        dtype=getattr(torch, dtype),
-        fit_correction=args.fit_correction,
-        show_progress=not args.quiet,
-        **model,
-    )
+    settings = dict(grid=args.grid, dtype=getattr(torch, dtype), fit_correction=args.fit_correction, **model)
+    if args.fake_group:
+        profile = _calibrate_one_rank_of(p, args.links, args.device, settings, show_progress=not args.quiet)
+        how = f"one GPU as rank 0 of {profile['concurrency']} on a fake group, links from {args.links}"
+    else:
+        if args.links is not None:
+            raise ValueError("--links gives the collectives of a fake group, which measures none: add --fake-group")
+        profile = calibrate(p, device=args.device, show_progress=not args.quiet, **settings)
+        how = f"p in {sorted(profile['collectives'], key=int) or [1]}, {profile['concurrency']} ranks at once"
     save_profile(profile, args.output)
     measured = "" if not model else f", the model's own work up to {model['longest']} tokens"
     print(
-        f"wrote {args.output}: {args.grid} grid{measured}, p in {sorted(profile['collectives'], key=int) or [1]}, "
-        f"{profile['concurrency']} ranks at once, {time.perf_counter() - start:.0f} s",
+        f"wrote {args.output}: {args.grid} grid{measured}, {how}, {time.perf_counter() - start:.0f} s",
         file=sys.stderr,
     )
     return 0
+
+
+def _calibrate_one_rank_of(p: list[int], links: str | None, device: str, settings: dict, *, show_progress: bool):
+    """``--fake-group``: this process alone as rank 0 of a fake group of ``p`` ranks, on its GPU: one
+    rank's compute at ``p`` ranks' shapes, the collectives and ring overlap from ``links``."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_paradyse.cost.calibrate import calibrate_on_group
+    from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
+    from megatron_paradyse.cost.profile import load_profile
+    from megatron_paradyse.mcore.trace import fake_world
+
+    if len(p) != 1:
+        raise ValueError(f"--fake-group stands for one group size, got --p {','.join(map(str, p))}")
+    if device != "cuda":
+        raise ValueError(
+            "--fake-group measures one GPU standing for each rank; on the CPU the ranks share the cores, so "
+            "calibrate them together: leave out --fake-group"
+        )
+    if links is None:
+        raise ValueError(
+            "--fake-group measures no collective (a fake group's move nothing): give --links, a profile "
+            f"calibrated on the cluster (`paradyse calibrate --p {p[0]}`) or a node's published figures "
+            f"({', '.join(HARDWARE)})"
+        )
+    if links in HARDWARE:
+        if HARDWARE[links].p != p[0]:
+            raise ValueError(f"--links {links}: the published figures are for p={HARDWARE[links].p}, not {p[0]}")
+        link_profile = hardware_profile(HARDWARE[links])
+    else:  # measured on the cluster, where this machine need not be
+        link_profile = load_profile(links, p=p[0], check_machine=False)
+    with fake_world(0, p[0]):
+        gpu = torch.device("cuda", torch.cuda.current_device())
+        return calibrate_on_group(
+            dist.group.WORLD, device=gpu, links=link_profile, show_progress=show_progress, **settings
+        )
 
 
 def _p_list(text: str) -> list[int]:
@@ -92,6 +128,18 @@ def _parser() -> argparse.ArgumentParser:
         "--fit-correction",
         action="store_true",
         help="also time a few whole layers and fit the correction of DESIGN section 4",
+    )
+    cal.add_argument(
+        "--fake-group",
+        action="store_true",
+        help="this GPU alone as one rank of --p on a fake process group: one rank's compute at p ranks' shapes, "
+        "the collectives from --links (CUDA; a single --p)",
+    )
+    cal.add_argument(
+        "--links",
+        metavar="PROFILE|GPU",
+        help="with --fake-group: the collectives and ring overlap, from a profile calibrated on the cluster or a "
+        "node's published figures (a100, h100, h200)",
     )
     cal.add_argument("--quiet", action="store_true", help="no progress bar")
     cal.set_defaults(run=_cmd_calibrate)

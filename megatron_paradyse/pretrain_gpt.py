@@ -17,8 +17,8 @@ Around ``pretrain()``:
   micro-batch to the next (``variable_seq_lengths``), the loss is normalised by the tokens of the
   global batch (``--calculate-per-token-loss``), and ``--seq-length`` is the longest micro-batch;
 - each pipeline stage has a planner, priced by the cost profile (``cost.profile``, or a quick
-  calibration at start-up shared by rank 0) within the memory budget; all ranks check at start-up
-  that they plan from the same inputs;
+  calibration at start-up by the tensor-parallel groups on themselves, rank 0's shared) within the
+  memory budget; all ranks check at start-up that they plan from the same inputs;
 - ``--eval-iters N`` (with ``--eval-interval``, and ``--split`` for the shares) holds documents out
   for validation (and test): Megatron evaluates on them, forward only, under plans priced for
   forward-only passes; each evaluation runs the same micro-batches, and the last rank prints one line

@@ -7,6 +7,7 @@ The memory terms are checked against what the strategies allocate in ``tests/tes
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import pytest
@@ -190,3 +191,183 @@ def test_the_cached_profile_of_a_model_serves_every_length_it_measured(tmp_path,
     assert profile(1024)["model"]["longest"] == 1024
     assert "calibrating a quick profile for p=1" in capsys.readouterr().out
     assert len(list(tmp_path.glob("cost-profile-quick-corrected-cpu-p1-float32-model*.json"))) == 1
+
+
+# -- calibrating on the job's own ranks, and one GPU standing for p ranks -----------------------------
+SMALL = ModelShape(hidden_size=128, num_attention_heads=8, num_query_groups=8, kv_channels=16, ffn_hidden_size=256)
+
+
+def _refuse_to_start_processes(*args, **kwargs):
+    raise AssertionError("calibration started processes of its own")
+
+
+def _startup_on_tp_groups(rank: int, world: int, cache_dir: str, failing_ranks: tuple[int, ...]):
+    """Rank ``rank`` of a job of 4 ranks in tensor-parallel pairs, calibrating at start-up twice: measured
+    the first time (in these processes: starting any fails), read from the cache the second."""
+    import torch.distributed as dist
+
+    from megatron_paradyse.cost.profile import ProfileError
+
+    calibration.GRIDS["quick"] = TINY
+    calibration.run_on_ranks = _refuse_to_start_processes
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    tp_group = pairs[rank // 2]
+    measure = calibration._measure_samples
+    if rank in failing_ranks:
+
+        def measure(*args, **kwargs):
+            raise RuntimeError("out of memory")
+
+    calibration._measure_samples = measure
+
+    def profile() -> dict:
+        return calibration.startup_profile(
+            cache_dir,
+            tp_group,
+            dist.group.WORLD,
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            shape=SMALL,
+            longest=256,
+        )
+
+    try:
+        first = profile()
+    except ProfileError as e:
+        return str(e)
+    calibration._measure_samples = _refuse_to_start_processes  # the second run measures nothing
+    return first, profile()
+
+
+def test_a_job_calibrates_on_its_own_tensor_parallel_groups_and_every_rank_plans_from_rank_0s(tmp_path):
+    """No cost.profile: each TP group of the job measures itself, no process is started, all ranks get
+    rank 0's profile (TP=2 shapes, the model's own work), which a second start reads from the cache."""
+    per_rank = run_on_ranks(_startup_on_tp_groups, 4, args=(str(tmp_path), ()), timeout_s=300)
+    measured, cached = zip(*per_rank)
+    assert all(p == measured[0] for p in measured) and all(p == cached[0] for p in cached)
+    (saved,) = tmp_path.glob("cost-profile-quick-corrected-cpu-p2-float32-model*.json")
+    assert cached[0] == load_profile(saved, p=2)
+    written = {"schema", "version", "created"}
+    assert {k: v for k, v in cached[0].items() if k not in written} == json.loads(json.dumps(measured[0]))
+    profile = measured[0]
+    assert profile["concurrency"] == 2 and profile["model"] == {
+        "shape": dataclasses.asdict(SMALL),
+        "p": 2,
+        "longest": 256,
+    }
+    assert set(profile["collectives"]) == {"2"} and profile["correction"]["compute"] >= calibration.MIN_SCALE
+    grid = calibration.model_grid(TINY, SMALL, 2, 256, "cpu")
+    assert [(g["m"], g["n"], g["k"]) for g in profile["samples"]["gemm"]] == calibration._gemm_shapes(grid)
+
+
+def test_a_tensor_parallel_group_that_cannot_calibrate_stops_every_rank_with_its_reason(tmp_path):
+    per_rank = run_on_ranks(_startup_on_tp_groups, 4, args=(str(tmp_path), (2, 3)), timeout_s=300)
+    assert (
+        per_rank
+        == [
+            "could not calibrate a cost profile (rank 2: out of memory; rank 3: out of memory); make one with "
+            "`paradyse calibrate --p 2` and name it in cost.profile"
+        ]
+        * 4
+    )
+    assert not list(tmp_path.glob("*.json"))
+
+
+def _calibrate_as_one_of_eight(rank: int, world: int, links: dict) -> dict | str:
+    """This process alone stands for rank 0 of 8 on a fake group: one device's compute at 8 ranks' shapes."""
+    import torch.distributed as dist
+
+    from megatron_paradyse.mcore.trace import fake_world
+
+    calibration.GRIDS["quick"] = TINY
+    dist.destroy_process_group()
+    with fake_world(0, 8):
+        try:
+            calibration.calibrate_on_group(
+                dist.group.WORLD, device=torch.device("cpu"), dtype=torch.bfloat16, shape=SMALL, longest=512, links={}
+            )
+        except ValueError as e:
+            refused = str(e)
+        profile = calibration.calibrate_on_group(
+            dist.group.WORLD, device=torch.device("cpu"), dtype=torch.bfloat16, shape=SMALL, longest=512, links=links
+        )
+    return profile, refused
+
+
+def test_one_device_calibrates_the_compute_of_one_rank_of_eight_with_the_links_of_another_profile():
+    from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
+
+    links = hardware_profile(HARDWARE["h100"])
+    ((profile, refused),) = run_on_ranks(_calibrate_as_one_of_eight, 1, args=(links,), timeout_s=300)
+    assert refused == (
+        "the links profile has no collectives for p=8 (it has p in []); calibrate them on the cluster with "
+        "`paradyse calibrate --p 8`"
+    )
+    assert profile["concurrency"] == 8 and profile["model"]["p"] == 8 and profile["dtype"] == "bfloat16"
+    grid = calibration.model_grid(TINY, SMALL, 8, 512, "cpu")
+    assert [(g["m"], g["n"], g["k"]) for g in profile["samples"]["gemm"]] == calibration._gemm_shapes(grid)
+    assert profile["samples"]["collectives"] == {} and profile["collectives"] == {"8": links["collectives"]["8"]}
+    assert profile["ring_overlap"] == links["ring_overlap"] == 0.9
+    assert profile["links"] == {"fingerprint": links["fingerprint"], "grid": "published"}
+    correction = profile["correction"]  # fitted on compute alone: the fake group's collectives took no time
+    assert correction["comm"] == 1.0 and correction["per_sync_s"] == 0.0
+    assert correction["compute"] >= calibration.MIN_SCALE
+    layers = [f"{option}@{s}" for s in grid.correction_lengths for option in calibration.CORRECTION_LAYERS]
+    assert grid.correction_lengths == (64, 128, 512) and correction["fitted_on"] == layers
+
+
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (
+            ["--fake-group", "--links", "h100", "--p", "8"],
+            "--fake-group measures one GPU standing for each rank; on the CPU the ranks share the cores, so "
+            "calibrate them together: leave out --fake-group",
+        ),
+        (
+            ["--device", "cuda", "--fake-group", "--p", "8"],
+            "--fake-group measures no collective (a fake group's move nothing): give --links, a profile calibrated "
+            "on the cluster (`paradyse calibrate --p 8`) or a node's published figures (a100, h100, h200)",
+        ),
+        (
+            ["--device", "cuda", "--fake-group", "--p", "4", "--links", "h100"],
+            "--links h100: the published figures are for p=8, not 4",
+        ),
+        (["--device", "cuda", "--fake-group", "--p", "4,8"], "--fake-group stands for one group size, got --p 4,8"),
+        (["--links", "h100"], "--links gives the collectives of a fake group, which measures none: add --fake-group"),
+    ],
+)
+def test_calibrating_one_rank_on_a_fake_group_refuses_what_it_cannot_measure(tmp_path, capsys, flags, error):
+    with pytest.raises(SystemExit) as stopped:
+        cli_main(["calibrate", "--output", str(tmp_path / "profile.json"), "--quiet", *flags])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == f"paradyse: error: {error}\n"
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_one_gpu_calibrates_a_rank_of_eight_of_the_configs_model(tmp_path, monkeypatch):
+    """``paradyse calibrate --config --fake-group --links h100``: this GPU's compute at TP=8 shapes in bf16,
+    the published node's links; the profile prices the config's model at p=8."""
+    monkeypatch.setitem(calibration.GRIDS, "quick", TINY)
+    config = tmp_path / "cfg.yaml"
+    config.write_text(
+        "data: {max_len: 4096}\n"
+        'megatron_args: [--hidden-size, "1024", --num-attention-heads, "16", --ffn-hidden-size, "4096", --bf16, '
+        '--tensor-model-parallel-size, "8"]\n'
+    )
+    path = tmp_path / "profile.json"
+    argv = ["calibrate", "--output", str(path), "--grid", "quick", "--quiet", "--config", str(config)]
+    assert cli_main([*argv, "--device", "cuda", "--fake-group", "--links", "h100", "--fit-correction"]) == 0
+    profile = load_profile(path, p=8)
+    assert profile["concurrency"] == 8 and profile["dtype"] == "bfloat16" and profile["links"]["grid"] == "published"
+    shape = ModelShape(
+        hidden_size=1024, num_attention_heads=16, num_query_groups=16, kv_channels=64, ffn_hidden_size=4096
+    )
+    gemms = {(g["m"], g["n"], g["k"]) for g in profile["samples"]["gemm"]}
+    assert (4096, 4096 // 8, 1024) in gemms and profile["correction"]["comm"] == 1.0  # fc1's shard at TP=8
+    cost = AnalyticCostModel.from_file(path, shape, 8, dtype=torch.bfloat16).layer_cost(
+        OPTIONS[0], SequenceLayout.build(4096, 8, causal=True), 1
+    )
+    assert cost.time_s > 0

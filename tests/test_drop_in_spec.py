@@ -4,13 +4,13 @@ megatron_paradyse.spec get_paradyse_layer_spec``, no paradyse loop code. Each ru
 (Megatron's ``lm loss`` log) equal those of Megatron's stock local spec on the same batches within 1e-5.
 
 The Paradyse runs plan every micro-batch themselves (the config ``PARADYSE_CONFIG`` names gives the
-budget and cost profile); their budget makes the plans stream weights (``lean``) or recompute.
+budget; no cost profile: the layers calibrate one at their first call); their budget makes the plans stream
+weights (``lean``) or recompute.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import types
 from pathlib import Path
@@ -34,19 +34,6 @@ PARADYSE = ["--spec", "megatron_paradyse.spec", "get_paradyse_layer_spec"]
 TOLERANCE = 1e-5
 
 
-@pytest.fixture(scope="module")
-def profile(tmp_path_factory) -> Path:
-    path = os.environ.get("PARADYSE_TEST_PROFILE")
-    if path:
-        return Path(path)
-    from megatron_paradyse.cost.calibrate import calibrate
-    from megatron_paradyse.cost.profile import save_profile
-
-    path = tmp_path_factory.mktemp("profile") / "p2.json"
-    save_profile(calibrate([2], grid="quick", show_progress=False), path)
-    return path
-
-
 def _train(*flags: str, config: Path | None = None) -> tuple[list[float], str]:
     """(Megatron's lm loss per iteration, stdout) of a 2-rank torchrun of the stock-style script."""
     result = torchrun(2, str(SCRIPT), *GPT, *flags, env=None if config is None else {"PARADYSE_CONFIG": str(config)})
@@ -56,14 +43,16 @@ def _train(*flags: str, config: Path | None = None) -> tuple[list[float], str]:
     return losses, result.stdout
 
 
-def test_the_drop_in_spec_trains_in_megatrons_own_loop_like_the_stock_spec(tmp_path, profile):
+def test_the_drop_in_spec_trains_in_megatrons_own_loop_like_the_stock_spec(tmp_path):
+    """No cost profile in the config: each tensor-parallel group calibrates on itself when its first layer
+    runs, inside the forward (the loop leaves the job's random state and losses as the stock run's)."""
     config = tmp_path / "paradyse.yaml"
-    config.write_text(
-        yaml.safe_dump({"memory": {"budget_gib": 0.0052}, "cost": {"profile": str(profile), "check_machine": False}})
-    )
+    config.write_text(yaml.safe_dump({"memory": {"budget_gib": 0.0052}, "data": {"cache_dir": str(tmp_path)}}))
     stock, _ = _train(*STOCK)
     paradyse, stdout = _train(*PARADYSE, config=config)
     assert paradyse == pytest.approx(stock, rel=TOLERANCE)
+    assert "paradyse: no cost.profile: calibrating a quick profile for p=2 on the job's ranks" in stdout
+    assert len(list(tmp_path.glob("cost-profile-quick-corrected-cpu-p2-float32-model*.json"))) == 1
     plans = re.findall(r"paradyse: stage 0: 512 tokens \(1 documents\) x 2: plan (.*) \(predicted", stdout)
     assert plans and all("lean" in plan or "+rc" in plan for plan in plans), stdout[-3000:]
 

@@ -2,7 +2,9 @@
 
 Everything runs on ``p`` real ranks at once (gloo on CPU, NCCL on CUDA), because that is how a
 layer runs: on a CPU shared by the ranks, a kernel timed alone is ~p/cores times faster than inside
-the job. Measured:
+the job. :func:`calibrate` starts the ranks; :func:`calibrate_on_group` runs in ranks that exist (a
+job's tensor-parallel group at start-up, :func:`startup_profile`; or one process standing for rank 0 of
+a fake group on one GPU, its collectives taken from another profile). Measured:
 
 - GEMMs (``F.linear`` forward and backward) over a grid of shapes, fitted as
   ``c0 + c1 * FLOPs + c2 * bytes``;
@@ -60,8 +62,11 @@ __all__ = [
     "SAMPLE_BYTES",
     "SAMPLE_FLOPS",
     "calibrate",
+    "calibrate_on_group",
+    "cached_quick_profile",
     "fit_profile",
     "model_grid",
+    "startup_profile",
 ]
 
 
@@ -245,21 +250,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_linear(m: int, n: int, k: int, repeats: int, device, dtype) -> tuple[float, float]:
+def _time_linear(m: int, n: int, k: int, repeats: int, device, dtype, group) -> tuple[float, float]:
     """(forward, backward) seconds of ``F.linear(x [m, k], w [n, k])``."""
     x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
     w = torch.randn(n, k, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn(m, n, device=device, dtype=dtype)
     y = F.linear(x, w)
-    forward = _median_time(lambda: F.linear(x, w), repeats, device)
-    backward = _median_time(lambda: torch.autograd.grad(y, (x, w), dy, retain_graph=True), repeats, device)
+    forward = _median_time(lambda: F.linear(x, w), repeats, device, group)
+    backward = _median_time(lambda: torch.autograd.grad(y, (x, w), dy, retain_graph=True), repeats, device, group)
     return forward, backward
 
 
-def _gemm_samples(grid: Grid, device, dtype, progress: Progress) -> list[dict]:
+def _gemm_samples(grid: Grid, device, dtype, group, progress: Progress) -> list[dict]:
     samples = []
     for m, n, k in _gemm_shapes(grid):
-        fwd, bwd = _time_linear(m, n, k, grid.repeats, device, dtype)
+        fwd, bwd = _time_linear(m, n, k, grid.repeats, device, dtype, group)
         samples.append({"m": m, "n": n, "k": k, "forward_s": fwd, "backward_s": bwd})
         progress.step(f"gemm {m}x{n}x{k}")
     return samples
@@ -269,7 +274,7 @@ def _gemm_shapes(grid: Grid) -> list[tuple[int, int, int]]:
     return [*((m, n, k) for m in grid.gemm_m for n, k in grid.gemm_nk), *grid.gemms]
 
 
-def _time_attention(kernel, heads: int, hn: int, sq: int, sk: int, causal: bool, repeats: int, device, dtype):
+def _time_attention(kernel, heads: int, hn: int, sq: int, sk: int, causal: bool, repeats: int, device, dtype, group):
     """(forward, backward) seconds of one kernel call on a ``[1, heads, sq | sk, hn]`` block."""
     q = torch.randn(1, heads, sq, hn, device=device, dtype=dtype)
     k = torch.randn(1, heads, sk, hn, device=device, dtype=dtype)
@@ -277,8 +282,8 @@ def _time_attention(kernel, heads: int, hn: int, sq: int, sk: int, causal: bool,
     scale = hn**-0.5
     out, lse = kernel.forward(q, k, v, causal, scale)
     dout = torch.randn_like(out)
-    forward = _median_time(lambda: kernel.forward(q, k, v, causal, scale), repeats, device)
-    backward = _median_time(lambda: kernel.backward(dout, q, k, v, out, lse, causal, scale), repeats, device)
+    forward = _median_time(lambda: kernel.forward(q, k, v, causal, scale), repeats, device, group)
+    backward = _median_time(lambda: kernel.backward(dout, q, k, v, out, lse, causal, scale), repeats, device, group)
     return forward, backward
 
 
@@ -295,11 +300,11 @@ def _attention_blocks(grid: Grid) -> list[tuple[int, int, int, int, bool]]:
     return [*blocks, *grid.attention_calls]
 
 
-def _attention_samples(grid: Grid, device, dtype, progress: Progress) -> list[dict]:
+def _attention_samples(grid: Grid, device, dtype, group, progress: Progress) -> list[dict]:
     kernel = get_kernel("auto", device, dtype)
     samples = []
     for heads, hn, sq, sk, causal in _attention_blocks(grid):
-        fwd, bwd = _time_attention(kernel, heads, hn, sq, sk, causal, grid.repeats, device, dtype)
+        fwd, bwd = _time_attention(kernel, heads, hn, sq, sk, causal, grid.repeats, device, dtype, group)
         samples.append(
             {"heads": heads, "hn": hn, "sq": sq, "sk": sk, "causal": causal} | {"forward_s": fwd, "backward_s": bwd}
         )
@@ -307,17 +312,17 @@ def _attention_samples(grid: Grid, device, dtype, progress: Progress) -> list[di
     return samples
 
 
-def _time_add(nbytes: int, repeats: int, device, dtype) -> float:
+def _time_add(nbytes: int, repeats: int, device, dtype, group) -> float:
     a = torch.randn(nbytes // 4, device=device).to(dtype)
     b = torch.randn_like(a)
-    return _median_time(lambda: torch.add(a, b), repeats, device)
+    return _median_time(lambda: torch.add(a, b), repeats, device, group)
 
 
-def _elementwise_samples(grid: Grid, device, dtype, progress: Progress) -> list[dict]:
+def _elementwise_samples(grid: Grid, device, dtype, group, progress: Progress) -> list[dict]:
     samples = []
     element_size = torch.empty((), dtype=dtype).element_size()
     for nbytes in grid.elementwise_bytes:
-        seconds = _time_add(nbytes, grid.repeats, device, dtype)
+        seconds = _time_add(nbytes, grid.repeats, device, dtype, group)
         samples.append({"bytes": 3 * nbytes // 4 * element_size, "seconds": seconds})  # read 2, write 1
         progress.step(f"elementwise {nbytes >> 10} KiB")
     return samples
@@ -349,12 +354,11 @@ def _collective_ops(group, numel: int, device) -> dict[str, Callable[[], None]]:
     }
 
 
-def _collective_samples(grid: Grid, p_values: Sequence[int], device, progress: Progress) -> dict[str, dict]:
-    rank = dist.get_rank()
+def _collective_samples(grid: Grid, link_groups: dict[int, Any], device, progress: Progress) -> dict[str, dict]:
+    """Every collective on each of ``link_groups`` (group size -> the group, or a non-member's placeholder)."""
     out: dict[str, dict] = {}
-    for p in p_values:
-        group = dist.new_group(list(range(p)))
-        if rank >= p:
+    for p, group in sorted(link_groups.items()):
+        if not _is_member(group):
             for _ in range(len(COLLECTIVE_KINDS) * len(grid.comm_bytes)):
                 progress.step("")
             continue
@@ -368,13 +372,14 @@ def _collective_samples(grid: Grid, p_values: Sequence[int], device, progress: P
     return out
 
 
-def _overlap_sample(grid: Grid, p: int, device, dtype, progress: Progress) -> float:
-    """Fraction of the shorter of (a ring hop, a kernel call) hidden when both run together."""
-    if p == 1:
-        progress.step("ring overlap")
-        return 0.0
-    group = dist.new_group(list(range(p)))
-    if dist.get_rank() >= p:
+def _is_member(group) -> bool:
+    return dist.get_rank(group) >= 0
+
+
+def _overlap_sample(grid: Grid, group, device, dtype, progress: Progress) -> float:
+    """Fraction of the shorter of (a ring hop, a kernel call) hidden when both run together, on ``group``
+    (None, or a group this rank is not in: nothing measured)."""
+    if group is None or not _is_member(group):
         progress.step("ring overlap")
         return 0.0
     kernel = get_kernel("auto", device, dtype)
@@ -403,24 +408,24 @@ def _overlap_sample(grid: Grid, p: int, device, dtype, progress: Progress) -> fl
     return statistics.median(estimates)
 
 
-def _host_link_sample(grid: Grid, device, dtype, progress: Progress) -> dict[str, Any]:
+def _host_link_sample(grid: Grid, device, dtype, group, progress: Progress) -> dict[str, Any]:
     """Offload's copies (:class:`~megatron_paradyse.core.offload.ActivationOffload`), to the host and
     back, at the collectives' sizes: ``(bytes, seconds)`` of the slower direction; and the fraction of
     the shorter of a copy and a GEMM that running both at once hides (on CPU the copy runs in line: 0)."""
     points = []
     for nbytes in grid.comm_bytes:
         x = torch.randn(nbytes // 4, device=device).to(dtype)
-        to_host = _median_time(lambda x=x: ActivationOffload().store(x), grid.repeats, device)
-        both = _median_time(lambda x=x: _round_trip(x), grid.repeats, device)
+        to_host = _median_time(lambda x=x: ActivationOffload().store(x), grid.repeats, device, group)
+        both = _median_time(lambda x=x: _round_trip(x), grid.repeats, device, group)
         points.append((x.nbytes, max(to_host, both - to_host)))
         progress.step(f"host copies {x.nbytes} B")
     overlap = 0.0
     if device.type == "cuda":
         x = torch.randn(grid.comm_bytes[-1] // 4, device=device).to(dtype)
         a = torch.randn(2048, 2048, device=device, dtype=dtype)
-        c = _median_time(lambda: a @ a, grid.repeats, device)
-        m = _median_time(lambda: ActivationOffload().store(x), grid.repeats, device)
-        o = _median_time(lambda: (ActivationOffload().store(x), a @ a), grid.repeats, device)
+        c = _median_time(lambda: a @ a, grid.repeats, device, group)
+        m = _median_time(lambda: ActivationOffload().store(x), grid.repeats, device, group)
+        o = _median_time(lambda: (ActivationOffload().store(x), a @ a), grid.repeats, device, group)
         overlap = float(np.clip((c + m - o) / max(min(c, m), 1e-12), 0.0, 1.0))
     progress.step("host copy overlap")
     return {"points": points, "overlap": overlap}
@@ -440,27 +445,38 @@ def _rank_device(rank: int, device_type: str) -> torch.device:
     return device
 
 
-def _measure_on_rank(rank: int, world: int, grid: Grid, p_values, device_type: str, dtype_name: str, show: bool):
-    device = _rank_device(rank, device_type)
-    dtype = getattr(torch, dtype_name)
+def _measure_samples(group, grid: Grid, link_groups: dict[int, Any], device, dtype, show: bool) -> dict[str, Any]:
+    """Every sample of ``grid``, each one run by all ranks of ``group`` at once (a collective over it; a
+    sample is the slowest rank's time, so every rank returns the same), the collectives on each of
+    ``link_groups`` (none: not measured), the ring overlap on the largest of them."""
     steps = (
         len(_gemm_shapes(grid))
         + len(_attention_blocks(grid))
         + len(grid.elementwise_bytes)
-        + len(p_values) * len(COLLECTIVE_KINDS) * len(grid.comm_bytes)
+        + len(link_groups) * len(COLLECTIVE_KINDS) * len(grid.comm_bytes)
         + 1
         + len(grid.comm_bytes)
         + 1
     )
-    progress = Progress(steps, enabled=show and rank == 0)
-    samples = {
-        "gemm": _gemm_samples(grid, device, dtype, progress),
-        "attention": _attention_samples(grid, device, dtype, progress),
-        "elementwise": _elementwise_samples(grid, device, dtype, progress),
-        "collectives": _collective_samples(grid, p_values, device, progress),
-        "ring_overlap": _overlap_sample(grid, max(p_values, default=1), device, dtype, progress),
-        "host_link": _host_link_sample(grid, device, dtype, progress),
+    progress = Progress(steps, enabled=show)
+    return {
+        "gemm": _gemm_samples(grid, device, dtype, group, progress),
+        "attention": _attention_samples(grid, device, dtype, group, progress),
+        "elementwise": _elementwise_samples(grid, device, dtype, group, progress),
+        "collectives": _collective_samples(grid, link_groups, device, progress),
+        "ring_overlap": _overlap_sample(
+            grid, link_groups[max(link_groups)] if link_groups else None, device, dtype, progress
+        ),
+        "host_link": _host_link_sample(grid, device, dtype, group, progress),
     }
+
+
+def _measure_on_rank(rank: int, world: int, grid: Grid, p_values, device_type: str, dtype_name: str, show: bool):
+    device = _rank_device(rank, device_type)
+    link_groups = {p: dist.new_group(list(range(p))) for p in p_values}  # every rank makes every group
+    samples = _measure_samples(
+        dist.group.WORLD, grid, link_groups, device, getattr(torch, dtype_name), show and rank == 0
+    )
     return samples if rank == 0 else None
 
 
@@ -537,20 +553,17 @@ def calibrate(
     shape: ModelShape | None = None,
     longest: int | None = None,
 ) -> dict[str, Any]:
-    """Measure and fit on ``max(p_values)`` ranks; returns the profile (see :mod:`cost.profile`). With
-    ``shape`` and ``longest``, the grid has that model's own work at ``max(p_values)`` ranks too
-    (:func:`model_grid`)."""
-    if grid not in GRIDS:
-        raise ValueError(f"unknown calibration grid {grid!r}; known: {', '.join(GRIDS)}")
+    """Measure and fit on ``max(p_values)`` ranks started for it; returns the profile (see
+    :mod:`cost.profile`). With ``shape`` and ``longest``, the grid has that model's own work at
+    ``max(p_values)`` ranks too (:func:`model_grid`). A job's ranks calibrate on themselves with
+    :func:`calibrate_on_group`."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     p_values = sorted({int(p) for p in p_values})
     if not p_values or p_values[0] < 1:
         raise ValueError(f"group sizes must be >= 1, got {p_values}")
-    if (shape is None) != (longest is None):
-        raise ValueError("a model's own work is measured with both its shape and its longest micro-batch, or neither")
     world = max(p_values)
-    measured = GRIDS[grid] if shape is None else model_grid(GRIDS[grid], shape, world, longest, device)
+    measured = _grid(grid, shape, world, longest, device)
     if device == "cuda" and world > torch.cuda.device_count():
         raise ValueError(
             f"calibrating p={world} on CUDA needs {world} GPUs (one per rank), this machine has "
@@ -565,49 +578,179 @@ def calibrate(
         timeout_s=timeout_s,
         backend=backend,
     )[0]
-    element_size = torch.empty((), dtype=dtype).element_size()
+    profile = _profile_of(samples, grid, device, dtype, world, shape, longest)
+    if fit_correction:
+        layers = REFERENCE_SHAPE if shape is None else shape
+        times = run_on_ranks(
+            _correction_layers_on_rank,
+            world,
+            args=(layers, measured.correction_lengths, device, dtype_name),
+            timeout_s=timeout_s,
+            backend=backend,
+        )[0]
+        profile["correction"] = _fit_correction(profile, times, world, dtype, layers)
+    return profile
+
+
+def calibrate_on_group(
+    group,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    grid: str = "quick",
+    fit_correction: bool = True,
+    shape: ModelShape | None = None,
+    longest: int | None = None,
+    links: dict[str, Any] | None = None,
+    show_progress: bool = False,
+) -> dict[str, Any]:
+    """:func:`calibrate` in the processes of ``group``, which all call it (a collective over it); returns
+    its first rank's profile on every rank.
+
+    It starts no process: a job's tensor-parallel group measures itself at start-up, on the GPUs and the
+    links it trains on, beside what it already holds. A process alone in a fake group of ``p``
+    (:func:`~megatron_paradyse.mcore.trace.fake_world`) measures one rank's compute at ``p`` ranks' shapes
+    on one GPU. A fake group's collectives move nothing in no time, so it needs ``links``: a profile with
+    collectives for ``group.size()`` (calibrated on the real cluster, or a published node's,
+    :func:`~megatron_paradyse.cost.hardware.hardware_profile`), whose collectives and ring overlap the
+    profile takes instead of measuring them; its correction is then fitted on the compute terms alone.
+    """
+    p = group.size()
+    if links is not None and p > 1 and str(p) not in links.get("collectives", {}):
+        raise ValueError(
+            f"the links profile has no collectives for p={p} (it has p in "
+            f"{sorted(links.get('collectives', {}), key=int)}); calibrate them on the cluster with `paradyse "
+            f"calibrate --p {p}`"
+        )
+    measured = _grid(grid, shape, p, longest, device.type)
+    link_groups = {} if links is not None or p == 1 else {p: group}
+    first = dist.get_rank(group) == 0
+    # the job's RNG untouched; gradients on even inside a recomputed forward (a drop-in layer's first call)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad():
+        samples = _measure_samples(group, measured, link_groups, device, dtype, show_progress and first)
+        profile = _profile_of(samples, grid, device.type, dtype, p, shape, longest)
+        if links is not None:
+            profile["collectives"] = {str(p): links["collectives"][str(p)]} if p > 1 else {}
+            profile["ring_overlap"] = links["ring_overlap"]
+            profile["links"] = {"fingerprint": links["fingerprint"], "grid": links["grid"]}
+        if fit_correction:
+            layers = REFERENCE_SHAPE if shape is None else shape
+            times = _correction_layers(group, layers, measured.correction_lengths, device, dtype)
+            profile["correction"] = _fit_correction(profile, times, p, dtype, layers, comm_measured=links is None)
+    if device.type == "cuda":  # the job's allocator starts from its own blocks, not the samples'
+        torch.cuda.empty_cache()
+    message = [profile]
+    dist.broadcast_object_list(message, group_src=0, group=group)
+    return message[0]
+
+
+def _grid(name: str, shape: ModelShape | None, p: int, longest: int | None, device: str) -> Grid:
+    if name not in GRIDS:
+        raise ValueError(f"unknown calibration grid {name!r}; known: {', '.join(GRIDS)}")
+    if (shape is None) != (longest is None):
+        raise ValueError("a model's own work is measured with both its shape and its longest micro-batch, or neither")
+    return GRIDS[name] if shape is None else model_grid(GRIDS[name], shape, p, longest, device)
+
+
+def _profile_of(
+    samples: dict[str, Any],
+    grid: str,
+    device: str,
+    dtype: torch.dtype,
+    concurrency: int,
+    shape: ModelShape | None,
+    longest: int | None,
+) -> dict[str, Any]:
+    """The profile of ``samples`` measured by ``concurrency`` ranks at once, without its correction."""
     profile = {
         "grid": grid,
         "fingerprint": fingerprint(device),
-        "dtype": dtype_name,
-        "concurrency": world,
+        "dtype": str(dtype).removeprefix("torch."),
+        "concurrency": concurrency,
         "attention": {"kernel": get_kernel("auto", torch.device(device), dtype).name},
         # the CUDA caching allocator rounds and fragments; the CPU tracker counts tensor bytes exactly,
         # but gloo's worker thread frees finished collectives' buffers when it gets the GIL, and the
         # model's small tensors outside the terms (RoPE's temporaries, norms' gradients) add up
         "allocator_slack": 0.05,
         "correction": None,
-        "model": None if shape is None else {"shape": dataclasses.asdict(shape), "p": world, "longest": longest},
+        "model": None if shape is None else {"shape": dataclasses.asdict(shape), "p": concurrency, "longest": longest},
         "samples": samples,
     }
-    fitted = fit_profile(samples, element_size)
+    fitted = fit_profile(samples, torch.empty((), dtype=dtype).element_size())
     profile["attention"].update(fitted.pop("attention"))
     profile.update(fitted)
-    if fit_correction:
-        layers = REFERENCE_SHAPE if shape is None else shape
-        profile["correction"] = fit_correction_from_layers(profile, world, measured, device, dtype, timeout_s, layers)
     return profile
 
 
-def _measure_correction_layers(rank: int, world: int, shape: ModelShape, lengths, device_type: str, dtype_name: str):
+def _correction_layers(group, shape: ModelShape, lengths, device: torch.device, dtype: torch.dtype):
+    """``(option, tokens, seconds)`` of each correction layer at each length, on ``group`` (a collective)."""
     from megatron_paradyse.cost.measure import measure_layer
 
-    device = _rank_device(rank, device_type)
+    p = group.size()
     out = []
     for s in lengths:
-        layout = SequenceLayout.build(s, world, causal=True)
+        layout = SequenceLayout.build(s, p, causal=True)
         for option in CORRECTION_LAYERS:
-            m = measure_layer(
-                option,
-                layout,
-                shape,
-                dist.group.WORLD,
-                dtype=getattr(torch, dtype_name),
-                device=device,
-                memory_runs=0,
-            )
+            m = measure_layer(option, layout, shape, group, dtype=dtype, device=device, memory_runs=0)
             out.append((str(option), s, m.time_s))
     return out
+
+
+def _correction_layers_on_rank(rank: int, world: int, shape: ModelShape, lengths, device_type: str, dtype_name: str):
+    device = _rank_device(rank, device_type)
+    return _correction_layers(dist.group.WORLD, shape, lengths, device, getattr(torch, dtype_name))
+
+
+def _fit_correction(profile, measured, p: int, dtype, shape: ModelShape, *, comm_measured: bool = True) -> dict:
+    """Fit ``time = k_compute * compute + k_comm * comm + per_sync_s * syncs + per_layer_s`` on the
+    ``measured`` layers of ``shape`` at ``p`` ranks (``syncs``: collectives and ring hops, each a point
+    where ranks wait for each other: on an oversubscribed CPU a rank that arrives early waits for the
+    scheduler to run the rest). Where the layers' collectives took no time (``comm_measured=False``:
+    a fake group), on the compute terms alone: ``k_comm`` 1, no time per synchronisation."""
+    from megatron_paradyse.cost.analytic import AnalyticCostModel
+
+    model = AnalyticCostModel(profile, shape, p, dtype=dtype, use_correction=False)
+    features, target = [], []
+    for option, s, seconds in measured:
+        b = model.time_breakdown(LayerOption.parse(option), SequenceLayout.build(s, p, causal=True), 1)
+        features.append([b.compute_s, b.comm_s, b.syncs, 1.0])
+        target.append(seconds)
+    features, target = np.array(features), np.array(target)
+    # The scales may stretch the calibrated terms, not delete them: a noisy fit on few layers must not
+    # leave a model in which longer sequences cost nothing more.
+    if comm_measured:
+        k_compute, k_comm, per_sync, per_layer = fit_nonnegative(features, target, floor=[MIN_SCALE, MIN_SCALE, 0, 0])
+    else:  # the layers' collectives took no time: nothing to fit their terms on
+        k_compute, per_layer = fit_nonnegative(features[:, [0, 3]], target, floor=[MIN_SCALE, 0])
+        k_comm, per_sync = 1.0, 0.0
+    return {
+        "compute": float(k_compute),
+        "comm": float(k_comm),
+        "per_sync_s": float(per_sync),
+        "per_layer_s": float(per_layer),
+        "fitted_on": [f"{option}@{s}" for option, s, _ in measured],
+    }
+
+
+def _cache_path(cache_dir, p: int, device: str, dtype: torch.dtype, shape: ModelShape | None) -> Path:
+    name = str(dtype).removeprefix("torch.")
+    model = "" if shape is None else f"-model{model_key(shape)}"
+    return Path(cache_dir) / f"cost-profile-quick-corrected-{device}-p{p}-{name}{model}.json"
+
+
+def _cached(path: Path, p: int, longest: int | None) -> dict[str, Any] | None:
+    """The profile an earlier run saved at ``path``, if it serves a longest micro-batch of ``longest``
+    tokens (it measured as many or more), else None (a profile calibrated before offload is made again)."""
+    from megatron_paradyse.cost.profile import ProfileError, load_profile
+
+    try:
+        profile = load_profile(path, p=p, host_link=True)
+    except ProfileError:
+        return None
+    if longest is None or profile.get("model") and profile["model"]["longest"] >= longest:
+        print(f"paradyse: no cost.profile: using the quick profile calibrated before, {path}", flush=True)
+        return profile
+    return None
 
 
 def cached_quick_profile(
@@ -622,20 +765,14 @@ def cached_quick_profile(
     """The quick profile with its correction fitted on measured layers, for ``p`` ranks on ``device`` in
     ``dtype`` (with ``shape`` and ``longest``: measuring that model's own work too, :func:`model_grid`):
     the one an earlier run saved in ``cache_dir`` (for the same model, up to ``longest`` tokens or more),
-    else calibrated now (a minute or two on a CPU) and saved there. Run it on one rank; the caller shares
-    the result with the ranks that plan with it."""
-    from megatron_paradyse.cost.profile import ProfileError, load_profile, save_profile
+    else calibrated now on ``p`` ranks started for it (a minute or two on a CPU) and saved there. For a
+    process outside any group (the benchmarks); a job's ranks use :func:`startup_profile`."""
+    from megatron_paradyse.cost.profile import save_profile
 
-    name = str(dtype).removeprefix("torch.")
-    model = "" if shape is None else f"-model{model_key(shape)}"
-    path = Path(cache_dir) / f"cost-profile-quick-corrected-{device}-p{p}-{name}{model}.json"
-    try:
-        profile = load_profile(path, p=p, host_link=True)  # one calibrated before offload is made again
-        if shape is None or profile.get("model") and profile["model"]["longest"] >= longest:
-            print(f"paradyse: no cost.profile: using the quick profile calibrated before, {path}", flush=True)
-            return profile
-    except ProfileError:
-        pass
+    path = _cache_path(cache_dir, p, device, dtype, shape)
+    profile = _cached(path, p, longest)
+    if profile is not None:
+        return profile
     print(f"paradyse: no cost.profile: calibrating a quick profile for p={p} into {path} ...", flush=True)
     start = time.perf_counter()
     profile = calibrate(
@@ -654,37 +791,59 @@ def cached_quick_profile(
     return profile
 
 
-def fit_correction_from_layers(
-    profile, world: int, grid: Grid, device: str, dtype, timeout_s: float, shape: ModelShape = REFERENCE_SHAPE
-) -> dict:
-    """Fit ``time = k_compute * compute + k_comm * comm + per_sync_s * syncs + per_layer_s`` on measured
-    layers of ``shape`` at the grid's ``correction_lengths`` (``syncs``: collectives and ring hops, each
-    a point where ranks wait for each other: on an oversubscribed CPU a rank that arrives early waits
-    for the scheduler to run the rest)."""
-    from megatron_paradyse.cost.analytic import AnalyticCostModel
+def startup_profile(
+    cache_dir: str | os.PathLike,
+    measure_group,
+    share_group,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    shape: ModelShape,
+    longest: int,
+) -> dict[str, Any]:
+    """A job without ``cost.profile``: the quick profile with its correction fitted on the model's own
+    layers, the same on every rank of ``share_group`` (a collective over it, made of whole
+    ``measure_group`` s: the job's tensor-parallel groups).
 
-    measured = run_on_ranks(
-        _measure_correction_layers,
-        world,
-        args=(shape, grid.correction_lengths, device, str(dtype).removeprefix("torch.")),
-        timeout_s=timeout_s,
-        backend="nccl" if device == "cuda" else "gloo",
-    )[0]
-    model = AnalyticCostModel(profile, shape, world, dtype=dtype, use_correction=False)
-    features, target = [], []
-    for option, s, seconds in measured:
-        b = model.time_breakdown(LayerOption.parse(option), SequenceLayout.build(s, world, causal=True), 1)
-        features.append([b.compute_s, b.comm_s, b.syncs, 1.0])
-        target.append(seconds)
-    # The scales may stretch the calibrated terms, not delete them: a noisy fit on few layers must not
-    # leave a model in which longer sequences cost nothing more.
-    k_compute, k_comm, per_sync, per_layer = fit_nonnegative(
-        np.array(features), np.array(target), floor=[MIN_SCALE, MIN_SCALE, 0.0, 0.0]
-    )
-    return {
-        "compute": float(k_compute),
-        "comm": float(k_comm),
-        "per_sync_s": float(per_sync),
-        "per_layer_s": float(per_layer),
-        "fitted_on": [f"{option}@{s}" for option, s, _ in measured],
-    }
+    The first rank of ``share_group`` reads the one an earlier run saved in ``cache_dir`` (this layer at
+    this group size, up to ``longest`` tokens or more). Else each ``measure_group`` calibrates on itself
+    at once (:func:`calibrate_on_group`: the job's own processes, GPUs and links; no process started),
+    and the first rank saves its group's profile there and sends it to all. A failure on any rank
+    raises on every rank."""
+    from megatron_paradyse.cost.profile import ProfileError, save_profile
+
+    p = measure_group.size()
+    path = _cache_path(cache_dir, p, device.type, dtype, shape)
+    first = dist.get_rank(share_group) == 0
+    message: list = [_cached(path, p, longest) if first else None]
+    dist.broadcast_object_list(message, group_src=0, group=share_group)
+    if message[0] is not None:
+        return message[0]
+    if first:
+        print(
+            f"paradyse: no cost.profile: calibrating a quick profile for p={p} on the job's ranks into {path} ...",
+            flush=True,
+        )
+    start = time.perf_counter()
+    try:
+        profile, error = (
+            calibrate_on_group(measure_group, device=device, dtype=dtype, shape=shape, longest=longest),
+            None,
+        )
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, not wait in the next collective
+        profile, error = None, f"rank {dist.get_rank()}: {e}"
+    errors: list = [None] * share_group.size()
+    dist.all_gather_object(errors, error, group=share_group)
+    failed = [e for e in errors if e]
+    message = [ProfileError(f"could not calibrate a cost profile ({'; '.join(failed)})") if failed else profile]
+    if first and not failed:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_profile(profile, path)
+            print(f"paradyse: calibrated in {time.perf_counter() - start:.0f} s", flush=True)
+        except OSError as e:
+            message[0] = ProfileError(f"could not save the calibrated cost profile to {path} ({e})")
+    dist.broadcast_object_list(message, group_src=0, group=share_group)
+    if isinstance(message[0], Exception):
+        raise ProfileError(f"{message[0]}; make one with `paradyse calibrate --p {p}` and name it in cost.profile")
+    return message[0]

@@ -7,10 +7,10 @@ over the tensor-parallel ranks by sequence parallelism, packed documents (if any
 A Paradyse layer that finds no scope builds the micro-batch from what Megatron passes
 (:func:`implicit_micro_batch`): the layout (the sequence length, the packed documents, the contiguous
 order) and the plan of a planner made on first use from the paradyse config ``PARADYSE_CONFIG`` names
-(or the defaults: the device's memory minus ``memory.margin``; on a machine without CUDA the config
-must give ``memory.budget_gib``), priced by its ``cost.profile`` or a quick profile calibrated once and
-cached in ``data.cache_dir``. Every layer of a forward gets the same micro-batch; a new plan is printed
-once.
+(or the defaults: the device's memory minus ``memory.margin``; on a machine without CUDA the config must
+give ``memory.budget_gib``), priced by its ``cost.profile`` or a quick profile the tensor-parallel group
+calibrates on itself once and caches in ``data.cache_dir``. Every layer of a forward gets the same
+micro-batch; a new plan is printed once.
 
 The helpers that turn a Megatron job's arguments into the planner's inputs (:func:`stage_footprints`,
 :func:`stage_cost_models`) serve the entry point (:mod:`megatron_paradyse.pretrain_gpt`) too.
@@ -376,9 +376,9 @@ def _budget_bytes(config: ParadyseConfig, device: torch.device) -> float:
 
 def _profile(config: ParadyseConfig, p: int, transformer, longest: int, device: torch.device, group) -> dict:
     """The config's cost profile; or a quick one with the model's own work up to ``longest`` tokens, read
-    from the cache or calibrated by the first rank of the tensor-parallel group (the ranks that plan
-    together) and sent to the others."""
-    from megatron_paradyse.cost import ProfileError, load_profile
+    from the cache or calibrated by the tensor-parallel group on itself (the ranks that plan together,
+    which reach their first Paradyse layer together: the pipeline's other stages are not waited for)."""
+    from megatron_paradyse.cost import load_profile
 
     if config.cost.profile is not None:
         return load_profile(
@@ -387,23 +387,15 @@ def _profile(config: ParadyseConfig, p: int, transformer, longest: int, device: 
             check_machine=config.cost.check_machine,
             host_link=config.planner.host_memory_gib > 0,
         )
-    from megatron_paradyse.cost.calibrate import cached_quick_profile
+    from megatron_paradyse.cost.calibrate import startup_profile
     from megatron_paradyse.mcore.model_shape import model_shape
 
-    message: list = [None]
-    if torch.distributed.get_rank(group) == 0:
-        try:
-            message[0] = cached_quick_profile(
-                config.data.cache_dir,
-                p,
-                device=device.type,
-                dtype=transformer.params_dtype,
-                shape=model_shape(transformer),
-                longest=longest,
-            )
-        except Exception as e:  # noqa: BLE001 - the group's other ranks must hear of it, not wait
-            message[0] = ProfileError(f"could not calibrate a cost profile ({e}); name one in cost.profile")
-    torch.distributed.broadcast_object_list(message, group_src=0, group=group)
-    if isinstance(message[0], Exception):
-        raise message[0]
-    return message[0]
+    return startup_profile(
+        config.data.cache_dir,
+        group,
+        group,
+        device=device,
+        dtype=transformer.params_dtype,
+        shape=model_shape(transformer),
+        longest=longest,
+    )

@@ -4,10 +4,10 @@
 - start-up, before Megatron builds the model: the dataset (a built-in corpus is built into the cache by
   the first rank of each node), its token ids checked against the tokenizer's vocabulary; a rank that
   fails stops every rank (:func:`~megatron_paradyse.run.startup.agree`);
-- the dataset provider's train iterator: one planner per pipeline stage, the loader's position
-  restored on ``--load`` (from the beginning for a checkpoint of Megatron's own ``pretrain_gpt``); on
-  the first call, the cost profile (calibrated by rank 0 and shared when the config names none) and the
-  start-up check that every rank plans from the same inputs;
+- the dataset provider's train iterator: one planner per pipeline stage, the loader's position restored
+  on ``--load`` (from the beginning for a checkpoint of Megatron's own ``pretrain_gpt``); on the first
+  call, the cost profile (when the config names none: calibrated by the tensor-parallel groups on
+  themselves, rank 0's shared) and the start-up check that every rank plans from the same inputs;
 - the forward step: the micro-batch's tensors to the device, the model under
   :func:`~megatron_paradyse.core.micro_batch.micro_batch_scope` with its plan, Megatron 0.19's per-token
   loss (with Megatron's NaN, Inf and spiky-loss checks);
@@ -660,31 +660,22 @@ def _say_how_forwards_in_flight_are_budgeted(args, transformer, on_infeasible: s
 
 
 def _calibrate_once(job: Job) -> dict:
-    """No ``cost.profile``: rank 0 reads or calibrates the quick profile with its fitted correction
-    (:func:`~megatron_paradyse.cost.calibrate.cached_quick_profile`, in the data cache) and every rank
-    plans from rank 0's. A failure on rank 0 raises on every rank."""
-    from megatron_paradyse.cost import ProfileError
-    from megatron_paradyse.cost.calibrate import cached_quick_profile
+    """No ``cost.profile``: the quick profile with its correction fitted on the model's layers, read from
+    the data cache or measured by every tensor-parallel group on itself, in the job's own processes
+    (:func:`~megatron_paradyse.cost.calibrate.startup_profile`); every rank plans from rank 0's. A failure
+    on any rank raises on every rank."""
+    from megatron.core import parallel_state as mpu
+
+    from megatron_paradyse.cost.calibrate import startup_profile
     from megatron_paradyse.mcore.model_shape import model_shape
 
     transformer = job.model_config.transformer
-    message: list = [None]
-    if torch.distributed.get_rank() == 0:
-        try:
-            message[0] = cached_quick_profile(
-                job.config.data.cache_dir,
-                job.tp,
-                device=job.device.type,
-                dtype=transformer.params_dtype,
-                shape=model_shape(transformer),
-                longest=job.args.seq_length,
-            )
-        except Exception as e:  # noqa: BLE001 - every rank must hear about it, not wait forever
-            message[0] = ProfileError(
-                f"rank 0 could not calibrate a cost profile ({e}); make one with `paradyse calibrate --p {job.tp}` "
-                f"and name it in cost.profile"
-            )
-    torch.distributed.broadcast_object_list(message, src=0)
-    if isinstance(message[0], Exception):
-        raise message[0]
-    return message[0]
+    return startup_profile(
+        job.config.data.cache_dir,
+        mpu.get_tensor_model_parallel_group(),
+        torch.distributed.group.WORLD,
+        device=job.device,
+        dtype=transformer.params_dtype,
+        shape=model_shape(transformer),
+        longest=job.args.seq_length,
+    )
