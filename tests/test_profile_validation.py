@@ -28,6 +28,27 @@ def test_a_valid_profile_loads_and_saves(tmp_path, profile):
     assert load_profile(tmp_path / "saved.json", check_machine=False)["gemm"] == profile["gemm"]
 
 
+def test_a_profile_is_saved_whole_or_not_at_all(tmp_path, profile, monkeypatch):
+    """Several tensor-parallel groups of a job may save the profile they calibrated into one cache file at
+    once: a write cut short leaves the profile there before it, never a part of one."""
+    import pathlib
+
+    path = tmp_path / "saved.json"
+    save_profile(profile, path)
+    before = path.read_text()
+
+    def cut_short(self, text):
+        with open(self, "w") as f:
+            f.write(text[: len(text) // 2])
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", cut_short)
+    with pytest.raises(OSError, match="no space left on device"):
+        save_profile({**profile, "ring_overlap": 0.5}, path)
+    monkeypatch.undo()
+    assert path.read_text() == before and [f.name for f in tmp_path.iterdir()] == ["saved.json"]
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [

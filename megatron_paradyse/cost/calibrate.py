@@ -825,13 +825,11 @@ def startup_profile(
             flush=True,
         )
     start = time.perf_counter()
+    profile, error = None, None
     try:
-        profile, error = (
-            calibrate_on_group(measure_group, device=device, dtype=dtype, shape=shape, longest=longest),
-            None,
-        )
+        profile = calibrate_on_group(measure_group, device=device, dtype=dtype, shape=shape, longest=longest)
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, not wait in the next collective
-        profile, error = None, f"rank {dist.get_rank()}: {e}"
+        error = f"rank {dist.get_rank()}: {e}"
     errors: list = [None] * share_group.size()
     dist.all_gather_object(errors, error, group=share_group)
     failed = [e for e in errors if e]

@@ -104,7 +104,14 @@ def save_profile(profile: dict[str, Any], path: str | os.PathLike) -> None:
     profile = {"schema": PROFILE_SCHEMA, "version": PROFILE_VERSION, **profile}
     profile.setdefault("created", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     _check(profile, str(path))
-    Path(path).write_text(json.dumps(profile, indent=1, sort_keys=True) + "\n")
+    path = Path(path)
+    # whole or not at all: the tensor-parallel groups of a job may each save the profile they calibrated
+    written = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}")
+    try:
+        written.write_text(json.dumps(profile, indent=1, sort_keys=True) + "\n")
+        os.replace(written, path)
+    finally:
+        written.unlink(missing_ok=True)
 
 
 def load_profile(
