@@ -68,9 +68,11 @@ are measured.
 cannot hold the longest sequences and the memory-lean one can. A sequence whose measured peak
 exceeds the budget on any rank is an **OOM**, as on a device of that size: it is not trained, its
 time is not counted, and it counts as a budget violation. Peaks do not depend on weight values, so
-each arm first runs an untimed *memory pass* over every sequence; its **timed passes** (``--repeats``,
-interleaved across arms, in an order shuffled per repeat) then train from the initial weights on the
-sequences within budget only.
+each arm first runs an untimed *memory pass* over every sequence; its **timed passes** (``--repeats``)
+then train from the initial weights on the sequences within budget only, the arms taking turns at each
+step (an order shuffled per repeat and step), so that the machine's drift hits every arm alike: with
+whole passes in turn, adaptive measured ``tp_sp/tp_sp``'s own plan at 0.949x of that arm on one corpus
+and 1.037x on the other in the same run.
 
 **Time** of a sequence: forward + backward + gradient all-reduces + Adam step (the adaptive arm's
 ``Planner.decide`` included), between barriers of all the ranks (a DP step ends with its slowest DP
@@ -317,13 +319,13 @@ class CorpusResult:
         return rows
 
 
-def _arm_order(names: Sequence[str], repeat: int) -> list[str]:
-    """The order of the arms' timed passes in ``repeat``: shuffled with the repeat as seed, the same on
-    every rank, so that no arm always follows the same one (at 54be9b7, with the order fixed, the
+def _arm_order(names: Sequence[str], repeat: int, step: int) -> list[str]:
+    """The order in which the arms run step ``step`` of pass ``repeat``: shuffled with both as seed, the
+    same on every rank, so that no arm always follows the same one (at 54be9b7, with the order fixed, the
     adaptive arm, always after Megatron's, ran ``tp_sp/tp_sp``'s own plan slower than that arm in 56 of
     78 sequence-repeat pairs)."""
     order = list(names)
-    random.Random(repeat).shuffle(order)
+    random.Random(repeat * 1_000_003 + step).shuffle(order)
     return order
 
 
@@ -484,11 +486,10 @@ class _CorpusBench:
             self._learned_plans: dict[tuple[int, int], object] = {}  # (sequence, repeat): this rank's plan
             for learn_pass in range(self.settings.learn_passes):
                 self._progress(f"untimed pass {learn_pass + 1}/{self.settings.learn_passes}, {LEARNING}")
-                self._timed_pass(results[LEARNING], first=False, timed=False)
+                self._pass([results[LEARNING]], learn_pass, first=False, timed=False)
         for repeat in range(self.settings.repeats):
-            for name in _arm_order(names, repeat):
-                self._progress(f"timed pass {repeat + 1}/{self.settings.repeats}, {name}")
-                self._timed_pass(results[name], first=repeat == 0)
+            self._progress(f"timed pass {repeat + 1}/{self.settings.repeats}, the arms taking turns at each step")
+            self._pass([results[name] for name in names], repeat, first=repeat == 0)
         if LEARNING in names:
             self._progress(f"memory pass, {LEARNING}: every plan it ran")
             self._learned_peaks(results[LEARNING], budget)
@@ -545,17 +546,12 @@ class _CorpusBench:
 
     def _reset(self, name: str):
         """The arm's model at the initial weights, its Adam, and its flat gradient buffer."""
-        model = self.stock if name == MEGATRON else self.paradyse
+        model = self._model(name)
         model.load_state_dict(self.initial)
-        params = list(model.parameters())
-        # The gradients exist before any step, in one buffer, as in Megatron's DDP: one DP all-reduce.
-        grads = torch.zeros(sum(param.numel() for param in params))
-        offset = 0
-        for param in params:
-            param.grad = grads[offset : offset + param.numel()].view_as(param)
-            offset += param.numel()
-        optimizer = torch.optim.Adam(params, lr=LEARNING_RATE)
-        return model, optimizer, grads
+        return model, torch.optim.Adam(model.parameters(), lr=LEARNING_RATE), _gradient_buffer(model)
+
+    def _model(self, name: str) -> torch.nn.Module:
+        return self.stock if name == MEGATRON else self.paradyse
 
     def _gather(self, value) -> list:
         """``value`` of every rank, in rank order."""
@@ -627,10 +623,29 @@ class _CorpusBench:
         step = peak_bytes_of(lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=False)))
         return self._gather(resident + max(forward_backward, step))
 
-    def _timed_pass(self, arm: ArmResult, *, first: bool, timed: bool = True) -> None:
-        """Train from the initial weights on the sequences ``arm`` holds within budget; time each step
-        (``timed``: record the times; ``first``: the losses too)."""
-        model, optimizer, grads = self._reset(arm.name)
+    def _pass(self, arms: list[ArmResult], repeat: int, *, first: bool, timed: bool = True) -> None:
+        """Train each of ``arms`` from the initial weights on the sequences it holds within budget, the arms
+        taking turns at each step in an order shuffled per ``repeat`` and step (the same on every rank), so
+        that a change in the machine's load hits them alike; time each step (``timed``: record the times;
+        ``first``: the losses too). The arms of one model keep their own weights and Adam between their
+        steps, swapped in and out of it outside the timed window."""
+        models = {id(model): model for model in (self._model(arm.name) for arm in arms)}
+        grads = {key: _gradient_buffer(model) for key, model in models.items()}  # one per model, shared
+        turns = {arm.name: self._turn(arm, grads) for arm in arms}
+        for index in range(len(self.batches)):
+            for name in _arm_order(list(turns), repeat, index):
+                turn = turns[name]
+                turn.swap_in()
+                self._step(turn, index, first=first, timed=timed)
+                turn.swap_out()
+        for turn in turns.values():
+            turn.swap_in()
+            turn.arm.resident_bytes = _resident_bytes(turn.model, turn.optimizer)
+            checksum = sum(float(param.detach().double().sum()) for param in turn.model.parameters())
+            turn.arm.weight_checksums = tuple(self._gather(checksum))
+
+    def _turn(self, arm: ArmResult, grads: dict) -> _Turn:
+        model = self._model(arm.name)
         planner, meter = None, None
         if arm.name == ADAPTIVE:  # plans cached by the memory pass, as in a run where length buckets recur
             planner = self.adaptive_planner
@@ -638,37 +653,42 @@ class _CorpusBench:
             planner, meter = self.learning_planner, self.learning_meter
         if planner is not None:
             planner.forget_previous()
-        for index, (batch, result) in enumerate(zip(self.batches, arm.sequences)):
-            if result.status != TRAINED:
-                if planner is not None:  # the planner sees every sequence, as in the memory pass (hysteresis)
-                    planner.decide(batch["layout"])
-                continue
-            explored = _explorations(planner)
-            dist.barrier()
-            start = time.perf_counter()
-            plan = self._arm_plan(arm.name, planner, batch["layout"])
-            if meter is not None:
-                meter.begin()
-            loss = self._forward_backward(model, grads, batch, plan)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
-            if meter is not None:
-                self._learn(planner, meter, batch["layout"], plan)
-            dist.barrier()
-            if timed:
-                result.times_s.append(time.perf_counter() - start)
-            if first:
-                result.losses = tuple(self._gather(loss)[:: self.p])
-            if meter is not None:
-                self._learned_plans[(index, len(result.plans_run))] = plan
-                result.plans_run.append(self._per_dp_rank(self._gather(plan.compact())))
-                result.explored += _explorations(planner) > explored
-            elif plan is not None and plan.compact() != result.plans[self.dp_rank]:
-                raise RuntimeError(
-                    f"{arm.name}: plan {plan.compact()} differs from the memory pass's {result.plans[self.dp_rank]}"
-                )
-        arm.resident_bytes = _resident_bytes(model, optimizer)
-        arm.weight_checksums = tuple(self._gather(sum(float(param.double().sum()) for param in model.parameters())))
+        initial = [self.initial[name].clone() for name, _ in model.named_parameters()]
+        optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
+        return _Turn(arm, model, optimizer, grads[id(model)], initial, planner, meter)
+
+    def _step(self, turn: _Turn, index: int, *, first: bool, timed: bool) -> None:
+        """``turn``'s arm trains on sequence ``index`` (if it holds it within budget), timed between barriers."""
+        arm, planner, meter = turn.arm, turn.planner, turn.meter
+        batch, result = self.batches[index], turn.arm.sequences[index]
+        if result.status != TRAINED:
+            if planner is not None:  # the planner sees every sequence, as in the memory pass (hysteresis)
+                planner.decide(batch["layout"])
+            return
+        explored = _explorations(planner)
+        dist.barrier()
+        start = time.perf_counter()
+        plan = self._arm_plan(arm.name, planner, batch["layout"])
+        if meter is not None:
+            meter.begin()
+        loss = self._forward_backward(turn.model, turn.grads, batch, plan)
+        turn.optimizer.step()
+        turn.optimizer.zero_grad(set_to_none=False)
+        if meter is not None:
+            self._learn(planner, meter, batch["layout"], plan)
+        dist.barrier()
+        if timed:
+            result.times_s.append(time.perf_counter() - start)
+        if first:
+            result.losses = tuple(self._gather(loss)[:: self.p])
+        if meter is not None:
+            self._learned_plans[(index, len(result.plans_run))] = plan
+            result.plans_run.append(self._per_dp_rank(self._gather(plan.compact())))
+            result.explored += _explorations(planner) > explored
+        elif plan is not None and plan.compact() != result.plans[self.dp_rank]:
+            raise RuntimeError(
+                f"{arm.name}: plan {plan.compact()} differs from the memory pass's {result.plans[self.dp_rank]}"
+            )
 
     @staticmethod
     def _learn(planner, meter, layout, plan) -> None:
@@ -725,6 +745,42 @@ class _CorpusBench:
             dist.all_reduce(grads, group=self.dp_group)
             grads.div_(self.settings.dp)
         return loss.item()
+
+
+@dataclasses.dataclass
+class _Turn:
+    """An arm during a pass: its own weights (in its model only while it runs a step), Adam and planner."""
+
+    arm: ArmResult
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    grads: torch.Tensor
+    """The model's flat gradient buffer, shared by the arms of that model (each step zeroes it)."""
+    weights: list[torch.Tensor]
+    planner: object | None
+    meter: object | None
+
+    def swap_in(self) -> None:
+        with torch.no_grad():
+            for param, weight in zip(self.model.parameters(), self.weights):
+                param.copy_(weight)
+
+    def swap_out(self) -> None:
+        with torch.no_grad():
+            for param, weight in zip(self.model.parameters(), self.weights):
+                weight.copy_(param)
+
+
+def _gradient_buffer(model: torch.nn.Module) -> torch.Tensor:
+    """One flat buffer holding every parameter's gradient, made before any step, as Megatron's DDP keeps
+    them (one DP all-reduce)."""
+    params = list(model.parameters())
+    grads = torch.zeros(sum(param.numel() for param in params))
+    offset = 0
+    for param in params:
+        param.grad = grads[offset : offset + param.numel()].view_as(param)
+        offset += param.numel()
+    return grads
 
 
 def _explorations(planner) -> int:
