@@ -201,7 +201,7 @@ def _refuse_to_start_processes(*args, **kwargs):
     raise AssertionError("calibration started processes of its own")
 
 
-def _startup_on_tp_groups(rank: int, world: int, cache_dir: str, failing_ranks: tuple[int, ...]):
+def _startup_on_tp_groups(rank: int, world: int, cache_dir: str, failing_ranks: tuple[int, ...], dtype: str):
     """Rank ``rank`` of a job of 4 ranks in tensor-parallel pairs, calibrating at start-up twice: measured
     the first time (in these processes: starting any fails), read from the cache the second."""
     import torch.distributed as dist
@@ -226,7 +226,7 @@ def _startup_on_tp_groups(rank: int, world: int, cache_dir: str, failing_ranks: 
             tp_group,
             dist.group.WORLD,
             device=torch.device("cpu"),
-            dtype=torch.float32,
+            dtype=getattr(torch, dtype),
             shape=SMALL,
             longest=256,
         )
@@ -239,29 +239,36 @@ def _startup_on_tp_groups(rank: int, world: int, cache_dir: str, failing_ranks: 
     return first, profile()
 
 
-def test_a_job_calibrates_on_its_own_tensor_parallel_groups_and_every_rank_plans_from_rank_0s(tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])  # float32: the entry point's and drop-in's tests
+def test_a_job_calibrates_on_its_own_tensor_parallel_groups_and_every_rank_plans_from_rank_0s(tmp_path, dtype):
     """No cost.profile: each TP group of the job measures itself, no process is started, all ranks get
-    rank 0's profile (TP=2 shapes, the model's own work), which a second start reads from the cache."""
-    per_rank = run_on_ranks(_startup_on_tp_groups, 4, args=(str(tmp_path), ()), timeout_s=300)
+    rank 0's profile (TP=2 shapes, the model's own work, the job's dtype), which a second start reads from
+    the cache."""
+    per_rank = run_on_ranks(_startup_on_tp_groups, 4, args=(str(tmp_path), (), dtype), timeout_s=300)
     measured, cached = zip(*per_rank)
     assert all(p == measured[0] for p in measured) and all(p == cached[0] for p in cached)
-    (saved,) = tmp_path.glob("cost-profile-quick-corrected-cpu-p2-float32-model*.json")
+    (saved,) = tmp_path.glob(f"cost-profile-quick-corrected-cpu-p2-{dtype}-model*.json")
     assert cached[0] == load_profile(saved, p=2)
     written = {"schema", "version", "created"}
     assert {k: v for k, v in cached[0].items() if k not in written} == json.loads(json.dumps(measured[0]))
     profile = measured[0]
-    assert profile["concurrency"] == 2 and profile["model"] == {
-        "shape": dataclasses.asdict(SMALL),
-        "p": 2,
-        "longest": 256,
-    }
+    assert (
+        profile["dtype"] == dtype
+        and profile["concurrency"] == 2
+        and profile["model"]
+        == {
+            "shape": dataclasses.asdict(SMALL),
+            "p": 2,
+            "longest": 256,
+        }
+    )
     assert set(profile["collectives"]) == {"2"} and profile["correction"]["compute"] >= calibration.MIN_SCALE
     grid = calibration.model_grid(TINY, SMALL, 2, 256, "cpu")
     assert [(g["m"], g["n"], g["k"]) for g in profile["samples"]["gemm"]] == calibration._gemm_shapes(grid)
 
 
 def test_a_tensor_parallel_group_that_cannot_calibrate_stops_every_rank_with_its_reason(tmp_path):
-    per_rank = run_on_ranks(_startup_on_tp_groups, 4, args=(str(tmp_path), (2, 3)), timeout_s=300)
+    per_rank = run_on_ranks(_startup_on_tp_groups, 4, args=(str(tmp_path), (2, 3), "bfloat16"), timeout_s=300)
     assert (
         per_rank
         == [
