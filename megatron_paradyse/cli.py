@@ -84,6 +84,10 @@ def _calibrate_one_rank_of(p: list[int], links: str | None, device: str, setting
         link_profile = hardware_profile(HARDWARE[links])
     else:  # measured on the cluster, where this machine need not be
         link_profile = load_profile(links, p=p[0], check_machine=False)
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "--fake-group measures this machine's GPU, and it has none (torch.cuda.is_available() is False)"
+        )
     with fake_world(0, p[0]):
         gpu = torch.device("cuda", torch.cuda.current_device())
         return calibrate_on_group(

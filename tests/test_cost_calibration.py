@@ -342,6 +342,11 @@ def test_one_device_calibrates_the_compute_of_one_rank_of_eight_with_the_links_o
         ),
         (["--device", "cuda", "--fake-group", "--p", "4,8"], "--fake-group stands for one group size, got --p 4,8"),
         (["--links", "h100"], "--links gives the collectives of a fake group, which measures none: add --fake-group"),
+        pytest.param(
+            ["--device", "cuda", "--fake-group", "--p", "8", "--links", "h100"],
+            "--fake-group measures this machine's GPU, and it has none (torch.cuda.is_available() is False)",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU"),
+        ),
     ],
 )
 def test_calibrating_one_rank_on_a_fake_group_refuses_what_it_cannot_measure(tmp_path, capsys, flags, error):
