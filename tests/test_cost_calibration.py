@@ -201,9 +201,26 @@ def _refuse_to_start_processes(*args, **kwargs):
     raise AssertionError("calibration started processes of its own")
 
 
+class _OutOfMemoryFrom256Tokens:
+    """An attention kernel on a device too full for blocks of 256 tokens or more."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.name = kernel.name
+
+    def forward(self, q, *args):
+        if q.shape[-2] >= 256:
+            raise RuntimeError("out of memory")
+        return self.kernel.forward(q, *args)
+
+    def backward(self, *args):
+        return self.kernel.backward(*args)
+
+
 def _startup_on_tp_groups(rank: int, world: int, cache_dir: str, failing_ranks: tuple[int, ...], dtype: str):
     """Rank ``rank`` of a job of 4 ranks in tensor-parallel pairs, calibrating at start-up twice: measured
-    the first time (in these processes: starting any fails), read from the cache the second."""
+    the first time (in these processes: starting any fails), read from the cache the second. On
+    ``failing_ranks``, attention runs out of memory partway through the samples."""
     import torch.distributed as dist
 
     from megatron_paradyse.cost.profile import ProfileError
@@ -212,13 +229,9 @@ def _startup_on_tp_groups(rank: int, world: int, cache_dir: str, failing_ranks: 
     calibration.run_on_ranks = _refuse_to_start_processes
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     tp_group = pairs[rank // 2]
-    measure = calibration._measure_samples
     if rank in failing_ranks:
-
-        def measure(*args, **kwargs):
-            raise RuntimeError("out of memory")
-
-    calibration._measure_samples = measure
+        get_kernel = calibration.get_kernel
+        calibration.get_kernel = lambda *args: _OutOfMemoryFrom256Tokens(get_kernel(*args))
 
     def profile() -> dict:
         return calibration.startup_profile(
@@ -267,13 +280,24 @@ def test_a_job_calibrates_on_its_own_tensor_parallel_groups_and_every_rank_plans
     assert [(g["m"], g["n"], g["k"]) for g in profile["samples"]["gemm"]] == calibration._gemm_shapes(grid)
 
 
-def test_a_tensor_parallel_group_that_cannot_calibrate_stops_every_rank_with_its_reason(tmp_path):
-    per_rank = run_on_ranks(_startup_on_tp_groups, 4, args=(str(tmp_path), (2, 3), "bfloat16"), timeout_s=300)
+@pytest.mark.parametrize(
+    "failing_ranks, reasons",
+    [
+        ((2, 3), "rank 2: out of memory; rank 3: out of memory"),
+        # rank 2 would wait for rank 3 in the sample's first collective until the group's timeout
+        ((3,), "rank 2: rank 3 could not run a calibration sample; rank 3: out of memory"),
+    ],
+    ids=["both-ranks", "one-rank-partway"],
+)
+def test_a_tensor_parallel_group_that_cannot_calibrate_stops_every_rank_with_its_reason(
+    tmp_path, failing_ranks, reasons
+):
+    per_rank = run_on_ranks(_startup_on_tp_groups, 4, args=(str(tmp_path), failing_ranks, "bfloat16"), timeout_s=300)
     assert (
         per_rank
         == [
-            "could not calibrate a cost profile (rank 2: out of memory; rank 3: out of memory); make one with "
-            "`paradyse calibrate --p 2` and name it in cost.profile"
+            f"could not calibrate a cost profile ({reasons}); make one with `paradyse calibrate --p 2` and name it "
+            "in cost.profile"
         ]
         * 4
     )

@@ -26,6 +26,7 @@ four Llama-3-8B layers was predicted at 11.2 s against 2.7 s measured.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -215,6 +216,32 @@ class Progress:
             sys.stderr.flush()
 
 
+class SampleFailedElsewhere(RuntimeError):
+    """Another rank of the calibrating group could not run a sample (its own error says why)."""
+
+
+@contextlib.contextmanager
+def _all_or_none(group, device: torch.device):
+    """The block's work succeeds on every rank of ``group`` or raises on every rank: its own error where
+    it failed, :class:`SampleFailedElsewhere` naming those ranks on the others. One rank out of memory for
+    a sample's operands would otherwise leave the rest waiting in the sample's next collective until the
+    group's timeout."""
+    error = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - re-raised below, once the other ranks have heard of it
+        error = e
+    group = group or dist.group.WORLD
+    failed = torch.zeros(group.size(), device=device)
+    failed[dist.get_rank(group)] = error is not None
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if error is not None:
+        raise error
+    ranks = [dist.get_global_rank(group, r) for r in failed.nonzero().flatten().tolist()]
+    if ranks:
+        raise SampleFailedElsewhere(f"rank {', '.join(map(str, ranks))} could not run a calibration sample")
+
+
 def _median_time(fn: Callable[[], Any], repeats: int, device: torch.device, group=None) -> float:
     """Median seconds per call of ``fn``, every rank of ``group`` running it at once.
 
@@ -224,10 +251,11 @@ def _median_time(fn: Callable[[], Any], repeats: int, device: torch.device, grou
     ranks meet at every collective: on an oversubscribed CPU one rank's own time depends on its share
     of the cores (three calibrations read one rate from 33 to 58 ps), all ranks' wall time does not.
     """
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
+    with _all_or_none(group, device):  # the first call's outputs are allocated on every rank, or no rank goes on
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
     once = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
     dist.all_reduce(once, op=dist.ReduceOp.MAX, group=group)
     calls = max(1, min(1000, int(_SAMPLE_S / max(once.item(), 1e-7))))
@@ -252,10 +280,11 @@ def _sync(device: torch.device) -> None:
 
 def _time_linear(m: int, n: int, k: int, repeats: int, device, dtype, group) -> tuple[float, float]:
     """(forward, backward) seconds of ``F.linear(x [m, k], w [n, k])``."""
-    x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
-    w = torch.randn(n, k, device=device, dtype=dtype, requires_grad=True)
-    dy = torch.randn(m, n, device=device, dtype=dtype)
-    y = F.linear(x, w)
+    with _all_or_none(group, device):
+        x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
+        w = torch.randn(n, k, device=device, dtype=dtype, requires_grad=True)
+        dy = torch.randn(m, n, device=device, dtype=dtype)
+        y = F.linear(x, w)
     forward = _median_time(lambda: F.linear(x, w), repeats, device, group)
     backward = _median_time(lambda: torch.autograd.grad(y, (x, w), dy, retain_graph=True), repeats, device, group)
     return forward, backward
@@ -276,12 +305,13 @@ def _gemm_shapes(grid: Grid) -> list[tuple[int, int, int]]:
 
 def _time_attention(kernel, heads: int, hn: int, sq: int, sk: int, causal: bool, repeats: int, device, dtype, group):
     """(forward, backward) seconds of one kernel call on a ``[1, heads, sq | sk, hn]`` block."""
-    q = torch.randn(1, heads, sq, hn, device=device, dtype=dtype)
-    k = torch.randn(1, heads, sk, hn, device=device, dtype=dtype)
-    v = torch.randn_like(k)
     scale = hn**-0.5
-    out, lse = kernel.forward(q, k, v, causal, scale)
-    dout = torch.randn_like(out)
+    with _all_or_none(group, device):
+        q = torch.randn(1, heads, sq, hn, device=device, dtype=dtype)
+        k = torch.randn(1, heads, sk, hn, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        out, lse = kernel.forward(q, k, v, causal, scale)
+        dout = torch.randn_like(out)
     forward = _median_time(lambda: kernel.forward(q, k, v, causal, scale), repeats, device, group)
     backward = _median_time(lambda: kernel.backward(dout, q, k, v, out, lse, causal, scale), repeats, device, group)
     return forward, backward
@@ -313,8 +343,9 @@ def _attention_samples(grid: Grid, device, dtype, group, progress: Progress) -> 
 
 
 def _time_add(nbytes: int, repeats: int, device, dtype, group) -> float:
-    a = torch.randn(nbytes // 4, device=device).to(dtype)
-    b = torch.randn_like(a)
+    with _all_or_none(group, device):
+        a = torch.randn(nbytes // 4, device=device).to(dtype)
+        b = torch.randn_like(a)
     return _median_time(lambda: torch.add(a, b), repeats, device, group)
 
 
@@ -365,7 +396,9 @@ def _collective_samples(grid: Grid, link_groups: dict[int, Any], device, progres
         per_kind: dict[str, list] = {kind: [] for kind in COLLECTIVE_KINDS}
         for nbytes in grid.comm_bytes:
             numel = max(nbytes // 4 // p * p, p)
-            for kind, fn in _collective_ops(group, numel, device).items():
+            with _all_or_none(group, device):
+                ops = _collective_ops(group, numel, device)
+            for kind, fn in ops.items():
                 per_kind[kind].append((numel * 4, _median_time(fn, grid.repeats, device, group)))
                 progress.step(f"{kind} p={p} {nbytes >> 10} KiB")
         out[str(p)] = per_kind
@@ -385,8 +418,9 @@ def _overlap_sample(grid: Grid, group, device, dtype, progress: Progress) -> flo
     kernel = get_kernel("auto", device, dtype)
     ring = RingComm(group)
     length, heads, hn = 1024, 4, grid.attention_hn[0]
-    q = torch.randn(1, heads, length, hn, device=device, dtype=dtype)
-    kv = torch.randn(2, 1, heads, length, hn, device=device, dtype=dtype)
+    with _all_or_none(group, device):
+        q = torch.randn(1, heads, length, hn, device=device, dtype=dtype)
+        kv = torch.randn(2, 1, heads, length, hn, device=device, dtype=dtype)
 
     def compute():
         kernel.forward(q, kv[0], kv[1], False, 0.1)
@@ -414,15 +448,17 @@ def _host_link_sample(grid: Grid, device, dtype, group, progress: Progress) -> d
     the shorter of a copy and a GEMM that running both at once hides (on CPU the copy runs in line: 0)."""
     points = []
     for nbytes in grid.comm_bytes:
-        x = torch.randn(nbytes // 4, device=device).to(dtype)
+        with _all_or_none(group, device):
+            x = torch.randn(nbytes // 4, device=device).to(dtype)
         to_host = _median_time(lambda x=x: ActivationOffload().store(x), grid.repeats, device, group)
         both = _median_time(lambda x=x: _round_trip(x), grid.repeats, device, group)
         points.append((x.nbytes, max(to_host, both - to_host)))
         progress.step(f"host copies {x.nbytes} B")
     overlap = 0.0
     if device.type == "cuda":
-        x = torch.randn(grid.comm_bytes[-1] // 4, device=device).to(dtype)
-        a = torch.randn(2048, 2048, device=device, dtype=dtype)
+        with _all_or_none(group, device):
+            x = torch.randn(grid.comm_bytes[-1] // 4, device=device).to(dtype)
+            a = torch.randn(2048, 2048, device=device, dtype=dtype)
         c = _median_time(lambda: a @ a, grid.repeats, device, group)
         m = _median_time(lambda: ActivationOffload().store(x), grid.repeats, device, group)
         o = _median_time(lambda: (ActivationOffload().store(x), a @ a), grid.repeats, device, group)
