@@ -12,6 +12,7 @@ from planner_cost_models import physical_planner
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.plan import Plan
+from megatron_paradyse.cost.base import StageOptions
 from megatron_paradyse.cost.correction import CorrectedCostModel, TimeCorrections
 from megatron_paradyse.planner.exploration import Exploration
 from megatron_paradyse.run.log import MicroBatchMeter
@@ -330,3 +331,37 @@ def test_replanning_after_an_agreement_prices_nothing_again():
     for option in planner.options:
         corrected = planner.cost_model.layer_cost(option, bucket, 1)
         assert corrected.time_s == price(option, bucket, 1).time_s * corrections.factor(option, bucket.padded_len)
+
+
+def test_a_micro_batch_is_predicted_and_learned_from_at_its_own_length_not_its_buckets_edge():
+    """The planner prices a bucket at its upper edge (a bound for memory). A micro-batch's predicted time
+    is its own length's, and a time model right at every length learns nothing from micro-batches
+    anywhere in a bucket: priced at the edge, the factor would hold how far below it they were (up to
+    2x in the (512, 1024] bucket), and options measured at different lengths would compare by length."""
+    planner = physical_planner(8, 60 * GIB, hysteresis=0.0)
+    base = planner.cost_model
+    lengths = (528, 768, 1024)  # one bucket: its edge is 1024
+    layouts = [SequenceLayout.build([n], 8, causal=True) for n in lengths]
+    assert {planner.bucket_layout(layout).padded_len for layout in layouts} == {1024}
+    plan = planner.decide(layouts[0]).plan
+    own = [planner.predicted_time_s(plan, layout) for layout in layouts]
+    assert own[0] < own[1] < own[2] == pytest.approx(plan.predicted_time_s, rel=1e-12)
+    assert own[0] == math.fsum(base.layer_cost(o, layouts[0], 1).time_s for o in plan) + base.stage_time_s(
+        layouts[0], 1, StageOptions.of(plan)
+    )
+
+    corrections = TimeCorrections()
+    planner.cost_model = CorrectedCostModel(base, corrections)
+    for layout, seconds in zip(layouts, own):  # each micro-batch measured as the model prices its length
+        planner.observe_time(layout, plan, seconds)
+    corrections.agree()
+    assert {corrections.factor(o, 1024) for o in plan} == {1.0}
+    assert [planner.predicted_time_s(plan, layout) for layout in layouts] == own
+
+    planner.observe_time(layouts[0], plan, 2 * own[0])  # twice as slow as priced at its own length
+    corrections.agree()
+    assert all(corrections.factor(o, 1024) > 1.3 for o in plan)
+    for layout in layouts:  # the bucket's factors, at each micro-batch's own length
+        layers = math.fsum(base.layer_cost(o, layout, 1).time_s * corrections.factor(o, 1024) for o in plan)
+        fixed = base.stage_time_s(layout, 1, StageOptions.of(plan))
+        assert planner.predicted_time_s(plan, layout) == pytest.approx(layers + fixed, rel=1e-12)

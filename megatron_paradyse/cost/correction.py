@@ -15,6 +15,12 @@ summed over the micro-batches measured since the last update. ``prior`` (in micr
 noisy step from swinging a factor; a plan of one option converges to the geometric mean of measured
 over predicted.
 
+The times ``t_o`` are the model's at the micro-batch's own length, not at its bucket's upper edge, where
+the planner prices the bucket (a bound for memory): a factor is then the model's error alone. Priced at
+the edge, a factor would also hold how far below the edge its measured micro-batches were, and two
+options measured at different lengths in one bucket (up to 2x apart in the 512-token buckets of short
+sequences) would compare by their lengths, not their speed.
+
 Plans stay identical on every rank without talking during a step: ranks only accumulate their own
 measurements, and at an iteration boundary every rank gathers every rank's sums
 (:meth:`TimeCorrections.agree`, one all-gather of fixed-size rows), adds them in rank order and key order, and
@@ -93,15 +99,12 @@ class TimeCorrections:
         self, plan: Plan, bucket: int, option_times: dict[str, float], measured_s: float, fixed_s: float = 0.0
     ) -> None:
         """Account one micro-batch of ``plan`` measured at ``measured_s`` (its bucket edge ``bucket``;
-        ``option_times``: each option's uncorrected predicted time for one layer at that bucket;
+        ``option_times``: each option's uncorrected predicted time for one layer of the micro-batch;
         ``fixed_s``: the predicted time of the work the measurement holds outside the layers, the same
         under every plan, which no factor corrects)."""
         if not (measured_s > 0 and math.isfinite(measured_s)):
             raise ValueError(f"a measured time must be a positive finite number of seconds, got {measured_s!r}")
-        layers: dict[str, int] = {}
-        for option in plan:
-            layers[str(option)] = layers.get(str(option), 0) + 1
-        shares = {o: n * option_times[o] * self.factor(o, bucket) for o, n in sorted(layers.items())}
+        shares = self._shares(plan, bucket, option_times)
         predicted = math.fsum(shares.values()) + fixed_s
         if not predicted > 0:
             return
@@ -111,6 +114,17 @@ class TimeCorrections:
             weight = share / predicted
             sums.weighted_log_ratio += weight * log_ratio
             sums.weight += weight
+
+    def predicted_s(self, plan: Plan, bucket: int, option_times: dict[str, float], fixed_s: float = 0.0) -> float:
+        """The corrected time of ``plan`` (arguments as :meth:`observe`'s): what a measurement is compared with."""
+        return math.fsum(self._shares(plan, bucket, option_times).values()) + fixed_s
+
+    def _shares(self, plan: Plan, bucket: int, option_times: dict[str, float]) -> dict[str, float]:
+        """Each option's corrected time in ``plan``, all its layers together, in option order."""
+        layers: dict[str, int] = {}
+        for option in plan:
+            layers[str(option)] = layers.get(str(option), 0) + 1
+        return {o: n * option_times[o] * self.factor(o, bucket) for o, n in sorted(layers.items())}
 
     def agree(self, group=None, *, most_entries: int | None = None) -> bool:
         """Merge every rank's pending measurements and update the factors, the same on every rank (one
@@ -227,7 +241,8 @@ def _nearest(buckets: set[int], bucket: int) -> int:
 class CorrectedCostModel:
     """A cost model whose layer times are ``base``'s times the corrections; memory is ``base``'s.
 
-    The planner evaluates costs at a bucket's upper edge (``layout.padded_len``): the key of the factor.
+    The planner evaluates costs at a bucket's upper edge (``layout.padded_len``): the key of the factor
+    (a micro-batch's own time: :meth:`~megatron_paradyse.planner.Planner.predicted_time_s`).
     Every agreement that moves a factor makes the planner plan again; ``base``'s costs do not move, so
     the last ``cache_size`` of them are kept and re-planning only multiplies.
     """
@@ -270,7 +285,7 @@ class CorrectedCostModel:
         return self.base.held_bytes(layout, micro_batch_size, saved_bytes, stage)
 
     def option_times(self, plan: Plan, layout: SequenceLayout, micro_batch_size: int) -> dict[str, float]:
-        """The uncorrected time of one layer of each option of ``plan`` (``layout``: the bucket's)."""
+        """The uncorrected time of one layer of each option of ``plan`` at ``layout``."""
         return {str(o): self._base_cost(o, layout, micro_batch_size).time_s for o in set(plan)}
 
     def __getattr__(self, name: str):

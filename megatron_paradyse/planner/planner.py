@@ -353,10 +353,23 @@ class Planner:
             raise TypeError(
                 "observe_time: this planner does not learn; build it with Planner.for_model(..., time_corrections=...)"
             )
-        bucket = self.bucket_layout(layout, micro_batch_size)
-        times = self.cost_model.option_times(plan, bucket, micro_batch_size)
-        fixed = self.cost_model.stage_time_s(bucket, micro_batch_size, StageOptions.of(plan))
-        self.cost_model.corrections.observe(plan, bucket.padded_len, times, measured_s, fixed)
+        bucket = self.bucket_layout(layout, micro_batch_size).padded_len
+        times = self.cost_model.option_times(plan, layout, micro_batch_size)
+        fixed = self.cost_model.stage_time_s(layout, micro_batch_size, StageOptions.of(plan))
+        self.cost_model.corrections.observe(plan, bucket, times, measured_s, fixed)
+
+    def predicted_time_s(self, plan: Plan, layout: SequenceLayout, micro_batch_size: int = 1) -> float:
+        """What a micro-batch laid out as ``layout`` that runs ``plan`` should take: the plan's time at
+        ``layout`` as it is (:meth:`decide` priced its bucket's upper edge, a bound for memory, not the
+        time to expect), with the corrections learned at its bucket where this planner learns."""
+        model = self.cost_model
+        fixed = model.stage_time_s(layout, micro_batch_size, StageOptions.of(plan))
+        if isinstance(model, CorrectedCostModel):
+            bucket = self.bucket_layout(layout, micro_batch_size).padded_len
+            return model.corrections.predicted_s(
+                plan, bucket, model.option_times(plan, layout, micro_batch_size), fixed
+            )
+        return math.fsum(model.layer_cost(option, layout, micro_batch_size).time_s for option in plan) + fixed
 
     def bucket_layout(self, layout: SequenceLayout, micro_batch_size: int = 1) -> SequenceLayout:
         """The layout :meth:`decide` costs ``layout`` at: its bucket's upper edge."""

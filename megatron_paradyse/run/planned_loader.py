@@ -42,6 +42,9 @@ class PlannedMicroBatch:
 
     batch: dict
     decision: Decision
+    predicted_time_s: float
+    """Its forward and backward on this stage at its own length, as the planner predicts it
+    (:meth:`~megatron_paradyse.planner.Planner.predicted_time_s`; the plan was priced at its bucket's edge)."""
     evaluation: bool = False
     """Drawn for validation or test (a forward-only pass), not for training."""
 
@@ -126,8 +129,10 @@ class PlannedMicroBatches:
             batch = next(self.loader)
             problem = self._first_infeasible(batch["layout"])
             if problem is None:
-                decision = self.planners[self.stage].decide(batch["layout"])
-                return PlannedMicroBatch(batch, decision, self.evaluation)
+                planner = self.planners[self.stage]
+                decision = planner.decide(batch["layout"])
+                predicted_s = planner.predicted_time_s(decision.plan, batch["layout"])
+                return PlannedMicroBatch(batch, decision, predicted_s, self.evaluation)
             stage, error = problem
             if self.policy == "stop":  # reached only when resuming in the middle of a step
                 raise self._staged(error, stage)

@@ -356,7 +356,7 @@ class TrainingRun:
                 documents=len(planned.layout.doc_lengths),
                 padded=planned.layout.padded_len,
                 plan=plan.compact(),
-                predicted_time_s=plan.predicted_time_s,
+                predicted_time_s=planned.predicted_time_s,
                 predicted_peak_bytes=plan.predicted_peak_bytes,
                 cached=planned.decision.cached,
                 kept_previous=planned.decision.kept_previous,
