@@ -17,12 +17,14 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 def test_plan_answers_will_it_fit_for_llama3_8b_on_h100(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    argv = ["plan", str(CONFIGS / "llama3-8b.yaml"), "--gpu", "h100", "--lengths", "4096,131072,8000000"]
+    argv = ["plan", str(CONFIGS / "llama3-8b.yaml"), "--gpu", "h100", "--lengths", "4096,4112,131072,8000000"]
     assert paradyse([*argv, "--json", str(out), "--plot", str(tmp_path / "plan.png")]) == 0
     printed = capsys.readouterr().out
     answer = json.loads(out.read_text())
     rows = {row["tokens"]: row["stage0"] for row in answer["lengths"]}
     assert rows[4096]["plan"] == "32x tp_sp/tp_sp"  # short: Megatron's own TP+SP is fastest
+    # a length's own time, not its bucket's edge (4112 is planned at 4608, a bound for memory)
+    assert rows[4112]["plan"] == rows[4096]["plan"] and 1 < rows[4112]["time_s"] / rows[4096]["time_s"] < 1.01
     assert rows[131072]["plan"] is not None and rows[131072]["peak_gib"] <= answer["budget_gib"]
     assert rows[8000000]["plan"] is None and rows[8000000]["leanest_peak_gib"] > answer["budget_gib"]
     static = answer["static_longest"]

@@ -86,14 +86,15 @@ def _decide(planner, length: int, job: _Job) -> dict:
     from megatron_paradyse.core.layout import SequenceLayout
     from megatron_paradyse.planner import InfeasibleSequenceError
 
+    layout = SequenceLayout.build(length, job.tp, causal=job.causal)
     try:
-        decision = planner.decide(SequenceLayout.build(length, job.tp, causal=job.causal))
+        decision = planner.decide(layout)
     except InfeasibleSequenceError as e:
         return {"plan": None, "leanest_peak_gib": e.report.leanest_peak_bytes / _GIB}
     plan = decision.plan
     return {
         "plan": plan.compact(),
-        "time_s": plan.predicted_time_s,
+        "time_s": planner.predicted_time_s(plan, layout),  # its own length's; the peak is its bucket's bound
         "peak_gib": plan.predicted_peak_bytes / _GIB,
     }
 
