@@ -105,7 +105,7 @@ class TimeCorrections:
         if not (measured_s > 0 and math.isfinite(measured_s)):
             raise ValueError(f"a measured time must be a positive finite number of seconds, got {measured_s!r}")
         shares = self._shares(plan, bucket, option_times)
-        predicted = math.fsum(shares.values()) + fixed_s
+        predicted = self.predicted_s(plan, bucket, option_times, fixed_s)
         if not predicted > 0:
             return
         log_ratio = math.log(measured_s / predicted)
