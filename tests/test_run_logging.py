@@ -181,3 +181,21 @@ def test_the_table_marks_an_explored_plan():
     assert "(explored)" in row("4x ring/lean", True) and "(explored)" not in row("4x ring/lean", False)
     assert "... (explored)   0.100" in row(long_plan, True)  # cut to leave the mark in the column
     assert len(row(long_plan, True)) == len(row(long_plan, False))
+
+
+def test_a_run_that_measures_time_without_memory_logs_and_plots_its_times(tmp_path):
+    """``planner.learn_time`` without ``log.measure``: the meter times every micro-batch but measures no
+    peak; the writers' figures and the plot take the times and leave the peaks out."""
+    from megatron_paradyse.run.log import MicroBatchLog, iteration_scalars, write_plot
+
+    def timed(tokens: int, seconds: float) -> MicroBatchLog:
+        mb = MicroBatchLog(tokens, 1, tokens, "4x tp_sp/tp_sp", 0.1, 2**20, cached=False, kept_previous=False)
+        mb.measured_time_s = seconds
+        return mb
+
+    records = [IterationLog(i, 2.0, [timed(300, 0.25), timed(400, 0.5)], [], 1.0, rank=0, dp_rank=0) for i in (1, 2)]
+    scalars = iteration_scalars(records[0], switches=0)
+    assert scalars["paradyse/time-measured-s"] == 0.75
+    assert "paradyse/peak-measured-gib" not in scalars and scalars["paradyse/peak-predicted-gib"] == 2**20 / GIB
+    write_plot(records, tmp_path / "run.png", budget_bytes=2**21)
+    assert (tmp_path / "run.png").stat().st_size > 0

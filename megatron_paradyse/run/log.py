@@ -243,7 +243,8 @@ def iteration_scalars(record: IterationLog, switches: int) -> dict[str, float]:
     """One iteration's figures on this rank, by TensorBoard/W&B tag. The micro-batches run one after
     another, so their forward + backward times add up (``time-*-s``) and the iteration's peak is the
     largest of theirs (``peak-*-gib``, static memory included, as the planner predicts it). Measured
-    figures are left out where a micro-batch has none (pipeline parallelism)."""
+    figures are left out where a micro-batch has none (pipeline parallelism; peaks where only time is
+    measured, ``planner.learn_time`` without ``log.measure``)."""
     mbs = record.micro_batches
     scalars = {
         "paradyse/micro-batches": len(mbs),
@@ -256,6 +257,7 @@ def iteration_scalars(record: IterationLog, switches: int) -> dict[str, float]:
         scalars["paradyse/peak-predicted-gib"] = max(mb.predicted_peak_bytes for mb in mbs) / _GIB
     if mbs and all(mb.measured_time_s is not None for mb in mbs):
         scalars["paradyse/time-measured-s"] = sum(mb.measured_time_s for mb in mbs)
+    if mbs and all(mb.measured_peak_bytes is not None for mb in mbs):
         scalars["paradyse/peak-measured-gib"] = max(mb.measured_peak_bytes for mb in mbs) / _GIB
     return scalars
 
@@ -356,7 +358,7 @@ def write_plot(
 
 def _predicted_and_measured(ax, runs: list[tuple[int, MicroBatchLog]], quantity: str, scale: float) -> None:
     predicted = [(i, getattr(mb, f"predicted_{quantity}") * scale) for i, mb in runs]
-    measured = [(i, getattr(mb, f"measured_{quantity}") * scale) for i, mb in runs if mb.measured_time_s is not None]
+    measured = [(i, value * scale) for i, mb in runs if (value := getattr(mb, f"measured_{quantity}")) is not None]
     if predicted:
         ax.scatter(*zip(*predicted), s=12, label="predicted")
     if measured:
