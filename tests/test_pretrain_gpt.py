@@ -181,9 +181,7 @@ def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_s
     assert [r.iteration for r in records] == [1, 2, 3, 4]
     assert [mb.tokens for r in records[2:] for mb in r.micro_batches] == list(files[2:4])
     # without log.measure, learning times each micro-batch and measures no peak
-    assert all(
-        mb.measured_time_s > 0 and mb.measured_peak_bytes is None for r in records[2:] for mb in r.micro_batches
-    )
+    assert all(mb.measured_time_s > 0 and mb.measured_peak_bytes is None for r in records[2:] for mb in r.micro_batches)
     message = re.search(
         rf"paradyse: error: a sequence of {files[4]} tokens \(padded to \d+, planned at \d+\) with micro-batch "
         r"size 1 fits no plan: the leanest \(2x [^)]+\) is predicted to peak at [\d.]+ GiB, over the budget of "
