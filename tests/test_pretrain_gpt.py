@@ -154,7 +154,7 @@ def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_s
     time_only = _write_config(tmp_path / "time_only.yaml", cache, **learning, log={"jsonl": "log.jsonl"})
     lengths = DocumentDataset(build_code_corpus(cache)).lengths
     files = sorted(lengths[spread_by_length(lengths, *SMALL_DOCS.values())])
-    checkpoints = ["--save", str(tmp_path / "ckpt"), "--save-interval", "2", "--train-iters", "6"]
+    checkpoints = ["--save", str(tmp_path / "ckpt"), "--save-interval", "1", "--train-iters", "6"]
 
     first = _torchrun(2, "--paradyse-config", str(config), *SMALL_GPT, *checkpoints, "--exit-interval", "2")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -166,12 +166,19 @@ def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_s
     assert all(re.fullmatch(r"2x \S+/\S+", mb.plan) for r in records for mb in r.micro_batches)
     assert all(mb.measured_time_s > 0 and mb.measured_peak_bytes > 0 for r in records for mb in r.micro_batches)
     assert "the planner's static memory counts" not in first.stdout + first.stderr
-    # the checkpoint keeps how the next micro-batch will be planned: what the time model learned from the
-    # two measured micro-batches (on both ranks), and the planner's previous plan
-    (saved,) = (tmp_path / "ckpt" / "iter_0000002").rglob("train_dataloader_dprank000.pt")
-    state = torch.load(saved, weights_only=False)["dataloader_state_dict"]
+    # The checkpoint keeps how the next micro-batch will be planned: what the time model learned from the
+    # measured micro-batches (on both ranks), and the planner's previous plan. The process's first
+    # micro-batch is its warm-up (its time holds the start's one-time costs): logged, not learned from.
+    assert [mb.warmup for r in records for mb in r.micro_batches] == [True, False]
+
+    def saved_state(iteration: int) -> dict:
+        (saved,) = (tmp_path / "ckpt" / f"iter_{iteration:07d}").rglob("train_dataloader_dprank000.pt")
+        return torch.load(saved, weights_only=False)["dataloader_state_dict"]
+
+    assert saved_state(1)["time_corrections"]["log_factors"] == []
+    state = saved_state(2)
     learned = {option for option, _, _ in state["time_corrections"]["log_factors"]}
-    assert learned == {mb.plan.removeprefix("2x ") for r in records for mb in r.micro_batches}
+    assert learned == {records[1].micro_batches[0].plan.removeprefix("2x ")}
     assert sum(state["planners"][0]["previous"]) == 2
 
     second = _torchrun(2, "--paradyse-config", str(time_only), *SMALL_GPT, *checkpoints, "--load", checkpoints[1])
@@ -180,7 +187,8 @@ def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_s
     records = read_jsonl(tmp_path / "log.jsonl")
     assert [r.iteration for r in records] == [1, 2, 3, 4]
     assert [mb.tokens for r in records[2:] for mb in r.micro_batches] == list(files[2:4])
-    # without log.measure, learning times each micro-batch and measures no peak
+    # without log.measure, learning times each micro-batch and measures no peak; a new process warms up
+    assert [mb.warmup for r in records[2:] for mb in r.micro_batches] == [True, False]
     assert all(mb.measured_time_s > 0 and mb.measured_peak_bytes is None for r in records[2:] for mb in r.micro_batches)
     message = re.search(
         rf"paradyse: error: a sequence of {files[4]} tokens \(padded to \d+, planned at \d+\) with micro-batch "
@@ -285,13 +293,25 @@ def test_demo_trains_switches_plans_and_skips_what_no_plan_fits(tmp_path, cache,
     assert all("fits no plan" in s["reason"] for s in skipped)
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"{len(plans)} different" in stdout and "paradyse demo: done in" in stdout
-    # the demo's config learns the time model from its measured micro-batches: every plan's options
+    # the demo's config learns the time model from its measured micro-batches: every plan's options, the
+    # warm-up's aside (the process's first micro-batch, marked as such)
+    micro_batches = [mb for r in records for mb in r.micro_batches]
+    assert [mb.warmup for mb in micro_batches] == [True] + [False] * (len(micro_batches) - 1)
     train_log = (out / "train.log").read_text()
     learned = re.search(r"paradyse: learned time factors \(option x\[bucket:factor\]\): (.*)", train_log)
     assert learned, train_log[-3000:]
-    options = {option for plan in plans for option in re.findall(r"\dx ([\w/+]+)", plan)}
+    timed = micro_batches[1:]
+    options = {option for mb in timed for option in re.findall(r"\dx ([\w/+]+)", mb.plan)}
     assert options == set(re.findall(r"([\w/+]+) x\[", learned.group(1))), (options, learned.group(1))
-    assert re.search(r"^\s+1 +[\d.]+ \|  0 +\d+  4x ", stdout, re.MULTILINE)  # the table's first row
+    assert re.search(r"^\s+1 +[\d.]+ \|  0 +\d+  4x .* \(warm-up\) ", stdout, re.MULTILINE)  # the table's first row
+    # and the summary says how the predictions held
+    within = sum(abs(mb.predicted_time_s / mb.measured_time_s - 1) <= 0.25 for mb in timed)
+    assert f"  time: predicted within 25% of the measured for {within} of {len(timed)} micro-batches (" in stdout
+    assert "micro-batches (median error " in stdout and "%); the warm-up aside\n" in stdout
+    under = sum(mb.measured_peak_bytes <= mb.predicted_peak_bytes for mb in micro_batches)
+    assert (
+        f"  peak memory: measured at or under the predicted for {under} of {len(micro_batches)} micro-batches" in stdout
+    )
 
 
 def test_every_schedule_the_entry_point_runs_leaves_its_chunks_no_input(monkeypatch):

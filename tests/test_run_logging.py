@@ -167,13 +167,13 @@ def test_log_every_is_refused_with_what_replaced_it(tmp_path):
     )
 
 
-def test_the_table_marks_an_explored_plan():
+def test_the_table_marks_an_explored_plan_and_the_warm_up():
     """A micro-batch the planner ran on a runner-up plan to measure it says so in its row, within the
-    plan column; its choice does not."""
+    plan column; its choice does not. So does the process's first measured micro-batch, the warm-up."""
     from megatron_paradyse.run.log import MicroBatchLog, format_rows
 
-    def row(plan: str, explored: bool) -> str:
-        mb = MicroBatchLog(300, 1, 304, plan, 0.1, 2**20, cached=False, kept_previous=False, explored=explored)
+    def row(plan: str, explored: bool, warmup: bool = False) -> str:
+        mb = MicroBatchLog(300, 1, 304, plan, 0.1, 2**20, False, False, explored=explored, warmup=warmup)
         (line,) = format_rows(IterationLog(1, 2.0, [mb], [], 1.0, rank=0, dp_rank=0))
         return line
 
@@ -181,6 +181,9 @@ def test_the_table_marks_an_explored_plan():
     assert "(explored)" in row("4x ring/lean", True) and "(explored)" not in row("4x ring/lean", False)
     assert "... (explored)   0.100" in row(long_plan, True)  # cut to leave the mark in the column
     assert len(row(long_plan, True)) == len(row(long_plan, False))
+    assert "4x ring/lean (warm-up)   " in row("4x ring/lean", False, warmup=True)
+    assert "(warm-up)" not in row("4x ring/lean", True)
+    assert "... (explored) (warm-up)   0.100" in row(long_plan, True, warmup=True)
 
 
 def test_a_run_that_measures_time_without_memory_logs_and_plots_its_times(tmp_path):

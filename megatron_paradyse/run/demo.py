@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -143,9 +144,36 @@ def _summary(records, wall: float, out: Path, command: str) -> None:
     print(f"  plans: {len(plans)} different, {switches} switches, {skipped} micro-batches skipped")
     for plan, n in plans.items():
         print(f"    {n:>3} micro-batches  {plan}")
+    for line in _prediction_lines([mb for r in records for mb in r.micro_batches]):
+        print(f"  {line}")
     print(f"  plot: {out / 'plot.png'}")
     print(f"  table: {out / 'iterations.jsonl'}   ranks' output: {out / 'train.log'}")
     print(f"  the same run by hand: {command}")
+
+
+def _prediction_lines(micro_batches: list) -> list[str]:
+    """How the predictions held: forward + backward time within 25% (the warm-up aside, whose time holds the
+    start's one-time costs), and the measured peak under the predicted one."""
+    lines = []
+    timed = [mb for mb in micro_batches if mb.measured_time_s is not None and not mb.warmup]
+    if timed:
+        errors = [abs(mb.predicted_time_s / mb.measured_time_s - 1) for mb in timed]
+        warmups = sum(mb.warmup for mb in micro_batches)
+        lines.append(
+            f"time: predicted within 25% of the measured for {sum(e <= 0.25 for e in errors)} of {len(timed)} "
+            f"micro-batches (median error {statistics.median(errors):.1%})"
+            + f"; the warm-up{'s' * (warmups > 1)} aside"
+            * (warmups > 0)
+        )
+    peaks = [mb for mb in micro_batches if mb.measured_peak_bytes is not None]
+    if peaks:
+        worst = max(mb.measured_peak_bytes / mb.predicted_peak_bytes for mb in peaks)
+        under = sum(mb.measured_peak_bytes <= mb.predicted_peak_bytes for mb in peaks)
+        lines.append(
+            f"peak memory: measured at or under the predicted for {under} of {len(peaks)} micro-batches "
+            f"(measured/predicted at most {worst:.3f})"
+        )
+    return lines
 
 
 class _Progress:

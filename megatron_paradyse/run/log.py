@@ -61,6 +61,10 @@ class MicroBatchLog:
     kept_previous: bool
     explored: bool = False
     """The planner ran a runner-up plan to measure it (``planner.explore_share``), not its choice."""
+    warmup: bool = False
+    """The process's first measured training micro-batch: its time holds the start's one-time costs (kernels
+    loaded and tuned, the allocator's first requests, communicators set up on first use), so the time model
+    does not learn from it (``planner.learn_time``)."""
     measured_time_s: float | None = None
     measured_peak_bytes: float | None = None
     loss: float | None = None
@@ -198,7 +202,7 @@ def format_rows(record: IterationLog) -> list[str]:
     rows = []
     for i, mb in enumerate(record.micro_batches):
         head = f"{record.iteration:>5} {_number(record.loss, '.4f'):>8}" if i == 0 else " " * 14
-        mark = " (explored)" if mb.explored else ""
+        mark = " (explored)" * mb.explored + " (warm-up)" * mb.warmup
         room = _PLAN_WIDTH - len(mark)
         plan = (mb.plan if len(mb.plan) <= room else mb.plan[: room - 3] + "...") + mark
         rows.append(

@@ -79,6 +79,8 @@ class TrainingRun:
         self._forwards: dict[int, int] = {}
         """Forward steps of this iteration, per virtual-pipeline chunk."""
         self._checked_parameters = False
+        self._warmed_up = False
+        """Whether this process has run a measured training micro-batch (the first is the warm-up)."""
         self._last_plan: str | None = None
         """The plan of the last micro-batch logged (plan switches count across iterations)."""
         self._last_end = time.perf_counter()
@@ -348,6 +350,9 @@ class TrainingRun:
         if not self._checked_parameters:
             self._check_parameter_count(model)
         plan = planned.decision.plan
+        measured = self.meter is not None and (planned.evaluation or torch.is_grad_enabled())
+        warmup = measured and not planned.evaluation and not self._warmed_up
+        self._warmed_up |= warmup
         if not planned.evaluation:
             self._planned.append(planned)
         (self.eval_pending if planned.evaluation else self.pending).append(
@@ -361,9 +366,10 @@ class TrainingRun:
                 cached=planned.decision.cached,
                 kept_previous=planned.decision.kept_previous,
                 explored=planned.decision.explored,
+                warmup=warmup,
             )
         )
-        if self.meter is not None and (planned.evaluation or torch.is_grad_enabled()):
+        if measured:
             self.meter.attach(get_attr_wrapped_model(model, "decoder"))
             self.meter.begin(forward_only=planned.evaluation)
 
@@ -448,7 +454,7 @@ class TrainingRun:
             record.measured_time_s, record.measured_peak_bytes = seconds, peak
         planned, self._planned = self._planned, []
         if self.time_corrections is not None:
-            self._learn_time(planned, [record.measured_time_s for record in records])
+            self._learn_time(planned, [None if record.warmup else record.measured_time_s for record in records])
         for index, (loss, tokens) in self._losses.items():
             records[index].loss = loss.item() / max(int(tokens.item()), 1)
         self._losses, self._forwards = {}, {}
