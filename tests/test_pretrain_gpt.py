@@ -169,7 +169,7 @@ def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_s
     # The checkpoint keeps how the next micro-batch will be planned: what the time model learned from the
     # measured micro-batches (on both ranks), and the planner's previous plan. The process's first
     # micro-batch is its warm-up (its time holds the start's one-time costs): logged, not learned from.
-    assert [mb.warmup for r in records for mb in r.micro_batches] == [True, False]
+    assert [mb.one_off for r in records for mb in r.micro_batches] == ["warm-up", None]
 
     def saved_state(iteration: int) -> dict:
         (saved,) = (tmp_path / "ckpt" / f"iter_{iteration:07d}").rglob("train_dataloader_dprank000.pt")
@@ -188,7 +188,7 @@ def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_s
     assert [r.iteration for r in records] == [1, 2, 3, 4]
     assert [mb.tokens for r in records[2:] for mb in r.micro_batches] == list(files[2:4])
     # without log.measure, learning times each micro-batch and measures no peak; a new process warms up
-    assert [mb.warmup for r in records[2:] for mb in r.micro_batches] == [True, False]
+    assert [mb.one_off for r in records[2:] for mb in r.micro_batches] == ["warm-up", None]
     assert all(mb.measured_time_s > 0 and mb.measured_peak_bytes is None for r in records[2:] for mb in r.micro_batches)
     message = re.search(
         rf"paradyse: error: a sequence of {files[4]} tokens \(padded to \d+, planned at \d+\) with micro-batch "
@@ -296,7 +296,7 @@ def test_demo_trains_switches_plans_and_skips_what_no_plan_fits(tmp_path, cache,
     # the demo's config learns the time model from its measured micro-batches: every plan's options, the
     # warm-up's aside (the process's first micro-batch, marked as such)
     micro_batches = [mb for r in records for mb in r.micro_batches]
-    assert [mb.warmup for mb in micro_batches] == [True] + [False] * (len(micro_batches) - 1)
+    assert [mb.one_off for mb in micro_batches] == ["warm-up"] + [None] * (len(micro_batches) - 1)
     train_log = (out / "train.log").read_text()
     learned = re.search(r"paradyse: learned time factors \(option x\[bucket:factor\]\): (.*)", train_log)
     assert learned, train_log[-3000:]
@@ -307,7 +307,7 @@ def test_demo_trains_switches_plans_and_skips_what_no_plan_fits(tmp_path, cache,
     # and the summary says how the predictions held
     within = sum(abs(mb.predicted_time_s / mb.measured_time_s - 1) <= 0.25 for mb in timed)
     assert f"  time: predicted within 25% of the measured for {within} of {len(timed)} micro-batches (" in stdout
-    assert "micro-batches (median error " in stdout and "%); the warm-up aside\n" in stdout
+    assert "micro-batches (median error " in stdout and "%); aside, with a one-time cost: 1 warm-up\n" in stdout
     under = sum(mb.measured_peak_bytes <= mb.predicted_peak_bytes for mb in micro_batches)
     assert (
         f"  peak memory: measured at or under the predicted for {under} of {len(micro_batches)} micro-batches" in stdout

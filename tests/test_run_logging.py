@@ -167,15 +167,28 @@ def test_log_every_is_refused_with_what_replaced_it(tmp_path):
     )
 
 
-def test_the_table_marks_an_explored_plan_and_the_warm_up():
+def test_the_table_marks_an_explored_plan_and_a_one_time_cost():
     """A micro-batch the planner ran on a runner-up plan to measure it says so in its row, within the
-    plan column; its choice does not. So does the process's first measured micro-batch, the warm-up."""
-    from megatron_paradyse.run.log import MicroBatchLog, format_rows
+    plan column; its choice does not. So does one whose time holds a one-time cost: the process's first
+    measured micro-batch (the warm-up), or one during which the CUDA allocator reserved more memory."""
+    from megatron_paradyse.run.log import WARM_UP, Measurement, MicroBatchLog, format_rows
 
-    def row(plan: str, explored: bool, warmup: bool = False) -> str:
-        mb = MicroBatchLog(300, 1, 304, plan, 0.1, 2**20, False, False, explored=explored, warmup=warmup)
-        (line,) = format_rows(IterationLog(1, 2.0, [mb], [], 1.0, rank=0, dp_rank=0))
+    def record(plan: str, explored: bool, warmup: bool = False, grew: bool = False) -> MicroBatchLog:
+        mb = MicroBatchLog(300, 1, 304, plan, 0.1, 2**20, False, False, explored, one_off=WARM_UP if warmup else None)
+        mb.take(Measurement(0.2, None, allocator_grew=grew))
+        return mb
+
+    def row(plan: str, explored: bool, warmup: bool = False, grew: bool = False) -> str:
+        (line,) = format_rows(IterationLog(1, 2.0, [record(plan, explored, warmup, grew)], [], 1.0, 0, 0))
         return line
+
+    assert [record("4x ring/lean", False, *marks).one_off for marks in ((), (True,), (False, True), (True, True))] == [
+        None,
+        "warm-up",
+        "allocator grew",
+        "warm-up",  # the first cost named stays
+    ]
+    assert "4x ring/lean (allocator grew)   " in row("4x ring/lean", False, grew=True)
 
     long_plan = "1x tp_sp/tp_sp, 1x ulysses/zero3+rc, 1x ring/lean, 1x lean/lean+rc"
     assert "(explored)" in row("4x ring/lean", True) and "(explored)" not in row("4x ring/lean", False)

@@ -15,7 +15,7 @@ from megatron_paradyse.core.plan import Plan
 from megatron_paradyse.cost.base import StageOptions
 from megatron_paradyse.cost.correction import CorrectedCostModel, TimeCorrections
 from megatron_paradyse.planner.exploration import Exploration
-from megatron_paradyse.run.log import MicroBatchMeter
+from megatron_paradyse.run.log import Measurement, MicroBatchMeter
 
 GIB = 2**30
 A, B = "tp_sp/tp_sp", "ring/zero3+rc"
@@ -217,15 +217,36 @@ def test_the_meter_times_forward_and_backward_and_measures_memory_only_when_aske
         meter.begin()
         x = torch.randn(rows, 64, requires_grad=True)
         block(hidden_states=x).sum().backward()
-    (first, first_peak), (second, second_peak) = meter.collect()
+    (first, first_peak, first_grew), (second, second_peak, second_grew) = meter.collect()
     assert first > 0 and second > 0
+    assert not first_grew and not second_grew  # the CPU has no caching allocator to grow
     if memory:  # the output and its gradient, at least, above the static bytes
         assert first_peak > 1000 + 256 * 64 * 4 and second_peak > 1000 + 512 * 64 * 4
     else:
         assert first_peak is None and second_peak is None
     meter.begin()  # a window whose backward never came (a forward-only step not planned for one)
     block(hidden_states=torch.randn(8, 64))
-    assert meter.collect() == [(None, None)]
+    assert meter.collect() == [Measurement(None, None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("memory", [True, False])
+def test_the_meter_tells_a_micro_batch_during_which_the_allocator_reserved_more_device_memory(memory):
+    """Mapping new device memory costs time the steady state does not pay: such a micro-batch is marked,
+    and the time model does not learn from it. The same micro-batch again reuses the cached blocks."""
+    block = _Block().cuda()
+    meter = MicroBatchMeter(torch.device("cuda"), static_bytes=0.0, memory=memory)
+    meter.attach(block)
+    torch.cuda.empty_cache()
+    for _ in range(2):
+        meter.begin()
+        x = torch.randn(1 << 16, 64, device="cuda", requires_grad=True)  # 16 MiB, its output and gradients more
+        block(hidden_states=x).sum().backward()
+        del x
+    first, second = meter.collect()
+    assert first.time_s > 0 and second.time_s > 0
+    assert first.allocator_grew and not second.allocator_grew
 
 
 def _exploring_planner(share: float, margin: float):

@@ -694,8 +694,8 @@ class _CorpusBench:
     def _learn(planner, meter, layout, plan) -> None:
         """What the training loop does with a measured micro-batch when ``planner.learn_time`` is on, here
         after every step: correct the time model, agree on it across the ranks, and plan with it."""
-        ((seconds, _),) = meter.collect()
-        planner.observe_time(layout, plan, seconds)
+        (measured,) = meter.collect()
+        planner.observe_time(layout, plan, measured.time_s)
         if planner.cost_model.corrections.agree(most_entries=len(planner.options)):  # one micro-batch a step
             planner.clear_cache()
 

@@ -17,6 +17,7 @@ and the calibrated cost profile, reused by the next run).
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import shlex
 import statistics
@@ -152,18 +153,17 @@ def _summary(records, wall: float, out: Path, command: str) -> None:
 
 
 def _prediction_lines(micro_batches: list) -> list[str]:
-    """How the predictions held: forward + backward time within 25% (the warm-up aside, whose time holds the
-    start's one-time costs), and the measured peak under the predicted one."""
+    """How the predictions held: forward + backward time within 25% (those whose time holds a one-time cost
+    aside), and the measured peak under the predicted one."""
     lines = []
-    timed = [mb for mb in micro_batches if mb.measured_time_s is not None and not mb.warmup]
+    timed = [mb for mb in micro_batches if mb.measured_time_s is not None and not mb.one_off]
     if timed:
         errors = [abs(mb.predicted_time_s / mb.measured_time_s - 1) for mb in timed]
-        warmups = sum(mb.warmup for mb in micro_batches)
+        one_offs = collections.Counter(mb.one_off for mb in micro_batches if mb.one_off)
+        aside = f"; aside, with a one-time cost: {', '.join(f'{n} {cost}' for cost, n in one_offs.items())}"
         lines.append(
             f"time: predicted within 25% of the measured for {sum(e <= 0.25 for e in errors)} of {len(timed)} "
-            f"micro-batches (median error {statistics.median(errors):.1%})"
-            + f"; the warm-up{'s' * (warmups > 1)} aside"
-            * (warmups > 0)
+            f"micro-batches (median error {statistics.median(errors):.1%}){aside if one_offs else ''}"
         )
     peaks = [mb for mb in micro_batches if mb.measured_peak_bytes is not None]
     if peaks:

@@ -19,13 +19,17 @@ import json
 import os
 import time
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 
 from megatron_paradyse.core.memory import PeakMemory
 
 __all__ = [
+    "ALLOCATOR_GREW",
+    "WARM_UP",
     "IterationLog",
+    "Measurement",
     "MicroBatchLog",
     "MicroBatchMeter",
     "append_jsonl",
@@ -61,14 +65,28 @@ class MicroBatchLog:
     kept_previous: bool
     explored: bool = False
     """The planner ran a runner-up plan to measure it (``planner.explore_share``), not its choice."""
-    warmup: bool = False
-    """The process's first measured training micro-batch: its time holds the start's one-time costs (kernels
-    loaded and tuned, the allocator's first requests, communicators set up on first use), so the time model
-    does not learn from it (``planner.learn_time``)."""
+    one_off: str | None = None
+    """A one-time cost its measured time holds, so that the time model does not learn from it
+    (``planner.learn_time``): :data:`WARM_UP`, or :data:`ALLOCATOR_GREW`."""
     measured_time_s: float | None = None
     measured_peak_bytes: float | None = None
     loss: float | None = None
     """Mean loss per token of this micro-batch (the last pipeline stage only)."""
+
+    def take(self, measured: Measurement) -> None:
+        """Record what the meter measured of this micro-batch."""
+        self.measured_time_s, self.measured_peak_bytes = measured.time_s, measured.peak_bytes
+        if measured.allocator_grew and self.one_off is None:
+            self.one_off = ALLOCATOR_GREW
+
+
+WARM_UP = "warm-up"
+"""The process's first measured training micro-batch: its time holds the start's one-time costs (kernels
+loaded and tuned, communicators set up on first use, the allocator's first requests)."""
+ALLOCATOR_GREW = "allocator grew"
+"""On CUDA, the caching allocator reserved more device memory while the micro-batch ran. Mapping it costs
+time the steady state does not pay: on an H200, 1.4 to 3.4 s for such micro-batches of 4K to 8K tokens,
+0.15 to 0.36 s for the next ones (docs/gpu.md); a run whose lengths only grow pays it at each new high."""
 
 
 @dataclasses.dataclass
@@ -127,7 +145,7 @@ class MicroBatchMeter:
         self._close()
         self._open = _Window(self.device, forward_only=forward_only, memory=self.memory)
 
-    def collect(self) -> list[tuple[float | None, float | None]]:
+    def collect(self) -> list[Measurement]:
         self._close()
         done, self._done = self._done, []
         return [w.result(self.static_bytes) for w in done]
@@ -142,15 +160,28 @@ class MicroBatchMeter:
             self._open = None
 
 
+class Measurement(NamedTuple):
+    """One micro-batch as :class:`MicroBatchMeter` measured it (None: its backward never came)."""
+
+    time_s: float | None
+    peak_bytes: float | None
+    allocator_grew: bool = False
+    """On CUDA: the caching allocator reserved more device memory while it ran (:data:`ALLOCATOR_GREW`)."""
+
+
 class _Window:
     """One micro-batch's measurement: opened in its forward step, ended by its backward."""
 
     def __init__(self, device: torch.device, *, forward_only: bool, memory: bool) -> None:
         self.memory = PeakMemory(device).__enter__() if memory else None
         self.forward_only = forward_only
+        self.device = device
         self.cuda = device.type == "cuda"
         self.finished = False
         self.peak: int | None = None
+        # the allocator's own count, read on the host: no synchronisation
+        self.reserved = torch.cuda.memory_reserved(device) if self.cuda else 0
+        self.allocator_grew = False
         if self.cuda:
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.start.record()
@@ -163,16 +194,17 @@ class _Window:
             self.peak = self.memory.peak_until_now()
         if self.cuda:
             self.end.record()
+            self.allocator_grew = torch.cuda.memory_reserved(self.device) > self.reserved
         else:
             self.end = time.perf_counter()
 
-    def result(self, static_bytes: float) -> tuple[float | None, float | None]:
+    def result(self, static_bytes: float) -> Measurement:
         if not self.finished:  # no backward seen (the step ran forward only, unplanned for it)
-            return None, None
+            return Measurement(None, None)
         if self.cuda:
             self.end.synchronize()
         seconds = self.start.elapsed_time(self.end) / 1e3 if self.cuda else self.end - self.start
-        return seconds, None if self.peak is None else static_bytes + self.peak
+        return Measurement(seconds, None if self.peak is None else static_bytes + self.peak, self.allocator_grew)
 
 
 class _BackwardEnd(torch.autograd.Function):
@@ -202,7 +234,7 @@ def format_rows(record: IterationLog) -> list[str]:
     rows = []
     for i, mb in enumerate(record.micro_batches):
         head = f"{record.iteration:>5} {_number(record.loss, '.4f'):>8}" if i == 0 else " " * 14
-        mark = " (explored)" * mb.explored + " (warm-up)" * mb.warmup
+        mark = " (explored)" * mb.explored + (f" ({mb.one_off})" if mb.one_off else "")
         room = _PLAN_WIDTH - len(mark)
         plan = (mb.plan if len(mb.plan) <= room else mb.plan[: room - 3] + "...") + mark
         rows.append(

@@ -345,7 +345,7 @@ class TrainingRun:
         """Log the micro-batch (once, from the first model chunk) and start measuring it."""
         from megatron.core.utils import get_attr_wrapped_model
 
-        from megatron_paradyse.run.log import MicroBatchLog
+        from megatron_paradyse.run.log import WARM_UP, MicroBatchLog
 
         if not self._checked_parameters:
             self._check_parameter_count(model)
@@ -366,7 +366,7 @@ class TrainingRun:
                 cached=planned.decision.cached,
                 kept_previous=planned.decision.kept_previous,
                 explored=planned.decision.explored,
-                warmup=warmup,
+                one_off=WARM_UP if warmup else None,
             )
         )
         if measured:
@@ -450,11 +450,11 @@ class TrainingRun:
         now = time.perf_counter()
         records, self.pending = self.pending, []
         measured = self.meter.collect() if self.meter is not None else []
-        for record, (seconds, peak) in zip(records, measured):
-            record.measured_time_s, record.measured_peak_bytes = seconds, peak
+        for record, measurement in zip(records, measured):
+            record.take(measurement)
         planned, self._planned = self._planned, []
         if self.time_corrections is not None:
-            self._learn_time(planned, [None if record.warmup else record.measured_time_s for record in records])
+            self._learn_time(planned, [None if record.one_off else record.measured_time_s for record in records])
         for index, (loss, tokens) in self._losses.items():
             records[index].loss = loss.item() / max(int(tokens.item()), 1)
         self._losses, self._forwards = {}, {}
@@ -516,8 +516,8 @@ class TrainingRun:
         last rank adds one line on its micro-batches."""
         records, self.eval_pending = self.eval_pending, []
         measured = self.meter.collect() if self.meter is not None else []
-        for record, (seconds, peak) in zip(records, measured):
-            record.measured_time_s, record.measured_peak_bytes = seconds, peak
+        for record, measurement in zip(records, measured):
+            record.take(measurement)
         # one split's iterators ran (every chunk's, skipping alike); the others were restarted, empty
         skipped = max((len(iterator.skipped) for iterator in self.eval_iterators), default=0)
         if not self.is_logging_rank or not records:
