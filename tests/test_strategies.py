@@ -19,12 +19,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from reference_model import StackConfig, make_params, reference_forward, rope_transform, shard_layer
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.offload import ActivationOffload
 from megatron_paradyse.core.plan import LayerOption
+from megatron_paradyse.cost.measure import make_layer_params
 from megatron_paradyse.strategies import (
     AttentionContext,
     MLPContext,
@@ -267,3 +269,77 @@ def test_strategy_matches_single_rank_reference(launch, case_id):
         result = results[f"p{p}-{case_id}"]
         assert result["max_err"] <= TOLERANCE, f"rank {rank}: {result['worst']} off by {result['max_err']:.2e}"
         assert result["weights_unchanged"], f"rank {rank}: a weight changed during forward+backward"
+
+
+EMBEDDING_TOKENS = 64
+
+
+class _Operators(TorchDispatchMode):
+    """Records the name of every operator run inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _on_the_embeddings_strides(rank: int, p: int) -> dict[str, dict]:
+    """Every strategy, bf16, forward and backward on an input laid out as Megatron's embedding output at
+    b=1 and on the same values laid out afresh: whether the outputs and gradients are equal, and the
+    operators each ran. The embedding output is ``[s, 1, h]``, transposed from ``[1, s, h]``: contiguous to
+    ``is_contiguous``, but its size-1 dimension's stride is ``s * h``."""
+    shape = model_shape(p, gqa=True)
+    layout = SequenceLayout.build(EMBEDDING_TOKENS * p, p, causal=True)
+    params = make_layer_params(shape, p, rank, bias=False, dtype=torch.bfloat16, seed=5)
+    embedding = torch.randn(1, EMBEDDING_TOKENS, shape.hidden_size).to(torch.bfloat16).transpose(0, 1)
+    fresh = embedding.clone(memory_format=torch.contiguous_format)
+    assert embedding.stride(1) == EMBEDDING_TOKENS * shape.hidden_size and fresh.stride(1) == shape.hidden_size
+    group = dist.group.WORLD
+    actx = AttentionContext(
+        group=group,
+        layout=layout,
+        shape=shape,
+        kernel=get_kernel("torch", torch.device("cpu"), torch.bfloat16),
+        softmax_scale=shape.kv_channels**-0.5,
+    )
+    mctx = MLPContext(group=group, shape=shape, activation=F.silu)
+    results = {}
+    for sublayer, run, weights, ctx in (
+        ("attention", run_attention, params.attention, actx),
+        ("mlp", run_mlp, params.mlp, mctx),
+    ):
+        for name in available_strategies(sublayer, shape, p)[0]:
+            outputs, operators = [], []
+            for x in (fresh, embedding, fresh):  # the first run makes what is made once (the layout's indices)
+                x = x.detach().requires_grad_()
+                with _Operators() as ran:
+                    y = run(name, x, weights, ctx)
+                    y.backward(torch.ones_like(y))
+                outputs.append((y.detach(), x.grad))
+                operators.append(ran.names)
+            results[f"{sublayer} {name}"] = {
+                "equal": all(map(torch.equal, *outputs[1:])),
+                "embedding only": sorted(set(operators[1]) - set(operators[2])),
+                "same operators": operators[1] == operators[2],
+            }
+    return results
+
+
+def test_a_strategys_work_does_not_depend_on_its_inputs_strides():
+    """``torch.matmul`` folds a 3-D input into one GEMM only where its strides allow a view or the weight
+    needs a gradient; a strategy multiplying by a gathered or received shard must not hand it the
+    embedding's layout. ``lean`` attention and ZeRO-3's linear did: a batched GEMM per token against the
+    weight expanded to every token (in bf16 on the CPU, a copy of ``[s, h, out]`` inside the kernel:
+    ``scripts/dispatch_mode_peaks.py`` measured 500 MiB at 2,000 tokens of h=256)."""
+    per_rank = run_on_ranks(_on_the_embeddings_strides, 2, timeout_s=300)
+    assert all(len(results) == 7 for results in per_rank), per_rank
+    off = [
+        (rank, case, result)
+        for rank, results in enumerate(per_rank)
+        for case, result in results.items()
+        if not (result["equal"] and result["same operators"])
+    ]
+    assert not off, off

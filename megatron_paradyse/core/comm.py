@@ -176,6 +176,18 @@ def _reduce_scatter_shards(grad_full: Tensor, group: ProcessGroup, dim: int) -> 
     return _reduce_scatter_dim0(grad_full, group)
 
 
+def linear_over_rows(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """``x W^T + b`` for ``x [..., in]``: one GEMM over ``x``'s rows, whatever its strides.
+
+    ``torch.matmul`` folds a 3-D input into one GEMM only where its strides allow a view or the weight
+    needs a gradient. Megatron's embedding output at ``b = 1`` is ``[s, 1, h]`` transposed from
+    ``[1, s, h]``: contiguous to ``is_contiguous``, but with the size-1 dimension's stride ``s * h``.
+    Times a weight that needs no gradient (a gathered or received shard) it would run as a GEMM per
+    token against the weight broadcast ``s`` times (on the CPU in bf16, a copy of ``[s, h, out]``).
+    """
+    return torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), w, b).view(*x.shape[:-1], w.shape[0])
+
+
 class _Zero3Linear(torch.autograd.Function):
     """``y = x W^T + b`` with ``W`` (and ``b``) all-gathered from TP shards for the GEMM only.
 
@@ -195,14 +207,14 @@ class _Zero3Linear(torch.autograd.Function):
         ctx.group, ctx.dim, ctx.has_bias = group, dim, b_shard is not None
         ctx.save_for_backward(x, w_shard)
         b = None if b_shard is None else _all_gather_dim0(b_shard, group)
-        return torch.nn.functional.linear(x, _gather_shards(w_shard, group, dim), b)
+        return linear_over_rows(x, _gather_shards(w_shard, group, dim), b)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, w_shard = ctx.saved_tensors
         group, dim = ctx.group, ctx.dim
-        dx = torch.matmul(dy, _gather_shards(w_shard, group, dim))
         dy_2d, x_2d = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        dx = (dy_2d @ _gather_shards(w_shard, group, dim)).view(x.shape)
         acc = accumulation_dtype(w_shard.dtype)
         dw_shard = _reduce_scatter_shards((dy_2d.t() @ x_2d).to(acc), group, dim).to(w_shard.dtype)
         db_shard = None

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megatron_paradyse.core.comm import linear_over_rows
 from megatron_paradyse.strategies.base import AttentionContext, AttentionWeights, MLPContext, MLPWeights, Strategy
 from megatron_paradyse.strategies.common import activate, add_bias, heads_first, local_positions, split_qkv
 from megatron_paradyse.strategies.registry import register
@@ -78,7 +79,7 @@ class _LeanAttention(torch.autograd.Function):
 
         def step(j: int, shard, _grad) -> None:
             w_qkv, w_proj, b_qkv = shard
-            q, k, v = _group_heads(F.linear(x_local, w_qkv, b_qkv), actx, positions)
+            q, k, v = _group_heads(linear_over_rows(x_local, w_qkv, b_qkv), actx, positions)
             out, lse = ring_attention_forward(q, k, v, layout, group, actx.kernel, actx.softmax_scale)
             outs.append(out)
             lses.append(lse)
@@ -109,7 +110,7 @@ class _LeanAttention(torch.autograd.Function):
             dout = (dy2 @ w_proj).view(s_local, b, out.shape[1], -1)  # [s/p, b, np/p, hn]
             # Recompute this group's q/k/v; autograd differentiates split + qk_transform (whose own
             # parameters, e.g. q/k norm weights, get their gradient accumulated directly).
-            qkv = F.linear(x_local, w_qkv, b_qkv).requires_grad_()
+            qkv = linear_over_rows(x_local, w_qkv, b_qkv).requires_grad_()
             with torch.enable_grad():
                 q, k, v = _group_heads(qkv, actx, positions)
             dq, dk, dv = ring_attention_backward(
