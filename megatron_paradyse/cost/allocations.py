@@ -861,8 +861,7 @@ def _activation_backward(
 ) -> str:
     """The activation's backward: releases ``act_gate`` (gated: kept by the product) and, unless None
     (the caller holds them), ``d_act`` and ``fc1_out``; leaves ``d_fc1_out``. Gated: both factors'
-    gradients, each gate/up half scattered into a zero ``[rows, b, 2 units]`` tensor (``select``'s
-    backward), then summed."""
+    gradients, stacked into one ``[rows, b, 2 units]`` tensor once both exist (``unbind``'s backward)."""
     nbytes = rows * d.b * units * d.e
     release_d_act, release_fc1 = ((d_act,) if d_act else ()), ((fc1_out,) if fc1_out else ())
     if not d.shape.gated_mlp:
@@ -871,14 +870,10 @@ def _activation_backward(
         return "d_fc1_out"
     m.alloc(d_up=nbytes, d_gate_act=nbytes)  # mul's backward
     m.free(*release_d_act, act_gate)
-    m.alloc(d_up_full=2 * nbytes)
-    m.free("d_up")
     m.alloc(d_gate=nbytes)  # the activation's backward
     m.free("d_gate_act", *release_fc1)
-    m.alloc(d_gate_full=2 * nbytes)
-    m.free("d_gate")
     m.alloc(d_fc1_out=2 * nbytes)
-    m.free("d_up_full", "d_gate_full")
+    m.free("d_up", "d_gate")
     return "d_fc1_out"
 
 

@@ -69,8 +69,11 @@ def activate(h: Tensor, shape: ModelShape, activation, blocks: int) -> Tensor:
     """
     if not shape.gated_mlp:
         return activation(h)
-    gate_up = h.unflatten(-1, (blocks, 2, -1))
-    return (activation(gate_up[..., 0, :]) * gate_up[..., 1, :]).flatten(-2)
+    # unbind, not two selects: its backward stacks the two halves' gradients into one new tensor, where
+    # each select's backward makes a zero tensor of the whole and autograd adds the two (in place, or
+    # under a dispatch mode, such as the CPU memory tracker, out of place: one more whole)
+    gate, up = h.unflatten(-1, (blocks, 2, -1)).unbind(-2)
+    return (activation(gate) * up).flatten(-2)
 
 
 def add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
