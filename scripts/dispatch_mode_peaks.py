@@ -1,6 +1,6 @@
 """What measuring memory on CPU changes in the run it measures: autograd's gradient sums.
 
-    python scripts/dispatch_mode_peaks.py          # one process on the CPU, about 75 s
+    python scripts/dispatch_mode_peaks.py          # one process on the CPU, about 85 s
 
 The CPU storage tracker (``core.memory``) and the fake traces (``FakeTensorMode``) are dispatch modes.
 While one is on, autograd adds the gradients of a tensor used twice out of place (a new tensor, then
@@ -9,8 +9,10 @@ one, as CUDA training is, adds in place where its buffer holds the last referenc
 counts what the tracker measures. This script runs one micro-batch of a two-layer GPTModel (the
 Paradyse spec, TP=1) under several plans, fp32 and bf16, GPT- and LLaMA-style, and prints the CPU
 allocator's own peak (the profiler's memory events: every allocation, no mode) with and without a
-pass-through mode around the step: the difference is what the mode alone changes. The last line is
-``mode_changed=<cases> cases=<n> mode_over_plain_max=<percent>``.
+pass-through mode around the step: the difference is what the mode alone changes. The allocator also
+counts what kernels allocate inside themselves, which the tracker cannot see (so a step far above its
+prediction here, in both columns, is worth a look: that is how 316d33a's per-token GEMM was found). The
+last line is ``mode_changed=<cases> cases=<n> mode_over_plain_max=<percent>``; docs/gpu.md has its runs.
 """
 
 from __future__ import annotations
