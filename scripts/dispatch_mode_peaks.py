@@ -10,8 +10,8 @@ counts what the tracker measures. This script runs one micro-batch of a two-laye
 Paradyse spec, TP=1) under several plans, fp32 and bf16, GPT- and LLaMA-style, and prints the CPU
 allocator's own peak (the profiler's memory events: every allocation, no mode) with and without a
 pass-through mode around the step: the difference is what the mode alone changes. The allocator also
-counts what kernels allocate inside themselves, which the tracker cannot see (so a step far above its
-prediction here, in both columns, is worth a look: that is how 316d33a's per-token GEMM was found). The
+counts what kernels allocate inside themselves, which the tracker cannot see (a case far above its
+neighbours in both columns is worth a look: that is how 316d33a's per-token GEMM was found). The
 last line is ``mode_changed=<cases> cases=<n> mode_over_plain_max=<percent>``; docs/gpu.md has its runs.
 """
 
