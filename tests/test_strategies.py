@@ -287,44 +287,45 @@ class _Operators(TorchDispatchMode):
 
 
 def _on_the_embeddings_strides(rank: int, p: int) -> dict[str, dict]:
-    """Every strategy, bf16, forward and backward on an input laid out as Megatron's embedding output at
-    b=1 and on the same values laid out afresh: whether the outputs and gradients are equal, and the
-    operators each ran. The embedding output is ``[s, 1, h]``, transposed from ``[1, s, h]``: contiguous to
-    ``is_contiguous``, but its size-1 dimension's stride is ``s * h``."""
+    """Every strategy, in bf16, fp16 and fp32, forward and backward on an input laid out as Megatron's
+    embedding output at b=1 and on the same values laid out afresh: whether the outputs and gradients are
+    equal, and the operators each ran. The embedding output is ``[s, 1, h]``, transposed from ``[1, s, h]``:
+    contiguous to ``is_contiguous``, but its size-1 dimension's stride is ``s * h``."""
     shape = model_shape(p, gqa=True)
     layout = SequenceLayout.build(EMBEDDING_TOKENS * p, p, causal=True)
-    params = make_layer_params(shape, p, rank, bias=False, dtype=torch.bfloat16, seed=5)
-    embedding = torch.randn(1, EMBEDDING_TOKENS, shape.hidden_size).to(torch.bfloat16).transpose(0, 1)
-    fresh = embedding.clone(memory_format=torch.contiguous_format)
-    assert embedding.stride(1) == EMBEDDING_TOKENS * shape.hidden_size and fresh.stride(1) == shape.hidden_size
     group = dist.group.WORLD
-    actx = AttentionContext(
-        group=group,
-        layout=layout,
-        shape=shape,
-        kernel=get_kernel("torch", torch.device("cpu"), torch.bfloat16),
-        softmax_scale=shape.kv_channels**-0.5,
-    )
     mctx = MLPContext(group=group, shape=shape, activation=F.silu)
     results = {}
-    for sublayer, run, weights, ctx in (
-        ("attention", run_attention, params.attention, actx),
-        ("mlp", run_mlp, params.mlp, mctx),
-    ):
-        for name in available_strategies(sublayer, shape, p)[0]:
-            outputs, operators = [], []
-            for x in (fresh, embedding, fresh):  # the first run makes what is made once (the layout's indices)
-                x = x.detach().requires_grad_()
-                with _Operators() as ran:
-                    y = run(name, x, weights, ctx)
-                    y.backward(torch.ones_like(y))
-                outputs.append((y.detach(), x.grad))
-                operators.append(ran.names)
-            results[f"{sublayer} {name}"] = {
-                "equal": all(map(torch.equal, *outputs[1:])),
-                "embedding only": sorted(set(operators[1]) - set(operators[2])),
-                "same operators": operators[1] == operators[2],
-            }
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        params = make_layer_params(shape, p, rank, bias=False, dtype=dtype, seed=5)
+        embedding = torch.randn(1, EMBEDDING_TOKENS, shape.hidden_size).to(dtype).transpose(0, 1)
+        fresh = embedding.clone(memory_format=torch.contiguous_format)
+        assert embedding.stride(1) == EMBEDDING_TOKENS * shape.hidden_size and fresh.stride(1) == shape.hidden_size
+        actx = AttentionContext(
+            group=group,
+            layout=layout,
+            shape=shape,
+            kernel=get_kernel("torch", torch.device("cpu"), dtype),
+            softmax_scale=shape.kv_channels**-0.5,
+        )
+        for sublayer, run, weights, ctx in (
+            ("attention", run_attention, params.attention, actx),
+            ("mlp", run_mlp, params.mlp, mctx),
+        ):
+            for name in available_strategies(sublayer, shape, p)[0]:
+                outputs, operators = [], []
+                for x in (fresh, embedding, fresh):  # the first run makes what is made once (the layout's indices)
+                    x = x.detach().requires_grad_()
+                    with _Operators() as ran:
+                        y = run(name, x, weights, ctx)
+                        y.backward(torch.ones_like(y))
+                    outputs.append((y.detach(), x.grad))
+                    operators.append(ran.names)
+                results[f"{str(dtype).removeprefix('torch.')} {sublayer} {name}"] = {
+                    "equal": all(map(torch.equal, *outputs[1:])),
+                    "embedding only": sorted(set(operators[1]) - set(operators[2])),
+                    "same operators": operators[1] == operators[2],
+                }
     return results
 
 
@@ -335,7 +336,7 @@ def test_a_strategys_work_does_not_depend_on_its_inputs_strides():
     weight expanded to every token (in bf16 on the CPU, a copy of ``[s, h, out]`` inside the kernel:
     ``scripts/dispatch_mode_peaks.py`` measured 500 MiB at 2,000 tokens of h=256)."""
     per_rank = run_on_ranks(_on_the_embeddings_strides, 2, timeout_s=300)
-    assert all(len(results) == 7 for results in per_rank), per_rank
+    assert all(len(results) == 3 * 7 for results in per_rank), per_rank  # 3 dtypes x 7 strategies
     off = [
         (rank, case, result)
         for rank, results in enumerate(per_rank)
