@@ -282,8 +282,12 @@ class Planner:
         )
         planner.excluded = excluded
         if time_corrections is not None and config.explore_share > 0:
-            share, margin = config.explore_share, config.explore_margin
-            planner.exploration = Exploration(time_corrections, share=share, margin=margin)
+            planner.exploration = Exploration(
+                time_corrections,
+                share=config.explore_share,
+                margin=config.explore_margin,
+                measurements=config.explore_measurements,
+            )
         return planner
 
     @property
