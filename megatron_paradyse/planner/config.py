@@ -66,9 +66,11 @@ class PlannerConfig:
     """Where the time model learns: the most decisions (a fraction) that may run, instead of the optimum,
     an option measured less than ``explore_measurements`` at that length whose predicted time is within
     ``explore_margin`` of it; 0: never."""
-    explore_measurements: float = 3.0
+    explore_measurements: float = 1.0
     """How many micro-batches an option is measured at a length bucket before it is no longer explored
-    there: one is as noisy as a step, and an option that lost by one unlucky step would not run there again."""
+    there. One is as noisy as a step: more lets an option that lost by an unlucky step run there again,
+    at the cost of trying fewer others (``python -m megatron_paradyse.bench learning`` measured 3 worse
+    than 1 where the model's errors between options were 10%)."""
     explore_margin: float = 0.25
     """How much slower than the optimum an option may be predicted and still be tried: wider than the
     model's errors between options at short lengths, where ``bench costmodel`` measured options predicted

@@ -6,9 +6,9 @@ the options measured there), so when the model predicts it within ``margin`` of 
 running it can tell which is faster. :class:`Exploration` lets the planner run, instead of its
 choice, the fastest such option (as a plan of that option on every layer, if it fits the memory
 budget) on at most ``share`` of its decisions, until the option has been measured ``measurements``
-micro-batches' worth at that bucket (:meth:`TimeCorrections.weight`). One measurement is as noisy as a
-step: an option that lost by one unlucky step would otherwise never run there again, while the chosen
-one, measured on every step, converges; its factor would stay at that one step's value for the run.
+micro-batches' worth at that bucket (:meth:`TimeCorrections.weight`; once, by default). One measurement
+is as noisy as a step: an option that lost by an unlucky step does not run there again, while the
+chosen one, measured on every step, converges; more measurements cost trying fewer other options.
 
 Every input is the same on every rank of a group (the agreed corrections, the planner's own count of
 decisions), so the ranks explore the same micro-batches without talking; the counts are saved with the

@@ -59,7 +59,7 @@ class Decision:
     optimal_time_s: float
     """Predicted time of the bucket's optimum (``plan.predicted_time_s`` unless ``kept_previous``)."""
     explored: bool = False
-    """The plan is a trial of an option the learned time model has not measured at this length
+    """The plan is a trial of an option the learned time model has measured too little at this length
     (:mod:`~megatron_paradyse.planner.exploration`), run instead of the optimum."""
 
     def log_fields(self) -> dict[str, object]:
