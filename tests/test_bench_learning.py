@@ -29,5 +29,5 @@ def test_the_last_line_and_bad_input(capsys):
         learning.main(["--min-len", "4096", "--max-len", "2048"])
     assert "need 0 < --min-len <= --max-len, got 4096 and 2048" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        learning.main(["--explore-measurements", "0"])
-    assert "planner.explore_measurements must be a positive number (micro-batches), got 0.0" in capsys.readouterr().err
+        learning.main(["--learn-prior", "0"])
+    assert "planner.learn_prior must be a positive number (micro-batches), got 0.0" in capsys.readouterr().err

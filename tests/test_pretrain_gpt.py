@@ -177,7 +177,7 @@ def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_s
 
     assert saved_state(1)["time_corrections"]["log_factors"] == []
     state = saved_state(2)
-    learned = {option for option, _, _, _ in state["time_corrections"]["log_factors"]}
+    learned = {option for option, _, _ in state["time_corrections"]["log_factors"]}
     assert learned == {records[1].micro_batches[0].plan.removeprefix("2x ")}
     assert sum(state["planners"][0]["previous"]) == 2
 

@@ -32,50 +32,26 @@ def _learned(measurements, prior=1.0) -> TimeCorrections:
 def test_a_plan_of_one_option_moves_its_factor_by_the_log_ratio_over_weight_plus_prior():
     corrections = _learned([([A] * 4, 1024, {A: 0.25}, 2.0)])  # predicted 1 s, measured 2 s
     assert corrections.factor(A, 1024) == pytest.approx(math.exp(math.log(2.0) / 2))
-    for _ in range(40):  # the mean of 41 measurements and the prior's one at 1
+    for _ in range(40):  # converges to measured over predicted
         corrections.observe(Plan.from_options([A] * 4), 1024, {A: 0.25}, 2.0)
         corrections.agree()
-    assert corrections.factor(A, 1024) == pytest.approx(2.0 ** (41 / 42), rel=1e-12)
-
-
-def test_a_factor_is_the_mean_of_every_measurement_not_an_average_of_the_last_few():
-    # one option predicted at 1 s, measured over nine steps whose noise averages out: the factor is
-    # exp(sum(log(m)) / (n + prior)) after any number of agreements, however the steps were grouped
-    steps = [1.2, 0.8, 1.1, 0.9, 1.3, 0.7, 1.05, 0.95, 1.0]
-    expected = math.exp(math.fsum(map(math.log, steps)) / (len(steps) + 1.0))
-    for per_agreement in (1, 2, 9):
-        corrections = TimeCorrections()
-        for start in range(0, len(steps), per_agreement):
-            for seconds in steps[start : start + per_agreement]:
-                corrections.observe(Plan.from_options([A]), 1024, {A: 1.0}, seconds)
-            corrections.agree()
-        assert corrections.factor(A, 1024) == pytest.approx(expected, rel=1e-12)
-        assert corrections.weight(A, 1024) == len(steps) and corrections.weight(B, 1024) == 0.0
-    # a slow step then a fast one: 1, not where a constant gain would leave it (0.84)
-    corrections = _learned([([A], 1024, {A: 1.0}, 2.0)])
-    corrections.observe(Plan.from_options([A]), 1024, {A: 1.0}, 0.5)
-    corrections.agree()
-    assert corrections.factor(A, 1024) == pytest.approx(1.0)
+    assert corrections.factor(A, 1024) == pytest.approx(2.0, rel=1e-6)
 
 
 def test_a_mixed_plan_moves_each_option_by_its_share_of_the_prediction():
     # A: 3 layers x 0.1 s, B: 1 layer x 0.1 s -> shares 0.75 and 0.25 of 0.4 s; measured 0.8 s
     corrections = _learned([([A, A, A, B], 2048, {A: 0.1, B: 0.1}, 0.8)], prior=0.5)
-    assert corrections.factor(A, 2048) == pytest.approx(math.exp(0.75 * math.log(2) / (0.75**2 + 0.5)))
-    assert corrections.factor(B, 2048) == pytest.approx(math.exp(0.25 * math.log(2) / (0.25**2 + 0.5)))
-    assert (corrections.weight(A, 2048), corrections.weight(B, 2048)) == pytest.approx((0.75**2, 0.25**2))
+    assert corrections.factor(A, 2048) == pytest.approx(math.exp(0.75 * math.log(2) / (0.75 + 0.5)))
+    assert corrections.factor(B, 2048) == pytest.approx(math.exp(0.25 * math.log(2) / (0.25 + 0.5)))
 
 
 def test_the_stage_time_outside_the_layers_is_not_corrected():
     # 4 layers of A predicted at 0.25 s each and 1 s of output layer and loss; measured 3 s: A takes 2x
     corrections = TimeCorrections()
-    factors = []
-    for _ in range(200):
+    for _ in range(60):
         corrections.observe(Plan.from_options([A] * 4), 1024, {A: 0.25}, 3.0, fixed_s=1.0)
         corrections.agree()
-        factors.append(corrections.factor(A, 1024))
-    assert all(a < b < 2.0 for a, b in zip(factors, factors[1:]))  # towards 2, not 3 (the whole step's 1.5x)
-    assert factors[-1] == pytest.approx(2.0, rel=0.01)
+    assert corrections.factor(A, 1024) == pytest.approx(2.0, rel=1e-6)
 
 
 def test_unmeasured_buckets_and_options_fall_back_to_the_nearest_measured():
@@ -110,11 +86,6 @@ def test_corrections_round_trip_through_a_checkpoint_and_bump_the_version():
     assert restored.version > version
     for option, bucket in ((A, 1024), (B, 1024), (B, 4096), (A, 9999)):
         assert restored.factor(option, bucket) == corrections.factor(option, bucket)
-        assert restored.weight(option, bucket) == corrections.weight(option, bucket)
-    for learner in (corrections, restored):  # the weights travel too: the same step moves both alike
-        learner.observe(Plan.from_options([B]), 4096, {B: 1.0}, 0.9)
-        learner.agree()
-    assert restored.factor(B, 4096) == corrections.factor(B, 4096)
     with pytest.raises(ValueError, match=r"time corrections: expected"):
         restored.load_state_dict({"factors": {}})
 
@@ -203,9 +174,7 @@ def test_a_planner_follows_the_corrections_and_keeps_memory_as_it_was():
     option = before[0]
     base = planner.cost_model.base.layer_cost(option, bucket, 1)
     corrected = planner.cost_model.layer_cost(option, bucket, 1)
-    # towards 3x: the mean of ten measurements at 3x and the prior's one at 1x (less where the stage's own
-    # work, measured as predicted, takes a share)
-    assert 2.5 * base.time_s < corrected.time_s < 3 * base.time_s
+    assert corrected.time_s == pytest.approx(3 * base.time_s, rel=2e-3)  # 3 ** (1 - 2 ** -10): halving the gap
     assert (corrected.saved_bytes, corrected.transient_bytes) == (base.saved_bytes, base.transient_bytes)
 
 
@@ -280,15 +249,15 @@ def test_the_meter_tells_a_micro_batch_during_which_the_allocator_reserved_more_
     assert first.allocator_grew and not second.allocator_grew
 
 
-def _exploring_planner(share: float, margin: float, measurements: float = 2.0):
+def _exploring_planner(share: float, margin: float):
     planner = physical_planner(8, 60 * GIB, hysteresis=0.0)
     corrections = TimeCorrections()
     planner.cost_model = CorrectedCostModel(planner.cost_model, corrections)
-    planner.exploration = Exploration(corrections, share=share, margin=margin, measurements=measurements)
+    planner.exploration = Exploration(corrections, share=share, margin=margin)
     return planner, corrections
 
 
-def test_the_planner_explores_the_fastest_option_measured_too_little_on_at_most_its_share_of_decisions():
+def test_the_planner_explores_the_fastest_unmeasured_option_on_at_most_its_share_of_decisions():
     layout = SequenceLayout.build([16384], 8, causal=True)
     planner, corrections = _exploring_planner(share=0.25, margin=0.5)
     decisions = [planner.decide(layout) for _ in range(8)]
@@ -304,23 +273,15 @@ def test_the_planner_explores_the_fastest_option_measured_too_little_on_at_most_
     fastest = problem.to_plan(min(close, key=lambda s: s.time_s))
     assert decisions[3].plan.layers == decisions[7].plan.layers == fastest.layers
     assert decisions[3].plan.predicted_time_s > best.predicted_time_s
-    # an option is explored at that length until it has been measured twice (`measurements`) there;
-    # then the next close one is
+    # once measured there, an option is not explored again at that length: the next close one is
     bucket = planner.bucket_layout(layout)
     times = planner.cost_model.option_times(fastest, bucket, 1)
-
-    def measure_and_explore():
-        corrections.observe(fastest, bucket.padded_len, times, sum(times[str(o)] for o in fastest))
-        corrections.agree()
-        planner.clear_cache()
-        explored = [d.plan for d in (planner.decide(layout) for _ in range(4)) if d.explored]
-        assert len(explored) == 1
-        return explored[0]
-
-    assert measure_and_explore().layers == fastest.layers
-    assert corrections.weight(fastest[0], bucket.padded_len) == 1.0
-    explored = measure_and_explore()
-    assert explored[0] != fastest[0] and explored[0] != best[0]
+    corrections.observe(fastest, bucket.padded_len, times, sum(times[str(o)] for o in fastest))
+    corrections.agree()
+    planner.clear_cache()
+    later = [planner.decide(layout) for _ in range(4)]
+    explored = [d.plan for d in later if d.explored]
+    assert len(explored) == 1 and explored[0][0] != fastest[0] and explored[0][0] != best[0]
     # nothing predicted within the margin: nothing explored
     planner, _ = _exploring_planner(share=0.5, margin=0.0)
     assert not any(planner.decide(layout).explored for _ in range(8))
@@ -353,12 +314,7 @@ def test_for_model_with_time_corrections_builds_a_learning_planner():
     corrections = TimeCorrections()
     learning = Planner.for_model(PlannerConfig(explore_share=0.25), cost, **kwargs, time_corrections=corrections)
     assert learning.cost_model.base is cost and learning.cost_model.corrections is corrections
-    exploration = learning.exploration
-    assert (exploration.share, exploration.margin, exploration.measurements) == (
-        0.25,
-        PlannerConfig().explore_margin,
-        PlannerConfig().explore_measurements,
-    )
+    assert (learning.exploration.share, learning.exploration.margin) == (0.25, PlannerConfig().explore_margin)
     no_exploring = Planner.for_model(PlannerConfig(explore_share=0.0), cost, **kwargs, time_corrections=corrections)
     assert no_exploring.exploration is None
 
@@ -425,8 +381,7 @@ def test_a_micro_batch_is_predicted_and_learned_from_at_its_own_length_not_its_b
 
     planner.observe_time(layouts[0], plan, 2 * own[0])  # twice as slow as priced at its own length
     corrections.agree()
-    # one measurement at 2x among four and the prior's one at 1x (the loss's share is tiny here)
-    assert all(corrections.factor(o, 1024) == pytest.approx(2 ** (1 / 5), rel=1e-3) for o in plan)
+    assert all(corrections.factor(o, 1024) > 1.3 for o in plan)
     for layout in layouts:  # the bucket's factors, at each micro-batch's own length
         layers = math.fsum(base.layer_cost(o, layout, 1).time_s * corrections.factor(o, 1024) for o in plan)
         fixed = base.stage_time_s(layout, 1, StageOptions.of(plan))

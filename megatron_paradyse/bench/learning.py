@@ -130,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-len", type=int, default=131072, help="longest sequence, tokens (default 131072)")
     parser.add_argument("--layers", type=int, default=8, help="layers in the stage (default 8)")
     defaults = PlannerConfig()
-    for name in ("learn_prior", "explore_share", "explore_margin", "explore_measurements"):
+    for name in ("learn_prior", "explore_share", "explore_margin"):
         flag = "--" + name.replace("_", "-")
         parser.add_argument(
             flag, type=float, default=getattr(defaults, name), help=f"planner.{name} (default %(default)s)"
@@ -142,7 +142,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             learn_prior=args.learn_prior,
             explore_share=args.explore_share,
             explore_margin=args.explore_margin,
-            explore_measurements=args.explore_measurements,
         )
     except ValueError as e:
         parser.error(str(e))

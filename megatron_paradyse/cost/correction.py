@@ -3,22 +3,17 @@
 Every micro-batch is measured (forward + backward of the stage's layers). A plan's predicted time is
 the sum over its layers of each option's time, times that option's correction factor at the
 micro-batch's length bucket. A measurement ``m`` of a plan predicted at ``P`` moves the factor of every
-option ``o`` the plan uses, in log space, as a recursive least-squares fit of ``log m`` would::
+option ``o`` the plan uses by its share of the prediction, in log space::
 
-    w_o = f_o * t_o / P              (the option's share of the predicted time: d log P / d log f_o)
-    log f_o  +=  sum(w_o * log(m / P)) / (W_o + sum(w_o ** 2) + prior);   W_o += sum(w_o ** 2)
+    w_o = f_o * t_o / P              (the option's share of the predicted time)
+    log f_o  +=  sum(w_o * log(m / P)) / (sum(w_o) + prior)
 
 where ``P`` also holds the predicted time of the stage's work outside its layers (the output layer and
-loss, :meth:`CostModel.stage_time_s`), which no factor corrects, the sums run over the micro-batches
-measured since the last update, and ``W_o`` (:meth:`TimeCorrections.weight`) is what the run's
-measurements at that bucket have told about the option: 1 per micro-batch of that option alone, ``w_o ** 2``
-where it had a share ``w_o``. A plan of one option thus learns the mean of ``log(m / t)`` over every
-micro-batch it ran, with ``prior`` (in micro-batches) of weight on the factor it started from: one step's
-noise (about 9% on the 2-core CPU machine) moves a factor measured ``n`` times by ``1/(n + prior)`` of it.
-A constant gain (``prior`` alone in the denominator) would keep every factor an average of its last two
-or so steps, jittering by about half a step's noise for the whole run, so that options closer than
-that swap places at random; the model's error is a property of the machine and the model, which a run
-does not change.
+loss, :meth:`CostModel.stage_time_s`), which no factor corrects.
+
+summed over the micro-batches measured since the last update. ``prior`` (in micro-batches) keeps one
+noisy step from swinging a factor; a plan of one option converges to the geometric mean of measured
+over predicted.
 
 The times ``t_o`` are the model's at the micro-batch's own length, not at its bucket's upper edge, where
 the planner prices the bucket (a bound for memory): a factor is then the model's error alone. Priced at
@@ -32,7 +27,7 @@ measurements, and at an iteration boundary every rank gathers every rank's sums
 applies the same update: the same floats in the same order give the same factors on every rank, bit
 for bit. A bucket an option was never measured in takes the option's factor at the nearest bucket it
 was measured in (by length ratio), else the mean log factor of the options measured at the nearest
-bucket, else 1. The factors and their weights are saved with the data's position in each checkpoint
+bucket, else 1. The factors are saved with the data's position in each checkpoint
 (:meth:`state_dict`), so a resumed run plans as an uninterrupted one would.
 """
 
@@ -59,15 +54,13 @@ _LOG_LIMIT = math.log(100.0)
 class _Sums:
     weighted_log_ratio: float = 0.0
     weight: float = 0.0
-    """The squared shares: what the measurements tell about the factor."""
 
 
 class TimeCorrections:
     """Correction factors of predicted layer times, per (option, length bucket), agreed across ranks.
 
     Args:
-        prior: weight, in micro-batches, of the factor a correction starts from against the run's
-            measurements (> 0).
+        prior: weight, in micro-batches, of the current factor against new measurements (> 0).
     """
 
     def __init__(self, prior: float = 1.0) -> None:
@@ -75,8 +68,6 @@ class TimeCorrections:
             raise ValueError(f"prior must be a positive finite number of micro-batches, got {prior!r}")
         self.prior = float(prior)
         self._log_factor: dict[tuple[str, int], float] = {}
-        self._weight: dict[tuple[str, int], float] = {}
-        """What the run's agreed measurements told about each (option, bucket): sum of squared shares."""
         self._pending: dict[tuple[str, int], _Sums] = {}
         self.version = 0
         """Counts the updates that changed a factor: a planner's cached plans are stale when it moves."""
@@ -86,11 +77,9 @@ class TimeCorrections:
         """The correction of ``option``'s time at the bucket whose upper edge is ``bucket`` tokens."""
         return math.exp(self._log(str(option), bucket))
 
-    def weight(self, option: LayerOption | str, bucket: int) -> float:
-        """How much ``option`` has been measured at the bucket whose edge is ``bucket`` tokens, in micro-batches
-        of that option alone: the squares of its shares of the agreed micro-batches it ran in, summed (less
-        than 1 per micro-batch where the work outside the layers takes a share); 0 where it never ran."""
-        return self._weight.get((str(option), bucket), 0.0)
+    def measured(self, option: LayerOption | str, bucket: int) -> bool:
+        """Whether ``option`` has run (and been measured) at the bucket whose edge is ``bucket`` tokens."""
+        return (str(option), bucket) in self._log_factor
 
     def _log(self, option: str, bucket: int) -> float:
         known = self._log_factor.get((option, bucket))
@@ -124,7 +113,7 @@ class TimeCorrections:
             sums = self._pending.setdefault((option, bucket), _Sums())
             weight = share / predicted
             sums.weighted_log_ratio += weight * log_ratio
-            sums.weight += weight * weight
+            sums.weight += weight
 
     def predicted_s(self, plan: Plan, bucket: int, option_times: dict[str, float], fixed_s: float = 0.0) -> float:
         """The corrected time of ``plan`` (arguments as :meth:`observe`'s): what a measurement is compared with."""
@@ -168,10 +157,8 @@ class TimeCorrections:
         # each factor moves from the value the predictions used (a fallback for a key measured first now)
         current = {key: self._log(*key) for key in sorted(totals) if totals[key].weight > 0}
         for key, log_factor in current.items():
-            measured = self._weight.get(key, 0.0) + totals[key].weight
-            step = totals[key].weighted_log_ratio / (measured + self.prior)
+            step = totals[key].weighted_log_ratio / (totals[key].weight + self.prior)
             self._log_factor[key] = min(max(log_factor + step, -_LOG_LIMIT), _LOG_LIMIT)
-            self._weight[key] = measured
         changed = bool(current)
         if changed:
             self.version += 1
@@ -179,25 +166,18 @@ class TimeCorrections:
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The agreed factors and their weights (pending measurements are not kept: a checkpoint is taken
-        between updates)."""
+        """The agreed factors (pending measurements are not kept: a checkpoint is taken between updates)."""
         return {
             "prior": self.prior,
-            "log_factors": [
-                [option, bucket, value, self._weight[(option, bucket)]]
-                for (option, bucket), value in sorted(self._log_factor.items())
-            ],
+            "log_factors": [[option, bucket, value] for (option, bucket), value in sorted(self._log_factor.items())],
         }
 
     def load_state_dict(self, state: dict) -> None:
         try:
-            rows = [(str(o), int(b), float(v), float(w)) for o, b, v, w in state["log_factors"]]
+            factors = {(str(o), int(b)): float(v) for o, b, v in state["log_factors"]}
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(
-                f"time corrections: expected {{'log_factors': [[option, bucket, log factor, weight], ...]}}: {e}"
-            ) from e
-        self._log_factor = {(o, b): v for o, b, v, _ in rows}
-        self._weight = {(o, b): w for o, b, _, w in rows}
+            raise ValueError(f"time corrections: expected {{'log_factors': [[option, bucket, log], ...]}}: {e}") from e
+        self._log_factor = factors
         self._pending.clear()
         self.version += 1
 

@@ -60,17 +60,11 @@ class PlannerConfig:
     the run (:mod:`megatron_paradyse.cost.correction`); the ranks agree on the corrections at each
     iteration's end. Needs the per-micro-batch measurement (no pipeline parallelism)."""
     learn_prior: float = 1.0
-    """Weight, in micro-batches, of the factor a correction starts from (1, or its nearest measured one)
-    against the run's measurements, whose mean it learns."""
+    """Weight, in micro-batches, of the current correction against the new measurements."""
     explore_share: float = 0.05
     """Where the time model learns: the most decisions (a fraction) that may run, instead of the optimum,
-    an option measured less than ``explore_measurements`` at that length whose predicted time is within
-    ``explore_margin`` of it; 0: never."""
-    explore_measurements: float = 1.0
-    """How many micro-batches an option is measured at a length bucket before it is no longer explored
-    there. One is as noisy as a step: more lets an option that lost by an unlucky step run there again,
-    at the cost of trying fewer others (``python -m megatron_paradyse.bench learning`` measured 3 worse
-    than 1 where the model's errors between options were 10%)."""
+    an option not yet measured at that length whose predicted time is within ``explore_margin`` of it;
+    0: never."""
     explore_margin: float = 0.25
     """How much slower than the optimum an option may be predicted and still be tried: wider than the
     model's errors between options at short lengths, where ``bench costmodel`` measured options predicted
@@ -136,10 +130,8 @@ class PlannerConfig:
         for name in ("explore_share", "explore_margin"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"planner.{name} must be in [0, 1), got {getattr(self, name)}")
-        for name in ("learn_prior", "explore_measurements"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
-                raise ValueError(f"planner.{name} must be a positive number (micro-batches), got {value!r}")
+        if not (isinstance(self.learn_prior, (int, float)) and 0 < self.learn_prior < math.inf):
+            raise ValueError(f"planner.learn_prior must be a positive number (micro-batches), got {self.learn_prior!r}")
 
     def _named_strategies(self) -> list[tuple[str, str, str]]:
         """(field, sublayer, name) of every strategy the config names."""

@@ -5,10 +5,8 @@ option never measured at a length keeps a neutral guess (its nearest measured fa
 the options measured there), so when the model predicts it within ``margin`` of the chosen plan, only
 running it can tell which is faster. :class:`Exploration` lets the planner run, instead of its
 choice, the fastest such option (as a plan of that option on every layer, if it fits the memory
-budget) on at most ``share`` of its decisions, until the option has been measured ``measurements``
-micro-batches' worth at that bucket (:meth:`TimeCorrections.weight`; once, by default). One measurement
-is as noisy as a step: an option that lost by an unlucky step does not run there again, while the
-chosen one, measured on every step, converges; more measurements cost trying fewer other options.
+budget) on at most ``share`` of its decisions; once an option has been measured at a bucket it is not
+explored there again.
 
 Every input is the same on every rank of a group (the agreed corrections, the planner's own count of
 decisions), so the ranks explore the same micro-batches without talking; the counts are saved with the
@@ -30,15 +28,12 @@ class Exploration:
         corrections: what the time model has learned (its measured weight per option and bucket).
         share: the most decisions that may explore (a fraction; 0 turns exploring off).
         margin: explore options predicted at most this fraction slower than the optimum.
-        measurements: explore an option at a bucket while it has been measured less than this there (in
-            micro-batches of that option alone).
     """
 
-    def __init__(self, corrections: TimeCorrections, *, share: float, margin: float, measurements: float) -> None:
+    def __init__(self, corrections: TimeCorrections, *, share: float, margin: float) -> None:
         self.corrections = corrections
         self.share = share
         self.margin = margin
-        self.measurements = measurements
         self.decisions = 0
         self.explored = 0
 
@@ -49,7 +44,7 @@ class Exploration:
             return None
         candidates = []
         for index, option in enumerate(problem.options):
-            if best.counts[index] == problem.num_layers or self.corrections.weight(option, bucket) >= self.measurements:
+            if best.counts[index] == problem.num_layers or self.corrections.measured(option, bucket):
                 continue
             uniform = problem.evaluate(problem.uniform(index))
             if problem.fits(uniform) and uniform.time_s <= (1 + self.margin) * best.time_s:

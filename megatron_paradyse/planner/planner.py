@@ -59,7 +59,7 @@ class Decision:
     optimal_time_s: float
     """Predicted time of the bucket's optimum (``plan.predicted_time_s`` unless ``kept_previous``)."""
     explored: bool = False
-    """The plan is a trial of an option the learned time model has measured too little at this length
+    """The plan is a trial of an option the learned time model has not measured at this length
     (:mod:`~megatron_paradyse.planner.exploration`), run instead of the optimum."""
 
     def log_fields(self) -> dict[str, object]:
@@ -282,12 +282,8 @@ class Planner:
         )
         planner.excluded = excluded
         if time_corrections is not None and config.explore_share > 0:
-            planner.exploration = Exploration(
-                time_corrections,
-                share=config.explore_share,
-                margin=config.explore_margin,
-                measurements=config.explore_measurements,
-            )
+            share, margin = config.explore_share, config.explore_margin
+            planner.exploration = Exploration(time_corrections, share=share, margin=margin)
         return planner
 
     @property
