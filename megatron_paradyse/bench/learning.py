@@ -56,7 +56,6 @@ class _Machine:
         self._attention = {a: math.exp(rng.normal(0, model_error)) for a in ("tp_sp", "ulysses", "ring", "lean")}
         self._mlp = {m: math.exp(rng.normal(0, model_error)) for m in ("tp_sp", "zero3", "lean")}
         self._trend = rng.normal(0, 0.1)  # factor (bucket / 8192) ** trend: the model's error in length
-        self.version = 0
 
     def factor(self, option: LayerOption | str, bucket: int) -> float:
         option = LayerOption.parse(str(option))
@@ -80,7 +79,7 @@ def run_seed(
     lengths: tuple[int, int],
     layers: int,
     config: PlannerConfig,
-):
+) -> dict[str, tuple[float, float]]:
     """True step times of each arm over the oracle's, over all steps and over the second half."""
     rng = np.random.default_rng(seed)
     machine = _Machine(rng, model_error)
