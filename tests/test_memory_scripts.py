@@ -245,15 +245,14 @@ def predicted(cell: Cell, rank: int, p: int) -> tuple[float, ...]:
 
 
 def _measure_all(rank: int, p: int) -> dict[Cell, tuple[int, ...]]:
+    import megatron_harness as H  # megatron-core for the Megatron cells, after the CPU patches
+
+    H.freeze_what_lives_now()
     torch.manual_seed(rank)
     # Megatron's layer last: those cells set up Megatron's parallel state, which stays.
     ordered = sorted(cells(p), key=lambda cell: cell.kind == "megatron")
     out = {}
     for cell in ordered:
-        if cell.kind == "megatron":
-            from megatron_paradyse.core import compat
-
-            compat.install()
         out[cell] = _measure_cell(cell, rank, p)
         out[cell] = _remeasured_while_any_rank_differs(cell, rank, p, out[cell])
     return out

@@ -119,6 +119,7 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
     from megatron_paradyse.core import compat
 
     compat.install()
+    import megatron_harness as H
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -150,6 +151,7 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
     DDP_CONFIG = DistributedDataParallelConfig(
         overlap_grad_reduce=True, use_distributed_optimizer=True, bucket_size=20_000, grad_reduce_in_fp32=True
     )
+    H.freeze_what_lives_now()
     results = []
     for tp in sorted(PLANS, reverse=True):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -327,6 +329,7 @@ def _pipeline_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
         return step
 
     H.init_parallel(tp=1, pp=2)
+    H.freeze_what_lives_now()
     last = parallel_state.is_pipeline_last_stage()
     batch = H.Batch.make((1000,), 1, seed=1000)
     tokens, labels, positions = (t.contiguous() for t in batch.canonical())
@@ -509,6 +512,7 @@ def _interleaved_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
     from megatron_paradyse.mcore.step_buffers import leaving_nothing, release_step_buffers
 
     H.init_parallel(tp=1, pp=2, vpp=2)
+    H.freeze_what_lives_now()
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     plan = Plan((LayerOption.parse(PIPELINE_PLANS[0]),) * (H.NUM_LAYERS // 2))  # both chunks' layers
     results = []
