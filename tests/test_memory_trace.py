@@ -64,6 +64,9 @@ moment late."""
 
 
 def _real_then_fake(rank: int, p: int) -> dict:
+    import megatron_harness as H  # megatron-core for the Megatron layer, after the CPU patches
+
+    H.freeze_what_lives_now()
     layout = SequenceLayout.build(LENGTH, p, causal=True)
     real, fake = {}, {}
     for model, dtype, options in CELLS:

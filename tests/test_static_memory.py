@@ -125,6 +125,8 @@ def _optimizer_step_peaks(rank: int, world: int) -> list[tuple[str, float, float
     from megatron_paradyse.core.memory import peak_bytes_of
     from megatron_paradyse.mcore.static_memory import OptimizerSetup, pipeline_footprints
 
+    h.freeze_what_lives_now()
+
     @contextlib.contextmanager
     def foreach_optimizers():
         """torch's optimizers as they default on CUDA, for Megatron to build."""
