@@ -45,44 +45,31 @@ def _reduce_scatter_dim0(x: Tensor, group: ProcessGroup) -> Tensor:
     return out
 
 
-class _AllGatherSeq(torch.autograd.Function):
-    """forward: all-gather dim 0; backward: reduce-scatter dim 0."""
+class _Conjugate(torch.autograd.Function):
+    """``forward(x, group)``; its backward ``adjoint(grad, group)``: a collective and its conjugate."""
 
     @staticmethod
-    def forward(ctx, x_local: Tensor, group: ProcessGroup) -> Tensor:
-        ctx.group = group
-        return _all_gather_dim0(x_local, group)
+    def forward(ctx, x: Tensor, group: ProcessGroup, forward, adjoint) -> Tensor:
+        ctx.group, ctx.adjoint = group, adjoint
+        return forward(x, group)
 
     @staticmethod
-    def backward(ctx, grad_full: Tensor):
-        return _reduce_scatter_dim0(grad_full, ctx.group), None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    """forward: reduce-scatter dim 0; backward: all-gather dim 0."""
-
-    @staticmethod
-    def forward(ctx, x_full: Tensor, group: ProcessGroup) -> Tensor:
-        ctx.group = group
-        return _reduce_scatter_dim0(x_full, group)
-
-    @staticmethod
-    def backward(ctx, grad_local: Tensor):
-        return _all_gather_dim0(grad_local, ctx.group), None
+    def backward(ctx, grad: Tensor):
+        return ctx.adjoint(grad, ctx.group), None, None, None
 
 
 def all_gather_seq(x_local: Tensor, group: ProcessGroup) -> Tensor:
     """``[s/p, ...] -> [s, ...]``. forward: AG dim 0, backward: RS dim 0."""
     if group.size() == 1:
         return x_local
-    return _AllGatherSeq.apply(x_local, group)
+    return _Conjugate.apply(x_local, group, _all_gather_dim0, _reduce_scatter_dim0)
 
 
 def reduce_scatter_seq(x_full: Tensor, group: ProcessGroup) -> Tensor:
     """``[s, ...]`` partial sums -> ``[s/p, ...]`` reduced. forward: RS dim 0, backward: AG dim 0."""
     if group.size() == 1:
         return x_full
-    return _ReduceScatterSeq.apply(x_full, group)
+    return _Conjugate.apply(x_full, group, _reduce_scatter_dim0, _all_gather_dim0)
 
 
 def _seq_to_heads(x: Tensor, group: ProcessGroup) -> Tensor:
@@ -107,32 +94,6 @@ def _heads_to_seq(x: Tensor, group: ProcessGroup) -> Tensor:
     return recv.permute(1, 2, 0, 3).reshape(s // p, b, p * width)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """forward: all-to-all sequence -> heads; backward: heads -> sequence."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
-        ctx.group = group
-        return _seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    """forward: all-to-all heads -> sequence; backward: sequence -> heads."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _seq_to_heads(grad, ctx.group), None
-
-
 def all_to_all_seq_to_heads(x_local: Tensor, group: ProcessGroup) -> Tensor:
     """``[s/p, b, p*w] -> [s, b, w]``: gather the sequence, keep the j-th chunk of the last dim on rank j.
 
@@ -142,7 +103,7 @@ def all_to_all_seq_to_heads(x_local: Tensor, group: ProcessGroup) -> Tensor:
         raise ValueError(f"expected [s/p, b, w] with w divisible by p={group.size()}, got {tuple(x_local.shape)}")
     if group.size() == 1:
         return x_local
-    return _SeqToHeads.apply(x_local, group)
+    return _Conjugate.apply(x_local, group, _seq_to_heads, _heads_to_seq)
 
 
 def all_to_all_heads_to_seq(x_full: Tensor, group: ProcessGroup) -> Tensor:
@@ -154,7 +115,7 @@ def all_to_all_heads_to_seq(x_full: Tensor, group: ProcessGroup) -> Tensor:
         raise ValueError(f"expected [s, b, w] with s divisible by p={group.size()}, got {tuple(x_full.shape)}")
     if group.size() == 1:
         return x_full
-    return _HeadsToSeq.apply(x_full, group)
+    return _Conjugate.apply(x_full, group, _heads_to_seq, _seq_to_heads)
 
 
 def _gather_shards(shard: Tensor, group: ProcessGroup, dim: int) -> Tensor:
