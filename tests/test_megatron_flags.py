@@ -161,20 +161,28 @@ def test_overlapped_reduction_is_refused_where_lean_would_break_it(tmp_path, cac
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
-def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses_learning(tmp_path, cache_p2):
+def test_pipeline_parallelism_trains_learns_and_says_what_its_budget_leaves_out(tmp_path, cache_p2):
     """PP=2 with two micro-batches per step trains; stage 0 holds both micro-batches' activations at once,
     and plans each to hold no more than the step's longest would beside the other (``stop``: the step is known
-    before it runs): one line says so. So does the interleaved schedule, with its own counts, planned for
-    --seq-length (``skip``). Learning the time model is refused, and a budget that cannot hold what the
-    schedule keeps between micro-batches."""
+    before it runs): one line says so. Each stage's micro-batches are timed (their forward and backward, not
+    the other micro-batches' work between them; no peak, which would hold that work too) and the time model
+    learns from them. The interleaved schedule trains too, with its own counts, planned for --seq-length
+    (``skip``); learning there is refused, and a budget that cannot hold what the schedule keeps between
+    micro-batches."""
     flags = [*SMALL_GPT, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
     flags += ["--global-batch-size", "2", "--train-iters", "2"]
-    config = _config(tmp_path / "cfg.yaml", cache_p2, planner={"on_infeasible": "stop"})
+    log = {"jsonl": "log.jsonl", "measure": True}
+    config = _config(tmp_path / "cfg.yaml", cache_p2, planner={"on_infeasible": "stop", "learn_time": True}, log=log)
     result = _torchrun(2, "--paradyse-config", str(config), *flags, log_dir=tmp_path / "logs")
     stdout = [rank_output(tmp_path / "logs", rank) for rank in range(2)]
     assert result.returncode == 0, stdout[0][-3000:] + stdout[1][-3000:] + result.stderr[-3000:]
     records = read_jsonl(tmp_path / "log.jsonl")
     assert [r.iteration for r in records] == [1, 2] and all(len(r.micro_batches) == 2 for r in records)
+    micro_batches = [mb for r in records for mb in r.micro_batches]
+    assert all(mb.measured_time_s > 0 and mb.measured_peak_bytes is None for mb in micro_batches), micro_batches
+    assert [mb.one_off for mb in micro_batches] == ["warm-up", None, None, None]
+    learned = re.search(r"paradyse: learned time factors \(option x\[bucket:factor\]\): (.*)\n", stdout[1])
+    assert learned and learned.group(1) != "none", stdout[1][-3000:]
     assert [out.count("paradyse: warning:") for out in stdout] == [0, 0]
     assert (
         "paradyse: PP=2: with 2 micro-batches per step under 1F1B, pipeline stages 0..1 hold activations of up to "
@@ -218,15 +226,16 @@ def test_pipeline_parallelism_trains_says_what_its_budget_leaves_out_and_refuses
         "in what the others leave\n" in stdout[0]
     ), stdout[0][-3000:]
 
-    config = _config(tmp_path / "cfg.yaml", cache_p2, planner={"on_infeasible": "skip", "learn_time": True})
+    config = _config(tmp_path / "learn" / "cfg.yaml", cache_p2, planner={"learn_time": True})
     _refused(
         config,
-        flags,
+        four_layers,
         re.escape(
             "the Megatron arguments do not fit this entry point:\n  - planner.learn_time learns from each "
-            "micro-batch's measured forward and backward, which run back to back only without pipeline "
-            "parallelism; got --pipeline-model-parallel-size 2: set planner.learn_time: false, or leave pipeline "
-            "parallelism out\n"
+            "micro-batch's measured forward and backward on a stage; Megatron's interleaved schedule runs it through "
+            "2 model chunks of the stage, each planned alone, and they are not measured apart: set "
+            "planner.learn_time: false, or leave --num-layers-per-virtual-pipeline-stage and "
+            "--num-virtual-stages-per-pipeline-rank out (1F1B)\n"
         ),
     )
 

@@ -4,6 +4,7 @@ rule, its fallbacks, the same factors on every rank (gloo), checkpoints, and pla
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -208,15 +209,26 @@ class _Block(torch.nn.Module):
         return self.linear(hidden_states).relu()
 
 
+class _Model(torch.nn.Module):
+    """Stands in for Megatron's GPTModel: its output is where the backward starts, its ``decoder`` ends it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoder = _Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(hidden_states=x * 2)
+
+
 @pytest.mark.parametrize("memory", [True, False])
 def test_the_meter_times_forward_and_backward_and_measures_memory_only_when_asked(memory):
-    block = _Block()
+    model = _Model()
     meter = MicroBatchMeter(torch.device("cpu"), static_bytes=1000.0, memory=memory)
-    meter.attach(block)
+    meter.attach(model)
     for rows in (256, 512):
         meter.begin()
         x = torch.randn(rows, 64, requires_grad=True)
-        block(hidden_states=x).sum().backward()
+        model(x).sum().backward()
     (first, first_peak, first_grew), (second, second_peak, second_grew) = meter.collect()
     assert first > 0 and second > 0
     assert not first_grew and not second_grew  # the CPU has no caching allocator to grow
@@ -225,8 +237,32 @@ def test_the_meter_times_forward_and_backward_and_measures_memory_only_when_aske
     else:
         assert first_peak is None and second_peak is None
     meter.begin()  # a window whose backward never came (a forward-only step not planned for one)
-    block(hidden_states=torch.randn(8, 64))
+    model(torch.randn(8, 64, requires_grad=True))
     assert meter.collect() == [Measurement(None, None)]
+    meter.begin(forward_only=True)  # evaluation: the forward alone, ended by the model's return
+    with torch.no_grad():
+        model(torch.randn(8, 64))
+    time.sleep(0.2)
+    ((seconds, _, _),) = meter.collect()
+    assert 0 < seconds < 0.2
+
+
+def test_the_meter_leaves_out_what_a_pipeline_stage_runs_between_a_micro_batchs_forward_and_backward():
+    """1F1B's order on a stage: the forwards of two micro-batches, then their backwards, with waits between
+    (the next stage's work). Each micro-batch's time is its own forward and backward, not the waits."""
+    model = _Model()
+    meter = MicroBatchMeter(torch.device("cpu"), static_bytes=0.0, memory=False)
+    meter.attach(model)
+    outputs = []
+    for rows in (256, 512):
+        meter.begin()
+        outputs.append(model(torch.randn(rows, 64, requires_grad=True)))
+        time.sleep(0.2)
+    for output in outputs:
+        time.sleep(0.2)
+        output.backward(torch.ones_like(output))  # as Megatron's schedule: the gradient from the next stage
+    first, second = meter.collect()
+    assert 0 < first.time_s < 0.2 and 0 < second.time_s < 0.2, (first, second)
 
 
 @pytest.mark.gpu
@@ -235,14 +271,14 @@ def test_the_meter_times_forward_and_backward_and_measures_memory_only_when_aske
 def test_the_meter_tells_a_micro_batch_during_which_the_allocator_reserved_more_device_memory(memory):
     """Mapping new device memory costs time the steady state does not pay: such a micro-batch is marked,
     and the time model does not learn from it. The same micro-batch again reuses the cached blocks."""
-    block = _Block().cuda()
+    model = _Model().cuda()
     meter = MicroBatchMeter(torch.device("cuda"), static_bytes=0.0, memory=memory)
-    meter.attach(block)
+    meter.attach(model)
     torch.cuda.empty_cache()
     for _ in range(2):
         meter.begin()
         x = torch.randn(1 << 16, 64, device="cuda", requires_grad=True)  # 16 MiB, its output and gradients more
-        block(hidden_states=x).sum().backward()
+        model(x).sum().backward()
         del x
     first, second = meter.collect()
     assert first.time_s > 0 and second.time_s > 0

@@ -480,7 +480,7 @@ class _CorpusBench:
 
             self.learning_planner = self._planner(budget, learn=True)
             self.learning_meter = MicroBatchMeter(torch.device("cpu"), 0.0, memory=False)  # time only
-            self.learning_meter.attach(self.paradyse.decoder)
+            self.learning_meter.attach(self.paradyse)
             adaptive = results[ADAPTIVE].sequences
             results[LEARNING] = ArmResult(LEARNING, [SequenceResult(s.document_tokens, s.status) for s in adaptive])
             self._learned_plans: dict[tuple[int, int], object] = {}  # (sequence, repeat): this rank's plan

@@ -277,11 +277,12 @@ def _argument_problems(args: argparse.Namespace, config: ParadyseConfig, flags: 
             f"the dataset {config.data.dataset} has no manifest naming its tokenizer: pass --tokenizer-type "
             f"and its flags"
         )
-    if config.planner.learn_time and args.pipeline_model_parallel_size > 1:
+    if config.planner.learn_time and args.virtual_pipeline_model_parallel_size is not None:
         problems.append(
-            f"planner.learn_time learns from each micro-batch's measured forward and backward, which run back to "
-            f"back only without pipeline parallelism; got --pipeline-model-parallel-size "
-            f"{args.pipeline_model_parallel_size}: set planner.learn_time: false, or leave pipeline parallelism out"
+            f"planner.learn_time learns from each micro-batch's measured forward and backward on a stage; Megatron's "
+            f"interleaved schedule runs it through {args.virtual_pipeline_model_parallel_size} model chunks of the "
+            f"stage, each planned alone, and they are not measured apart: set planner.learn_time: false, or leave "
+            f"--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank out (1F1B)"
         )
     if args.inprocess_restart:
         problems.append(

@@ -1,11 +1,14 @@
 """What a training run logs per iteration: lengths, plans, predicted against measured cost, loss.
 
-:class:`MicroBatchMeter` (made only where the config's ``log.measure`` asks: its allocator reset
-synchronises the device) measures each micro-batch's forward + backward on this rank: the time from
-the start of its ``forward_step`` until the gradient has left the first transformer layer (CUDA
-events on a GPU), and the peak memory in that window (:class:`~megatron_paradyse.core.memory.PeakMemory`:
+:class:`MicroBatchMeter` (made only where the config's ``log.measure`` or ``planner.learn_time`` asks)
+measures each micro-batch's forward + backward on this rank: its forward from the start of its
+``forward_step`` until the model has returned, and its backward from the gradient reaching the model's
+output until it has left the first transformer layer (CUDA events on a GPU); under pipeline
+parallelism a stage runs other micro-batches between the two. With ``log.measure``, also the peak
+memory from the forward's start to the backward's end (:class:`~megatron_paradyse.core.memory.PeakMemory`:
 the CUDA allocator's peak, or on the CPU the bytes held by tensors created in the window) plus the
-stage's static bytes, the same quantity the planner predicts.
+stage's static bytes, the same quantity the planner predicts: only where micro-batches run one after
+another (its allocator reset synchronises the device).
 
 Records are plain dataclasses: :func:`format_rows` makes the table the entry point prints,
 :func:`write_iteration` sends an iteration's figures to Megatron's TensorBoard and W&B writers,
@@ -108,18 +111,22 @@ class IterationLog:
 
 # -- measurement ----------------------------------------------------------------------------------
 class MicroBatchMeter:
-    """Forward + backward time and peak memory of each micro-batch, one after the other.
+    """Forward + backward time, and peak memory, of each micro-batch.
 
-    ``begin()`` in ``forward_step`` before the model runs; the model's transformer block reports the
-    end of its backward through the hook :meth:`attach` installs; ``collect()`` at the end of the
-    iteration returns ``(time_s, peak_bytes)`` per micro-batch. Only for schedules that run each
-    micro-batch's forward and backward back to back (no pipeline parallelism). A forward-only
-    micro-batch (``begin(forward_only=True)``, evaluation) is measured until the next one begins or
-    ``collect()``: its forward and its loss.
+    ``begin()`` in ``forward_step`` before the model runs; the hooks :meth:`attach` installs on the model
+    mark the end of its forward, the gradient's arrival at its output and the gradient's departure from
+    its transformer block's input (tensor hooks: no tensor of the model's is replaced); ``collect()`` at
+    the end of the iteration returns each micro-batch's :class:`Measurement`, in the order they began. A
+    micro-batch's time is its forward plus its backward, whatever ran between the two (the loss's
+    reduction; under pipeline parallelism, other micro-batches' forwards and backwards on the stage). A
+    forward-only micro-batch (``begin(forward_only=True)``, evaluation) is its forward, loss included
+    (Megatron's ``GPTModel`` computes the per-token loss).
 
-    ``memory=False`` measures time only (peaks None): no device synchronisation inside a step on CUDA
-    (events, read at ``collect()``), and on the CPU no operator-watching dispatch mode, whose own cost
-    would be measured with the work.
+    ``memory=True`` also measures the peak from a micro-batch's start to its backward's end: only for
+    schedules that run each micro-batch's forward and backward back to back (no pipeline parallelism),
+    since the window holds whatever else runs in it. ``memory=False`` measures time only (peaks None): no
+    device synchronisation inside a step on CUDA (events, read at ``collect()``), and on the CPU no
+    operator-watching dispatch mode, whose own cost would be measured with the work.
     """
 
     def __init__(self, device: torch.device, static_bytes: float, *, memory: bool = True) -> None:
@@ -130,19 +137,31 @@ class MicroBatchMeter:
         self._done: list[_Window] = []
         self._hooked: set[int] = set()
 
-    def attach(self, block: torch.nn.Module) -> None:
-        """Report the end of ``block``'s backward (a Megatron ``TransformerBlock``); once per block."""
-        if id(block) in self._hooked:
+    def attach(self, model: torch.nn.Module) -> None:
+        """Mark the forward's end and the backward's start at ``model``'s output (a Megatron ``GPTModel``,
+        or the stage of one), and the backward's end at its transformer block's input; once per model."""
+        if id(model) in self._hooked:
             return
-        self._hooked.add(id(block))
+        self._hooked.add(id(model))
 
-        def wrap_input(module, args, kwargs):
+        def mark_block_input(module, args, kwargs):
             window = self._open
-            if window is None or not torch.is_grad_enabled() or "hidden_states" not in kwargs:
-                return None
-            return args, {**kwargs, "hidden_states": _BackwardEnd.apply(kwargs["hidden_states"], window)}
+            # a later pipeline stage's block reads the tensor received from the stage before
+            hidden = kwargs.get("hidden_states")
+            hidden = getattr(module, "input_tensor", None) if hidden is None else hidden
+            if window is not None and torch.is_grad_enabled() and hidden is not None and hidden.requires_grad:
+                hidden.register_hook(window.gradient_left)
 
-        block.register_forward_pre_hook(wrap_input, with_kwargs=True)
+        def mark_output(module, args, output):
+            window = self._open
+            if window is None:
+                return
+            window.forward_returned()
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(window.gradient_arrived)
+
+        model.decoder.register_forward_pre_hook(mark_block_input, with_kwargs=True)
+        model.register_forward_hook(mark_output)
 
     def begin(self, *, forward_only: bool = False) -> None:
         self._close()
@@ -155,8 +174,6 @@ class MicroBatchMeter:
 
     def _close(self) -> None:
         if self._open is not None:
-            if self._open.forward_only:
-                self._open.finish()
             if self._open.memory is not None:
                 self._open.memory.__exit__(None, None, None)
             self._done.append(self._open)
@@ -173,7 +190,8 @@ class Measurement(NamedTuple):
 
 
 class _Window:
-    """One micro-batch's measurement: opened in its forward step, ended by its backward."""
+    """One micro-batch's measurement: opened in its forward step, ended by its backward (or, forward only,
+    by its forward's return). Times are CUDA events, or ``time.perf_counter()`` on the CPU."""
 
     def __init__(self, device: torch.device, *, forward_only: bool, memory: bool) -> None:
         self.memory = PeakMemory(device).__enter__() if memory else None
@@ -185,43 +203,52 @@ class _Window:
         # the allocator's own count, read on the host: no synchronisation
         self.reserved = torch.cuda.memory_reserved(device) if self.cuda else 0
         self.allocator_grew = False
-        if self.cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.start, self.end = time.perf_counter(), None
+        self.start = self._now()
+        self.forward_end = self.backward_start = self.end = None
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def forward_returned(self) -> None:
+        if self.forward_end is None:
+            self.forward_end = self._now()
+            if self.forward_only:
+                self.finish()
+
+    def gradient_arrived(self, grad: torch.Tensor) -> None:
+        if self.backward_start is None:
+            self.backward_start = self._now()
+
+    def gradient_left(self, grad: torch.Tensor) -> None:
+        """The gradient has passed every layer of the block: the backward's end."""
+        self.finish()
 
     def finish(self) -> None:
         self.finished = True
         if self.memory is not None:
             self.peak = self.memory.peak_until_now()
+        self.end = self._now()
         if self.cuda:
-            self.end.record()
             self.allocator_grew = torch.cuda.memory_reserved(self.device) > self.reserved
-        else:
-            self.end = time.perf_counter()
 
     def result(self, static_bytes: float) -> Measurement:
-        if not self.finished:  # no backward seen (the step ran forward only, unplanned for it)
-            return Measurement(None, None)
-        if self.cuda:
-            self.end.synchronize()
-        seconds = self.start.elapsed_time(self.end) / 1e3 if self.cuda else self.end - self.start
+        if not self.finished or (not self.forward_only and self.backward_start is None):
+            return Measurement(None, None)  # no backward seen (the step ran forward only, unplanned for it)
+        if self.forward_only:
+            seconds = self._seconds(self.start, self.end)
+        else:
+            seconds = self._seconds(self.start, self.forward_end) + self._seconds(self.backward_start, self.end)
         return Measurement(seconds, None if self.peak is None else static_bytes + self.peak, self.allocator_grew)
 
-
-class _BackwardEnd(torch.autograd.Function):
-    """Identity; its backward runs once the gradient has passed every layer above it."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, window: _Window) -> torch.Tensor:
-        ctx.window = window
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.window.finish()
-        return grad, None
+    def _seconds(self, begin, end) -> float:
+        if not self.cuda:
+            return end - begin
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
 
 
 # -- the table ------------------------------------------------------------------------------------

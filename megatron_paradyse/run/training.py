@@ -217,8 +217,12 @@ class TrainingRun:
         if job.args.iteration > 0:
             self._resume(iterator)
         self.iterators.append(iterator)
-        if (config.log.measure or learning) and mpu.get_pipeline_model_parallel_world_size() == 1:
-            self.meter = MicroBatchMeter(job.device, self.footprints[stage].static_bytes, memory=config.log.measure)
+        if (config.log.measure or learning) and job.args.virtual_pipeline_model_parallel_size is None:
+            # a micro-batch's peak is its own only where nothing else runs between its forward and backward
+            one_at_a_time = mpu.get_pipeline_model_parallel_world_size() == 1
+            self.meter = MicroBatchMeter(
+                job.device, self.footprints[stage].static_bytes, memory=config.log.measure and one_at_a_time
+            )
         return iterator
 
     def _prepare(self) -> None:
@@ -370,7 +374,7 @@ class TrainingRun:
             )
         )
         if measured:
-            self.meter.attach(get_attr_wrapped_model(model, "decoder"))
+            self.meter.attach(get_attr_wrapped_model(model, "decoder", return_model_obj=True))
             self.meter.begin(forward_only=planned.evaluation)
 
     def _loss(self, loss_mask: torch.Tensor, index: int | None, output: torch.Tensor):
@@ -498,8 +502,10 @@ class TrainingRun:
         for micro_batch, seconds in zip(planned, measured):
             if seconds is not None and seconds > 0:
                 planner.observe_time(micro_batch.layout, micro_batch.decision.plan, seconds)
-        # every rank runs the same number of micro-batches; each ran at most every option a layer may take
-        if self.time_corrections.agree(most_entries=get_num_microbatches() * len(planner.options)):
+        # every rank runs the same number of micro-batches; each ran at most every option a layer of any
+        # stage may take (the same count on every rank, whatever its stage)
+        options = max(len(stage_planner.options) for stage_planner in self.iterators[0].planners)
+        if self.time_corrections.agree(most_entries=get_num_microbatches() * options):
             for iterator in self.iterators:
                 for stage_planner in iterator.planners:
                     stage_planner.clear_cache()
