@@ -167,8 +167,8 @@ def test_pipeline_parallelism_trains_learns_and_says_what_its_budget_leaves_out(
     before it runs): one line says so. Each stage's micro-batches are timed (their forward and backward, not
     the other micro-batches' work between them; no peak, which would hold that work too) and the time model
     learns from them. The interleaved schedule trains too, with its own counts, planned for --seq-length
-    (``skip``); learning there is refused, and a budget that cannot hold what the schedule keeps between
-    micro-batches."""
+    (``skip``), each micro-batch timed through both model chunks of a stage. A budget that cannot hold what
+    the schedule keeps between micro-batches is refused."""
     flags = [*SMALL_GPT, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
     flags += ["--global-batch-size", "2", "--train-iters", "2"]
     log = {"jsonl": "log.jsonl", "measure": True}
@@ -211,13 +211,19 @@ def test_pipeline_parallelism_trains_learns_and_says_what_its_budget_leaves_out(
     assert result.returncode != 0
     assert result.stderr.count("paradyse: error: pipeline stage 0: a sequence of ") == 2, result.stderr[-3000:]
     assert not re.search(r"\[rank\d\]: Traceback", result.stderr), result.stderr[-3000:]
-    config = _config(tmp_path / "roomy" / "cfg.yaml", cache_p2)
+    # each micro-batch timed through both chunks of the stage, and learned from
+    planner = {"on_infeasible": "skip", "learn_time": True}
+    config = _config(tmp_path / "roomy" / "cfg.yaml", cache_p2, planner=planner, log=log)
     result = _torchrun(2, "--paradyse-config", str(config), *four_layers, log_dir=tmp_path / "roomy" / "logs")
     stdout = [rank_output(tmp_path / "roomy" / "logs", rank) for rank in range(2)]
     assert result.returncode == 0, stdout[0][-3000:] + stdout[1][-3000:] + result.stderr[-3000:]
     records = read_jsonl(tmp_path / "roomy" / "log.jsonl")
     assert [r.iteration for r in records] == [1, 2] and all(len(r.micro_batches) == 4 for r in records)
     assert len({mb.tokens for r in records for mb in r.micro_batches}) > 1
+    micro_batches = [mb for r in records for mb in r.micro_batches]
+    assert all(mb.measured_time_s > 0 and mb.measured_peak_bytes is None for mb in micro_batches), micro_batches
+    learned = re.search(r"paradyse: learned time factors \(option x\[bucket:factor\]\): (.*)\n", stdout[1])
+    assert learned and learned.group(1) != "none", stdout[1][-3000:]
     assert [out.count("paradyse: warning:") for out in stdout] == [0, 0]
     assert (
         "paradyse: PP=2: with 4 micro-batches per step under the interleaved schedule (2 chunks a stage), pipeline "
@@ -225,19 +231,6 @@ def test_pipeline_parallelism_trains_learns_and_says_what_its_budget_leaves_out(
         "micro-batch of --seq-length 4096 tokens holds under the fastest plan that fits that many of it, and peak "
         "in what the others leave\n" in stdout[0]
     ), stdout[0][-3000:]
-
-    config = _config(tmp_path / "learn" / "cfg.yaml", cache_p2, planner={"learn_time": True})
-    _refused(
-        config,
-        four_layers,
-        re.escape(
-            "the Megatron arguments do not fit this entry point:\n  - planner.learn_time learns from each "
-            "micro-batch's measured forward and backward on a stage; Megatron's interleaved schedule runs it through "
-            "2 model chunks of the stage, each planned alone, and they are not measured apart: set "
-            "planner.learn_time: false, or leave --num-layers-per-virtual-pipeline-stage and "
-            "--num-virtual-stages-per-pipeline-rank out (1F1B)\n"
-        ),
-    )
 
     # Stage 1 keeps the input of one micro-batch of --seq-length tokens and its gradient (here data.max_len's
     # 256K: 128 MiB in fp32) into the next one: more than the 16 MiB budget. Refused on every rank before

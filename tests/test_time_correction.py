@@ -265,6 +265,41 @@ def test_the_meter_leaves_out_what_a_pipeline_stage_runs_between_a_micro_batchs_
     assert 0 < first.time_s < 0.2 and 0 < second.time_s < 0.2, (first, second)
 
 
+def test_the_meter_adds_up_a_micro_batchs_model_chunks():
+    """The interleaved schedule on a stage: each micro-batch runs through both model chunks (the second
+    reads what the first sent on, as received from another stage), forwards first, backwards later, waits
+    between. A micro-batch's time is its two chunks' forwards and backwards (the second chunk's forward
+    takes 30 ms more); the waits are not in it."""
+
+    class _SlowModel(_Model):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.03)
+            return super().forward(x)
+
+    chunks = [_Model(), _SlowModel()]
+    meter = MicroBatchMeter(torch.device("cpu"), static_bytes=0.0, memory=False)
+    for model in chunks:
+        meter.attach(model)
+    sent = []  # per micro-batch: each chunk's (input, output)
+    for rows in (256, 512):
+        x, passes = torch.randn(rows, 64, requires_grad=True), []
+        for index, model in enumerate(chunks):
+            meter.begin(chunk=index)
+            output = model(x)
+            passes.append((x, output))
+            x = output.detach().requires_grad_()
+            time.sleep(0.1)
+        sent.append(passes)
+    for passes in sent:
+        grad = None
+        for x, output in reversed(passes):
+            time.sleep(0.1)
+            output.backward(torch.ones_like(output) if grad is None else grad)
+            grad = x.grad
+    measured = meter.collect()
+    assert len(measured) == 2 and all(0.03 < m.time_s < 0.1 for m in measured), measured
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("memory", [True, False])

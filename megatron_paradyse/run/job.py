@@ -277,13 +277,6 @@ def _argument_problems(args: argparse.Namespace, config: ParadyseConfig, flags: 
             f"the dataset {config.data.dataset} has no manifest naming its tokenizer: pass --tokenizer-type "
             f"and its flags"
         )
-    if config.planner.learn_time and args.virtual_pipeline_model_parallel_size is not None:
-        problems.append(
-            f"planner.learn_time learns from each micro-batch's measured forward and backward on a stage; Megatron's "
-            f"interleaved schedule runs it through {args.virtual_pipeline_model_parallel_size} model chunks of the "
-            f"stage, each planned alone, and they are not measured apart: set planner.learn_time: false, or leave "
-            f"--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank out (1F1B)"
-        )
     if args.inprocess_restart:
         problems.append(
             "--inprocess-restart: Megatron's in-process restart is not wired into this entry point; an out-of-memory "

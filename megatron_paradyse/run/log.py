@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -124,9 +125,10 @@ class MicroBatchMeter:
 
     ``memory=True`` also measures the peak from a micro-batch's start to its backward's end: only for
     schedules that run each micro-batch's forward and backward back to back (no pipeline parallelism),
-    since the window holds whatever else runs in it. ``memory=False`` measures time only (peaks None): no
-    device synchronisation inside a step on CUDA (events, read at ``collect()``), and on the CPU no
-    operator-watching dispatch mode, whose own cost would be measured with the work.
+    since the window holds whatever else runs in it (so not with model chunks either). ``memory=False``
+    measures time only (peaks None): no device synchronisation inside a step on CUDA (events, read at
+    ``collect()``), and on the CPU no operator-watching dispatch mode, whose own cost would be measured
+    with the work.
     """
 
     def __init__(self, device: torch.device, static_bytes: float, *, memory: bool = True) -> None:
@@ -163,14 +165,30 @@ class MicroBatchMeter:
         model.decoder.register_forward_pre_hook(mark_block_input, with_kwargs=True)
         model.register_forward_hook(mark_output)
 
-    def begin(self, *, forward_only: bool = False) -> None:
+    def begin(self, *, forward_only: bool = False, chunk: int = 0) -> None:
+        """A micro-batch's forward starts on model chunk ``chunk`` (Megatron's interleaved schedule runs
+        each micro-batch through every chunk of the stage, the step's micro-batches in the same order)."""
         self._close()
-        self._open = _Window(self.device, forward_only=forward_only, memory=self.memory)
+        self._open = _Window(self.device, forward_only=forward_only, memory=self.memory, chunk=chunk)
 
     def collect(self) -> list[Measurement]:
+        """Each micro-batch begun since the last call, in order: the ``k``-th begun on each chunk is one
+        micro-batch, its time the sum of its chunks' (None where a chunk's is missing)."""
         self._close()
         done, self._done = self._done, []
-        return [w.result(self.static_bytes) for w in done]
+        by_chunk: dict[int, list[Measurement]] = {}
+        for window in done:
+            by_chunk.setdefault(window.chunk, []).append(window.result(self.static_bytes))
+        if len(by_chunk) <= 1:
+            return next(iter(by_chunk.values()), [])
+        measurements = []
+        for k in range(max(len(parts) for parts in by_chunk.values())):
+            parts = [chunk[k] for chunk in by_chunk.values() if k < len(chunk)]
+            times = [part.time_s for part in parts]
+            complete = len(parts) == len(by_chunk) and None not in times
+            grew = any(part.allocator_grew for part in parts)
+            measurements.append(Measurement(math.fsum(times) if complete else None, None, grew))
+        return measurements
 
     def _close(self) -> None:
         if self._open is not None:
@@ -193,9 +211,10 @@ class _Window:
     """One micro-batch's measurement: opened in its forward step, ended by its backward (or, forward only,
     by its forward's return). Times are CUDA events, or ``time.perf_counter()`` on the CPU."""
 
-    def __init__(self, device: torch.device, *, forward_only: bool, memory: bool) -> None:
+    def __init__(self, device: torch.device, *, forward_only: bool, memory: bool, chunk: int) -> None:
         self.memory = PeakMemory(device).__enter__() if memory else None
         self.forward_only = forward_only
+        self.chunk = chunk
         self.device = device
         self.cuda = device.type == "cuda"
         self.finished = False

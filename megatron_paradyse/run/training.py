@@ -217,7 +217,7 @@ class TrainingRun:
         if job.args.iteration > 0:
             self._resume(iterator)
         self.iterators.append(iterator)
-        if (config.log.measure or learning) and job.args.virtual_pipeline_model_parallel_size is None:
+        if (config.log.measure or learning) and self.meter is None:  # one for every chunk
             # a micro-batch's peak is its own only where nothing else runs between its forward and backward
             one_at_a_time = mpu.get_pipeline_model_parallel_world_size() == 1
             self.meter = MicroBatchMeter(
@@ -329,6 +329,9 @@ class TrainingRun:
             self._forwards[chunk] = index + 1
         if chunk == 0:
             self._record(planned, model)
+        if self.meter is not None and (planned.evaluation or torch.is_grad_enabled()):
+            self.meter.attach(get_attr_wrapped_model(model, "decoder", return_model_obj=True))
+            self.meter.begin(forward_only=planned.evaluation, chunk=chunk)
         batch = planned.batch
         # from pinned memory on a GPU: a copy from pageable memory first waits for the device to catch up
         pinned = self.job.device.type == "cuda"
@@ -346,9 +349,7 @@ class TrainingRun:
         return output, functools.partial(self._loss, loss_mask, index)
 
     def _record(self, planned, model) -> None:
-        """Log the micro-batch (once, from the first model chunk) and start measuring it."""
-        from megatron.core.utils import get_attr_wrapped_model
-
+        """Log the micro-batch (once, from the first model chunk)."""
         from megatron_paradyse.run.log import WARM_UP, MicroBatchLog
 
         if not self._checked_parameters:
@@ -373,9 +374,6 @@ class TrainingRun:
                 one_off=WARM_UP if warmup else None,
             )
         )
-        if measured:
-            self.meter.attach(get_attr_wrapped_model(model, "decoder", return_model_obj=True))
-            self.meter.begin(forward_only=planned.evaluation)
 
     def _loss(self, loss_mask: torch.Tensor, index: int | None, output: torch.Tensor):
         """Megatron 0.19's per-token loss convention: (sum, tokens, report); ``index``: the micro-batch's
