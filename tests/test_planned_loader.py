@@ -121,6 +121,20 @@ def test_forwards_in_flight_hold_what_the_steps_longest_holds(tmp_path):
     assert [next(resumed).layout.valid_len for _ in range(3)] == [next(it).layout.valid_len for _ in range(3)]
 
 
+def test_the_first_stages_checkpoint_holds_every_stages_planner_as_its_own_ranks_left_it(tmp_path):
+    """Megatron saves the data's position from the first pipeline stage's ranks only: each later stage's
+    previous plan (hysteresis) must be in it as that stage's ranks left it, to resume as it would have gone on."""
+    lengths = [100, 200, 300, 400, 500]
+    stages = [
+        PlannedMicroBatches(_loader(tmp_path, lengths), [_planner(0, "skip"), _planner(1000, "skip")], stage=stage)
+        for stage in (0, 1)
+    ]
+    for it in stages:
+        next(it), next(it)
+    saved, own = stages[0].save_state()["planners"][1], stages[1].save_state()["planners"][1]
+    assert saved == own and own["previous"] is not None
+
+
 def test_spread_by_length_climbs_evenly_in_log_length(tmp_path):
     lengths = np.array([5, 3000, 40, 100, 100, 101, 700, 2000, 60, 260, 9000, 150])
     picked = spread_by_length(lengths, 5, 50, 3000)

@@ -129,8 +129,11 @@ class PlannedMicroBatches:
             batch = next(self.loader)
             problem = self._first_infeasible(batch["layout"])
             if problem is None:
-                planner = self.planners[self.stage]
-                decision = planner.decide(batch["layout"])
+                # every stage's planner decides, on every rank: Megatron saves the data's position, and
+                # with it the planners' state (:meth:`save_state`), from the first stage's ranks only, so
+                # theirs must hold each later stage's planner as that stage's own ranks left it
+                decisions = [planner.decide(batch["layout"]) for planner in self.planners]
+                planner, decision = self.planners[self.stage], decisions[self.stage]
                 predicted_s = planner.predicted_time_s(decision.plan, batch["layout"])
                 return PlannedMicroBatch(batch, decision, predicted_s, self.evaluation)
             stage, error = problem
