@@ -27,6 +27,7 @@ from megatron_paradyse.core.offload import ActivationOffload
 from megatron_paradyse.core.plan import LayerOption, Plan
 from megatron_paradyse.cost.terms import layer_terms
 from megatron_paradyse.mcore.trace import LayerModel, RankTracer, fake_world
+from megatron_paradyse.run.log import MicroBatchMeter
 from megatron_paradyse.strategies import ModelShape
 from megatron_paradyse.strategies.registry import strategy_names
 
@@ -171,7 +172,8 @@ def test_offloaded_activations_go_to_pinned_memory_and_come_back_prefetched():
 def test_a_gpt_step_makes_no_host_synchronisation():
     """Embedding, two Paradyse layers, output layer and loss, forward and backward: after a warm-up
     step, one under the sync-debug mode; the layout's indices go to the device first, as the entry
-    point puts them there."""
+    point puts them there. The time-only meter that ``planner.learn_time`` uses times both steps
+    (CUDA events, read after the step)."""
     compat.install()
     import megatron_harness as harness
 
@@ -185,8 +187,13 @@ def test_a_gpt_step_makes_no_host_synchronisation():
         model = harness.build_gpt(config, get_paradyse_layer_spec(config)).cuda()
         position_ids = layout.indices("cuda").position_ids[None]
         plan = Plan((LayerOption("tp_sp", "tp_sp"), LayerOption("ring", "zero3", True)))
+        meter = MicroBatchMeter(torch.device("cuda"), static_bytes=0.0, memory=False)
+        meter.attach(model)
         for watch in (contextlib.nullcontext(), cuda_sync_debug("error")):  # a warm-up step, then the check
             with watch:
+                meter.begin()
                 with micro_batch_scope(MicroBatch(layout=layout, plan=plan, attention_kernel="auto")):
                     loss = model(tokens, position_ids, None, labels=tokens)
                 loss.sum().backward()
+        times = [measured.time_s for measured in meter.collect()]
+        assert len(times) == 2 and min(times) > 0, times
