@@ -20,6 +20,7 @@ import torch
 import yaml
 from torchrun import rank_output, torchrun
 
+from megatron_paradyse.cost.correction import TimeCorrections
 from megatron_paradyse.run.log import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,7 +174,8 @@ def test_pipeline_parallelism_trains_learns_and_says_what_its_budget_leaves_out(
     flags += ["--global-batch-size", "2", "--train-iters", "2"]
     log = {"jsonl": "log.jsonl", "measure": True}
     config = _config(tmp_path / "cfg.yaml", cache_p2, planner={"on_infeasible": "stop", "learn_time": True}, log=log)
-    result = _torchrun(2, "--paradyse-config", str(config), *flags, log_dir=tmp_path / "logs")
+    save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    result = _torchrun(2, "--paradyse-config", str(config), *flags, *save, log_dir=tmp_path / "logs")
     stdout = [rank_output(tmp_path / "logs", rank) for rank in range(2)]
     assert result.returncode == 0, stdout[0][-3000:] + stdout[1][-3000:] + result.stderr[-3000:]
     records = read_jsonl(tmp_path / "log.jsonl")
@@ -183,6 +185,14 @@ def test_pipeline_parallelism_trains_learns_and_says_what_its_budget_leaves_out(
     assert [mb.one_off for mb in micro_batches] == ["warm-up", None, None, None]
     learned = re.search(r"paradyse: learned time factors \(option x\[bucket:factor\]\): (.*)\n", stdout[1])
     assert learned and learned.group(1) != "none", stdout[1][-3000:]
+    # Megatron saves the loader's state from stage 0's rank alone: it holds stage 1's previous plan too (one
+    # layer a stage), and the corrections stage 1's rank printed: the two ranks agreed on them
+    (saved,) = (tmp_path / "ckpt" / "iter_0000002").rglob("train_dataloader_dprank000.pt")
+    state = torch.load(saved, weights_only=False)["dataloader_state_dict"]
+    assert [sum(planner["previous"]) for planner in state["planners"]] == [1, 1], state["planners"]
+    corrections = TimeCorrections()
+    corrections.load_state_dict(state["time_corrections"])
+    assert corrections.summary() == learned.group(1)
     assert [out.count("paradyse: warning:") for out in stdout] == [0, 0]
     assert (
         "paradyse: PP=2: with 2 micro-batches per step under 1F1B, pipeline stages 0..1 hold activations of up to "
