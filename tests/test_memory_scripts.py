@@ -56,7 +56,11 @@ OPTIONS = [
 
 
 def model_shape(kind: str, p: int, qk_norm: bool = False) -> ModelShape:
-    """Heads, groups and MLP units divisible by p: MHA with GELU, or GQA (2 query heads a group) with SwiGLU."""
+    """Heads, groups and MLP units divisible by p: MHA with GELU, or GQA (2 query heads a group) with SwiGLU;
+    ``wide``: GQA's with twice the hidden size, where an MLP's weights outweigh its 32 tokens a rank (a
+    weight gathered ahead then sets the forward's peak: ``zero3``'s fc2 during fc1)."""
+    if kind == "wide":
+        return dataclasses.replace(model_shape("gqa", p, qk_norm), hidden_size=96, kv_channels=16)
     if kind == "mha":
         return ModelShape(
             hidden_size=64,
@@ -113,6 +117,7 @@ def cells(p: int) -> list[Cell]:
     for shape, dtype, bias in itertools.product(("mha", "gqa"), DTYPES, (True, False)):
         for name in ("tp_sp", "zero3", "lean"):
             out.append(Cell("mlp", name, shape, "one", True, dtype, bias))
+    out += [Cell("mlp", "zero3", "wide", "one", True, dtype, bias=dtype == "fp32") for dtype in DTYPES]
     for i, option in enumerate(OPTIONS):
         dtype = ("fp32", "bf16", "fp16")[i % 3]
         out.append(Cell("layer", option, "gqa", "packed", True, dtype, bias=option.startswith(("tp_sp", "ring"))))

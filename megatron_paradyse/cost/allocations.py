@@ -324,10 +324,12 @@ def _bias_grad(m: _Memory, d: Dims, bias: bool) -> None:
         m.to_autograd("bias_grad")
 
 
-def _gather_weight(m: _Memory, name: str, nbytes: float, *, row: bool) -> str:
-    """``zero3_linear``'s all-gathered weight; row-parallel shards arrive as ``[p, out, in/p]`` and are
-    laid out as ``[out, in]`` (a copy). Returns the name of the full weight."""
-    m.alloc(**{name: nbytes})
+def _gather_weight(m: _Memory, name: str, nbytes: float, *, row: bool, gathered: bool = False) -> str:
+    """``zero3_linear``'s all-gathered weight (``gathered``: its gather started ahead, :class:`Zero3Gathers`,
+    the buffer already alive); row-parallel shards arrive as ``[p, out, in/p]`` and are laid out as
+    ``[out, in]`` (a copy). Returns the name of the full weight."""
+    if not gathered:
+        m.alloc(**{name: nbytes})
     if row:
         m.alloc(**{f"{name}_t": nbytes})
         m.free(name)
@@ -336,15 +338,29 @@ def _gather_weight(m: _Memory, name: str, nbytes: float, *, row: bool) -> str:
 
 
 def _zero3_forward(
-    m: _Memory, d: Dims, name: str, out: str, out_bytes: float, w: float, *, bias: float = 0.0, row: bool = False
+    m: _Memory,
+    d: Dims,
+    name: str,
+    out: str,
+    out_bytes: float,
+    w: float,
+    *,
+    bias: float = 0.0,
+    row: bool = False,
+    gathered: bool = False,
+    ahead: tuple[str, float] | None = None,
 ) -> None:
-    """``out = zero3_linear(x, W, b)``: the weight (and a column bias) exist for the GEMM only."""
+    """``out = zero3_linear(x, W, b)``: the weight (and a column bias) exist for the GEMM only; ``gathered``:
+    the weight's gather was started ahead; ``ahead``: the next linear's weight (name, bytes), whose gather
+    this one starts before its GEMM (:class:`~megatron_paradyse.core.comm.Zero3Gathers`)."""
     if d.p == 1:
         m.alloc(**{out: out_bytes})
         return
     if bias:
         m.alloc(**{f"{name}_b": bias})
-    weight = _gather_weight(m, f"{name}_w", w, row=row)
+    weight = _gather_weight(m, f"{name}_w", w, row=row, gathered=gathered)
+    if ahead is not None:
+        m.alloc(**{f"{ahead[0]}_w": ahead[1]})
     m.alloc(**{out: out_bytes})
     m.free(weight, *((f"{name}_b",) if bias else ()))
 
@@ -1203,9 +1219,10 @@ def _zero3_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
     w1, w2, b1 = d.f1 * d.h * e, d.h * d.f * e, d.f1 * e if d.bias else 0.0
 
     fwd = _Memory(x_local=d.x)
-    _zero3_forward(fwd, d, "fc1", "fc1_out", t * b * d.f1 * e, w1, bias=b1)
+    # fc2's weight gathered during fc1's GEMM (Zero3Gathers)
+    _zero3_forward(fwd, d, "fc1", "fc1_out", t * b * d.f1 * e, w1, bias=b1, ahead=("fc2", w2))
     act = _activation_forward(fwd, d, t, d.f)
-    _zero3_forward(fwd, d, "fc2", "fc2_out", d.x, w2, row=True)
+    _zero3_forward(fwd, d, "fc2", "fc2_out", d.x, w2, row=True, gathered=True)
     _add_bias(fwd, d, "fc2_out")
     saved = fwd.returns("y_local", "x_local", "fc1_out", *act)
 

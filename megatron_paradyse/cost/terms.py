@@ -282,12 +282,15 @@ def _tp_sp_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
 
 
 def _zero3_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
+    """fc2's weight gathered while fc1 computes (``Zero3Gathers``): that gather streams beside the forward
+    pass; the other gathers and the weight gradients' reduce-scatters are waited for."""
     t, b, e = d.t, d.b, d.e
-    fc1_fwd, fc1_bwd = _gathered(d.f1 * d.h * e, d)
-    fc2_fwd, fc2_bwd = _gathered(d.h * d.f * e, d)
+    (fc1_gather,), fc1_bwd = _gathered(d.f1 * d.h * e, d)
+    (fc2_gather,), fc2_bwd = _gathered(d.h * d.f * e, d)
     return SublayerTerms(
         gemms=(Gemm(t * b, d.f1, d.h), Gemm(t * b, d.h, d.f)),
-        fwd_comm=(*fc1_fwd, *fc2_fwd),
+        fwd_comm=(fc1_gather,),
+        fwd_streamed=(fc2_gather,),
         bwd_comm=(*fc2_bwd, *fc1_bwd),
         elementwise_bytes=3 * t * b * d.f1 * e,
     )

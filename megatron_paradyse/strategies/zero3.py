@@ -2,15 +2,16 @@
 
 The MLP needs no other token, so each rank runs its own ``s/p`` tokens through the full weights,
 all-gathered from the TP shards for each GEMM (again in backward: nothing full is saved); the weight
-gradients are reduce-scattered back. No activation crosses the wire; the transient cost is one
-gathered weight (and, in backward, its full gradient).
+gradients are reduce-scattered back. No activation crosses the wire. fc2's weight is gathered while
+fc1's GEMM runs (:class:`~megatron_paradyse.core.comm.Zero3Gathers`): the transient cost is up to both
+gathered weights in forward, one and its full gradient in backward.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from megatron_paradyse.core.comm import zero3_linear
+from megatron_paradyse.core.comm import Zero3Gathers, zero3_linear
 from megatron_paradyse.strategies.base import MLPContext, MLPWeights, Strategy
 from megatron_paradyse.strategies.common import activate, add_bias
 from megatron_paradyse.strategies.registry import register
@@ -18,9 +19,10 @@ from megatron_paradyse.strategies.registry import register
 
 def mlp(x_local: Tensor, w: MLPWeights, ctx: MLPContext) -> Tensor:
     group = ctx.group
-    h = zero3_linear(x_local, w.fc1, w.fc1_bias, group, dim=0)
+    gathers = Zero3Gathers([(w.fc1, 0), (w.fc2, 1)], group)
+    h = zero3_linear(x_local, w.fc1, w.fc1_bias, group, dim=0, gathers=gathers, index=0)
     h = activate(h, ctx.shape, ctx.activation, blocks=group.size())  # [s/p, b, ffn], rank order
-    return add_bias(zero3_linear(h, w.fc2, None, group, dim=1), w.fc2_bias)
+    return add_bias(zero3_linear(h, w.fc2, None, group, dim=1, gathers=gathers, index=1), w.fc2_bias)
 
 
 register(
