@@ -179,15 +179,15 @@ class MicroBatchMeter:
         by_chunk: dict[int, list[Measurement]] = {}
         for window in done:
             by_chunk.setdefault(window.chunk, []).append(window.result(self.static_bytes))
-        if len(by_chunk) <= 1:
-            return next(iter(by_chunk.values()), [])
+        chunks = list(by_chunk.values())
         measurements = []
-        for k in range(max(len(parts) for parts in by_chunk.values())):
-            parts = [chunk[k] for chunk in by_chunk.values() if k < len(chunk)]
+        for k in range(max(map(len, chunks), default=0)):
+            parts = [chunk[k] for chunk in chunks if k < len(chunk)]
             times = [part.time_s for part in parts]
-            complete = len(parts) == len(by_chunk) and None not in times
+            complete = len(parts) == len(chunks) and None not in times
+            peak = parts[0].peak_bytes if len(chunks) == 1 else None  # memory is measured with one chunk only
             grew = any(part.allocator_grew for part in parts)
-            measurements.append(Measurement(math.fsum(times) if complete else None, None, grew))
+            measurements.append(Measurement(math.fsum(times) if complete else None, peak, grew))
         return measurements
 
     def _close(self) -> None:

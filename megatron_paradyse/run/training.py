@@ -327,9 +327,10 @@ class TrainingRun:
         if not planned.evaluation:
             index = self._forwards.get(chunk, 0)  # chunks run the step's micro-batches in the same order
             self._forwards[chunk] = index + 1
+        measured = self.meter is not None and (planned.evaluation or torch.is_grad_enabled())
         if chunk == 0:
-            self._record(planned, model)
-        if self.meter is not None and (planned.evaluation or torch.is_grad_enabled()):
+            self._record(planned, model, measured)
+        if measured:
             self.meter.attach(get_attr_wrapped_model(model, "decoder", return_model_obj=True))
             self.meter.begin(forward_only=planned.evaluation, chunk=chunk)
         batch = planned.batch
@@ -348,14 +349,13 @@ class TrainingRun:
             output = model(tokens, position_ids, None, labels=labels, output_processor=output_processor(step.plan))
         return output, functools.partial(self._loss, loss_mask, index)
 
-    def _record(self, planned, model) -> None:
+    def _record(self, planned, model, measured: bool) -> None:
         """Log the micro-batch (once, from the first model chunk)."""
         from megatron_paradyse.run.log import WARM_UP, MicroBatchLog
 
         if not self._checked_parameters:
             self._check_parameter_count(model)
         plan = planned.decision.plan
-        measured = self.meter is not None and (planned.evaluation or torch.is_grad_enabled())
         warmup = measured and not planned.evaluation and not self._warmed_up
         self._warmed_up |= warmup
         if not planned.evaluation:
