@@ -113,8 +113,9 @@ def test_zero3_strategies_gather_weights_for_each_gemm_and_keep_none():
         ("all_gather", qkv * 256 * 2),
         ("all_to_all", t * 2 * qkv * 2),
         ("all_to_all", t * 2 * 256 * 2),
-        ("all_gather", 256 * 256 * 2),
     ]
+    # the output projection's weight travels while the attention core runs
+    assert [(c.kind, c.nbytes) for c in uly.fwd_streamed] == [("all_gather", 256 * 256 * 2)]
     # backward gathers each weight again before reduce-scattering its gradient, in fp32
     assert [(c.kind, c.nbytes) for c in uly.bwd_comm] == [
         ("all_gather", 256 * 256 * 2),

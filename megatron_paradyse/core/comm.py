@@ -154,26 +154,33 @@ def linear_over_rows(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
 
 
 class Zero3Gathers:
-    """The ZeRO-3 weights of linears that run one after another (an MLP's fc1, then fc2), as
-    ``(shard, dim)`` in forward order: each linear's forward starts gathering the next one's weight before
-    its own GEMM, so that the gather runs behind a GEMM (on CUDA, on NCCL's stream) rather than before
-    it; the first linear, and every backward, gather their weight when they need it. A weight gathered
-    ahead exists from its gather's start until its linear's GEMM is done. (Gathering the previous
-    linear's weight during a backward too would hide that gather as well, at the price of a weight more
-    at the backward's peak: for Llama-3-8B's MLP at TP=8, fc1's 235 MB beside fc2's weight gradient.)
-    One object per run of the linears (a recomputed forward makes its own)."""
+    """The ZeRO-3 weights of linears that run one after another, as ``(shard, dim)`` in forward order,
+    and when each weight's gather starts. ``chained`` (an MLP's fc1, then fc2): each linear's forward
+    starts gathering the next one's weight before its own GEMM. Otherwise the caller starts a gather
+    where it has compute to hide it behind (:meth:`start`: attention's projection while the attention
+    core runs). Either way the gather runs behind compute (on CUDA, on NCCL's stream) rather than before
+    its GEMM; the first linear, and every backward, gather their weight when they need it. A weight
+    gathered ahead exists from its gather's start until its linear's GEMM is done. (Gathering the
+    previous linear's weight during a backward too would hide that gather as well, at the price of a
+    weight more at the backward's peak: for Llama-3-8B's MLP at TP=8, fc1's 235 MB beside fc2's weight
+    gradient.) One object per run of the linears (a recomputed forward makes its own)."""
 
-    def __init__(self, shards: Sequence[tuple[Tensor, int]], group: ProcessGroup) -> None:
+    def __init__(self, shards: Sequence[tuple[Tensor, int]], group: ProcessGroup, *, chained: bool = True) -> None:
         self.shards = tuple(shards)
         self.group = group
+        self.chained = chained
         self._pending: dict[int, tuple[Tensor, dist.Work]] = {}
 
     def start(self, index: int) -> None:
-        """Start gathering linear ``index``'s weight (none past either end)."""
-        if 0 <= index < len(self.shards) and index not in self._pending:
+        """Start gathering linear ``index``'s weight (none past either end, none for a group of one)."""
+        if self.group.size() > 1 and 0 <= index < len(self.shards) and index not in self._pending:
             shard, _ = self.shards[index]
-            out = shard.new_empty((self.group.size() * shard.shape[0], *shard.shape[1:]))
-            self._pending[index] = (out, _all_gather_single(out, shard, group=self.group, async_op=True))
+            # grad mode off (a caller outside a linear's forward has it on): started with it on, the
+            # all-gather of a shard that needs a gradient goes through autograd, and waiting for it
+            # fails ("a view was created in no_grad mode ..."; gloo, torch 2.13)
+            with torch.no_grad():
+                out = shard.new_empty((self.group.size() * shard.shape[0], *shard.shape[1:]))
+                self._pending[index] = (out, _all_gather_single(out, shard, group=self.group, async_op=True))
 
     def take(self, index: int) -> Tensor:
         """Linear ``index``'s full weight: the gather started ahead, waited for, or one now."""
@@ -206,7 +213,8 @@ class _Zero3Linear(torch.autograd.Function):
         ctx.save_for_backward(x, w_shard)
         b = None if b_shard is None else _all_gather_dim0(b_shard, gathers.group)
         w = gathers.take(index)
-        gathers.start(index + 1)
+        if gathers.chained:
+            gathers.start(index + 1)
         return linear_over_rows(x, w, b)
 
     @staticmethod

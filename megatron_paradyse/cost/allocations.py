@@ -337,6 +337,13 @@ def _gather_weight(m: _Memory, name: str, nbytes: float, *, row: bool, gathered:
     return name
 
 
+def _gather_ahead(m: _Memory, d: Dims, name: str, nbytes: float) -> None:
+    """:meth:`~megatron_paradyse.core.comm.Zero3Gathers.start`: linear ``name``'s weight, gathered ahead
+    of its GEMM, alive from now on (nothing at ``p = 1``)."""
+    if d.p > 1:
+        m.alloc(**{f"{name}_w": nbytes})
+
+
 def _zero3_forward(
     m: _Memory,
     d: Dims,
@@ -360,7 +367,7 @@ def _zero3_forward(
         m.alloc(**{f"{name}_b": bias})
     weight = _gather_weight(m, f"{name}_w", w, row=row, gathered=gathered)
     if ahead is not None:
-        m.alloc(**{f"{ahead[0]}_w": ahead[1]})
+        _gather_ahead(m, d, *ahead)
     m.alloc(**{out: out_bytes})
     m.free(weight, *((f"{name}_b",) if bias else ()))
 
@@ -936,12 +943,13 @@ def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMe
         fwd.alloc(a2a_send=qkv_local, qkv_full=qkv_local)
         fwd.free("a2a_send")
         qkv_full = "qkv_full"
+    _gather_ahead(fwd, d, "proj", w_proj)  # while the attention core runs
     kept, qk, core = _full_attention_forward(fwd, d, layout, qkv_full, heads, kv_heads)
     if p > 1:  # heads -> sequence: the receive (the output is contiguous as laid out), then permuted
         fwd.alloc(a2a_recv=core_local, core_local=core_local)
         fwd.free("a2a_recv")
         core = "core_local"
-    _zero3_forward(fwd, d, "proj", "proj_out", d.x, w_proj, row=True)
+    _zero3_forward(fwd, d, "proj", "proj_out", d.x, w_proj, row=True, gathered=True)
     _add_bias(fwd, d, "proj_out")
     saved = fwd.returns("y_local", "x_local", *dict.fromkeys((*kept, *qk.saved, core)))
 
@@ -1051,8 +1059,8 @@ def _ring_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemor
 @functools.lru_cache(maxsize=_MEMO_SIZE)
 def _ring_attention_memory(d: Dims, ring_forward: _Call, ring_backward: _Call) -> SublayerMemory:
     """``ring`` attention's memory around the rank's ring forward and backward (which ranks often
-    share: memoised): the projections' ZeRO-3 gathers, q's copy, RoPE on the local tokens, the output
-    permuted."""
+    share: memoised): the projections' ZeRO-3 gathers (the output projection's while the ring runs),
+    q's copy, RoPE on the local tokens, the output permuted."""
     e = d.e
     w_qkv, w_proj, qkv_bias = d.qkv * d.h * e, d.h * d.a * e, d.qkv * e if d.bias else 0.0
     qkv_local, core_local = d.t * d.b * d.qkv * e, d.t * d.b * d.a * e
@@ -1060,9 +1068,10 @@ def _ring_attention_memory(d: Dims, ring_forward: _Call, ring_backward: _Call) -
     fwd = _Memory(x_local=d.x)
     _zero3_forward(fwd, d, "qkv", "qkv_local", qkv_local, w_qkv, bias=qkv_bias)
     qk = _qk_forward(fwd, d, d.t, d.nq, d.ng, "qkv_local")
+    _gather_ahead(fwd, d, "proj", w_proj)  # while the ring runs
     fwd.call(ring_forward)
     fwd.alloc(core=core_local)  # [s/p, b, nq hn]: the output permuted
-    _zero3_forward(fwd, d, "proj", "proj_out", d.x, w_proj, row=True)
+    _zero3_forward(fwd, d, "proj", "proj_out", d.x, w_proj, row=True, gathered=True)
     _add_bias(fwd, d, "proj_out")
     # v (and q, k untransformed) are views of the projection
     saved = fwd.returns("y_local", "x_local", "qkv_local", *qk.transformed, *qk.kept, "out", "lse", "core")

@@ -209,6 +209,8 @@ def _tp_sp_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerm
 
 
 def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
+    """The output projection's weight gathered while the attention core runs (``Zero3Gathers``): that
+    gather streams beside the forward pass; the rest is waited for."""
     t, b, e = d.t, d.b, d.e
     qkv_local, core_local = t * b * d.qkv * e, t * b * d.a * e  # = [s, b, qkv/p], [s, b, a/p] on the other side
     qkv_fwd, qkv_bwd = _gathered(d.qkv * d.h * e, d)
@@ -217,13 +219,15 @@ def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTe
     return SublayerTerms(
         gemms=(Gemm(t * b, d.qkv, d.h), Gemm(t * b, d.h, d.a)),
         attention=attention_calls(layout, b, d.nq // d.p, d.hn),
-        fwd_comm=(*qkv_fwd, a2a_qkv, a2a_core, *proj_fwd),
+        fwd_comm=(*qkv_fwd, a2a_qkv, a2a_core),
+        fwd_streamed=proj_fwd,
         bwd_comm=(*proj_bwd, a2a_core, a2a_qkv, *qkv_bwd),
         elementwise_bytes=4 * qkv_local * (2 if layout.causal else 1) + 6 * core_local + _qk_norm_bytes(d),
     )
 
 
 def _ring_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
+    """The output projection's weight gathered while the ring runs: streamed beside the forward pass."""
     t, b, e, p = d.t, d.b, d.e, d.p
     qkv_fwd, qkv_bwd = _gathered(d.qkv * d.h * e, d)
     proj_fwd, proj_bwd = _gathered(d.h * d.a * e, d)
@@ -231,7 +235,8 @@ def _ring_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
     return SublayerTerms(
         gemms=(Gemm(t * b, d.qkv, d.h), Gemm(t * b, d.h, d.a)),
         rings=(ring,),
-        fwd_comm=(*qkv_fwd, *proj_fwd),
+        fwd_comm=qkv_fwd,
+        fwd_streamed=proj_fwd,
         bwd_comm=(*proj_bwd, *qkv_bwd),
         # per step: the block's partial output and lse merged into the running ones
         elementwise_bytes=p * 8 * t * b * d.a * d.acc + 4 * t * b * d.a * e + 2 * ring.hop.nbytes + _qk_norm_bytes(d),

@@ -8,8 +8,8 @@ its first chunk, the block from a later rank by the second local chunk against b
 Partial results merge by log-sum-exp. The next block is in flight while the current one is computed.
 
 Backward walks the ring again: ``dq`` stays home, each block's ``(dk, dv)`` accumulator travels with
-it and, after ``p`` hops, arrives back at its owner complete. Memory: ``O(s/p)`` activations, two
-K/V blocks and the gathered weights.
+it and, after ``p`` hops, arrives back at its owner complete. The projection's weight is gathered
+while the ring runs. Memory: ``O(s/p)`` activations, two K/V blocks and the gathered weights.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from megatron_paradyse.attention import (
     accumulate_block_grads,
     accumulation_dtype,
 )
-from megatron_paradyse.core.comm import RingComm, zero3_linear
+from megatron_paradyse.core.comm import RingComm, Zero3Gathers, zero3_linear
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.strategies.base import AttentionContext, AttentionWeights, Strategy
 from megatron_paradyse.strategies.common import add_bias, heads_first, local_positions, split_qkv
@@ -129,13 +129,15 @@ def ring_attention(
 def attention(x_local: Tensor, w: AttentionWeights, ctx: AttentionContext) -> Tensor:
     group, layout = ctx.group, ctx.layout
     s_local, b, _ = x_local.shape
-    qkv = zero3_linear(x_local, w.qkv, w.qkv_bias, group, dim=0)
+    gathers = Zero3Gathers([(w.qkv, 0), (w.proj, 1)], group, chained=False)
+    qkv = zero3_linear(x_local, w.qkv, w.qkv_bias, group, dim=0, gathers=gathers, index=0)
     q, k, v = split_qkv(qkv, ctx.shape)  # all heads, local tokens
     if ctx.qk_transform is not None:
         q, k = ctx.qk_transform(q, k, local_positions(ctx, q.device))
+    gathers.start(1)  # the projection's weight travels while the ring computes
     out = ring_attention(heads_first(q), heads_first(k), heads_first(v), layout, group, ctx.kernel, ctx.softmax_scale)
     core = out.permute(2, 0, 1, 3).reshape(s_local, b, -1)  # [s/p, b, np*hn]
-    return add_bias(zero3_linear(core, w.proj, None, group, dim=1), w.proj_bias)
+    return add_bias(zero3_linear(core, w.proj, None, group, dim=1, gathers=gathers, index=1), w.proj_bias)
 
 
 register(
