@@ -206,3 +206,42 @@ def test_memoised_memory_equals_every_ranks_layer_terms():
             cost = model.layer_cost(option, layout, 1)
             assert cost.saved_bytes == max(t.saved_bytes for t in per_rank), (docs, option)
             assert cost.transient_bytes == max(t.transient_bytes for t in per_rank), (docs, option)
+
+
+def test_pipeline_stages_price_each_option_once_and_as_alone():
+    """The stages' models (:meth:`AnalyticCostModel.for_stage`) share what they price of the layers: a
+    later stage prices no layer of a layout an earlier one priced, and every stage's costs and peaks are
+    those of a model built alone for it (a tied, unfused output layer's gradient held beside every
+    backward included)."""
+    h100 = _models()["h100"]
+    stages = [
+        dict(static_bytes=3e9, vocab_size=128256, tied_unfused_output=True),
+        dict(static_bytes=2e9, vocab_size=0),
+        dict(static_bytes=2.5e9, vocab_size=128256),
+    ]
+    shared = [h100.for_stage(**stage) for stage in stages]
+    alone = [
+        AnalyticCostModel(
+            h100.profile, h100.shape, h100.p, dtype=h100.dtype, rotary_dim=h100.rotary_dim, bias=False, **stage
+        )
+        for stage in stages
+    ]
+    options = [LayerOption.parse(f"{a}/{m}{rc}") for a in ("tp_sp", "ring") for m in MLPS for rc in ("", "+rc")]
+    priced = []
+    original = AnalyticCostModel._per_rank
+
+    def counting(self, option, layout, micro_batch_size):
+        priced.append(option)
+        return original(self, option, layout, micro_batch_size)
+
+    for docs in ((37000,), (1000, 250, 12000)):
+        layout = SequenceLayout.build(docs, h100.p, causal=True)
+        for i, (model, reference) in enumerate(zip(shared, alone)):
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(AnalyticCostModel, "_per_rank", counting)
+                costs = [model.layer_cost(option, layout, 1) for option in options]
+            assert len(priced) == (len(options) if i < 2 else 0), (docs, i)  # the first stage's output layer is tied
+            priced.clear()
+            assert costs == [reference.layer_cost(option, layout, 1) for option in options], (docs, i)
+            peak = model.peak_bytes(layout, 1, costs[0].saved_bytes, costs[0].transient_bytes)
+            assert peak == reference.peak_bytes(layout, 1, costs[0].saved_bytes, costs[0].transient_bytes)

@@ -1,10 +1,13 @@
 """Planner decision latency: ``python -m megatron_paradyse.bench planner [--layers 96] [--gpu h100]``
-(or ``--profile FILE``: a calibrated profile, for ``--p`` ranks).
+(or ``--profile FILE``: a calibrated profile, for ``--p`` ranks; ``--pipeline-stages N``).
 
 One pipeline stage of ``--layers`` layers, every registered strategy for attention and MLP, each with
 and without recompute. Prints the plans along a length sweep (with the paper's Algorithm 1 beside
 the exact planner), then the median latency of ``Planner.decide``: uncached (the cache cleared
-before every call, lengths drawn at random) and cached (every bucket already planned). Last line:
+before every call, lengths drawn at random) and cached (every bucket already planned). With
+``--pipeline-stages N`` the layers are split over ``N`` stages, each with its planner, and a call is
+every stage's ``decide``: what each rank of a pipeline-parallel job spends on a micro-batch, since every
+rank plans every stage (:mod:`megatron_paradyse.run.planned_loader`). Last line:
 ``planner_us_cached=<x> planner_us_uncached=<y>``.
 
 The planner prices options with the analytic cost model training uses
@@ -79,7 +82,8 @@ def bench_shape() -> ModelShape:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_paradyse.bench planner", description=__doc__)
-    parser.add_argument("--layers", type=int, default=96, help="layers on the stage")
+    parser.add_argument("--layers", type=int, default=96, help="layers on the stage (on all stages together)")
+    parser.add_argument("--pipeline-stages", type=int, default=1, help="pipeline stages the layers are split over")
     parser.add_argument("--p", type=int, default=8, help="ranks of the group")
     parser.add_argument("--gpu", choices=sorted(HARDWARE), default="h100", help="node whose published figures price")
     parser.add_argument("--profile", help="a calibrated cost profile (JSON) to price with instead")
@@ -91,20 +95,39 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     shape = bench_shape()
+    stages = args.pipeline_stages
+    if stages < 1 or args.layers % stages:
+        print(f"error: --layers {args.layers} does not split over --pipeline-stages {stages}", file=sys.stderr)
+        return 2
+    layers = args.layers // stages
     try:
-        cost_model, description = build_cost_model(shape, args.p, args.layers, gpu=args.gpu, profile=args.profile)
+        cost_model, description = build_cost_model(shape, args.p, layers, gpu=args.gpu, profile=args.profile)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     budget = args.budget_gib * _GIB if args.budget_gib else 0.9 * HARDWARE[args.gpu].memory_bytes
     config = PlannerConfig()
-    planner = Planner.for_model(config, cost_model, shape=shape, p=args.p, num_layers=args.layers, budget_bytes=budget)
+    # the stages' models share what they price of the layers, as a job's do (mcore.drop_in.stage_cost_models)
+    planners = [
+        Planner.for_model(
+            config,
+            cost_model.for_stage(static_bytes=cost_model.static_bytes, vocab_size=0),
+            shape=shape,
+            p=args.p,
+            num_layers=layers,
+            budget_bytes=budget,
+        )
+        for _ in range(stages)
+    ]
+    planner = planners[0]
     longest = planner.max_feasible_length(args.p, causal=True)
     print(f"cost model: {description}")
     print(
-        f"stage: {args.layers} layers of {shape}, p={args.p}; budget {budget / _GIB:.1f} GiB; "
+        f"stage: {layers} layers of {shape}, p={args.p}; budget {budget / _GIB:.1f} GiB; "
         f"{len(planner.options)} options: {', '.join(map(str, planner.options))}"
     )
+    if stages > 1:
+        print(f"{stages} pipeline stages alike: a call below is every stage's decide, as every rank makes them")
     if planner.excluded:
         print(f"excluded: {planner.excluded}")
     print(f"longest feasible sequence: {longest} tokens")
@@ -117,16 +140,18 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [rng.randint(1, longest) for _ in range(args.uncached_calls)]
     result = {
         "cost_model": description,
-        "layers": args.layers,
+        "layers": layers,
+        "pipeline_stages": stages,
         "p": args.p,
         "options": len(planner.options),
         "longest_feasible": longest,
         "sweep": sweep,
     }
-    uncached = _latencies_us(planner, args.p, lengths, clear=True)
+    uncached = _latencies_us(planners, args.p, lengths, clear=True)
     for n in lengths:  # every bucket planned
-        planner.decide(SequenceLayout.build(n, args.p, causal=True))
-    cached = _latencies_us(planner, args.p, [rng.choice(lengths) for _ in range(args.cached_calls)], clear=False)
+        for stage_planner in planners:
+            stage_planner.decide(SequenceLayout.build(n, args.p, causal=True))
+    cached = _latencies_us(planners, args.p, [rng.choice(lengths) for _ in range(args.cached_calls)], clear=False)
     print(f"\n{'decide()':<10} {'calls':>6} {'median us':>10} {'p99 us':>10} {'cpu median us':>14} {'cpu max us':>11}")
     for name, (wall, cpu) in (("uncached", uncached), ("cached", cached)):
         result |= {f"planner_us_{name}": statistics.median(wall), f"planner_us_{name}_p99": _percentile(wall, 0.99)}
@@ -167,15 +192,19 @@ def _sweep(planner: Planner, p: int, longest: int) -> list[dict]:
         n *= 2
 
 
-def _latencies_us(planner: Planner, p: int, lengths: list[int], *, clear: bool) -> tuple[list[float], list[float]]:
-    """Wall-clock and thread CPU microseconds of ``decide`` for each length."""
+def _latencies_us(
+    planners: list[Planner], p: int, lengths: list[int], *, clear: bool
+) -> tuple[list[float], list[float]]:
+    """Wall-clock and thread CPU microseconds of every planner's ``decide`` for each length."""
     layouts = [SequenceLayout.build(n, p, causal=True) for n in lengths]
     wall, cpu = [], []
     for layout in layouts:
         if clear:
-            planner.clear_cache()
+            for planner in planners:
+                planner.clear_cache()
         start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
-        planner.decide(layout)
+        for planner in planners:
+            planner.decide(layout)
         cpu.append((time.thread_time_ns() - start_cpu) / 1e3)
         wall.append((time.perf_counter_ns() - start) / 1e3)
     return wall, cpu

@@ -26,12 +26,16 @@ the allocator's slack.
 
 The planner prices every option of one layout in a row, and the options share their sublayers: the
 model keeps, for the latest (layout, micro-batch size) only, each sublayer's terms and priced passes
-by (sublayer, strategy, rank), each distinct kernel call's time, and each distinct pair of sublayer
-memories' layer memory. Results are those of pricing each option alone, to floating-point rounding.
+by (sublayer, strategy, rank), each distinct kernel call's time, each distinct pair of sublayer
+memories' layer memory, and each option's layer cost. A job's pipeline stages run the same layers:
+their models (:meth:`AnalyticCostModel.for_stage`) share all of it, so every rank, planning every
+stage, prices each option of a layout once. Results are those of pricing each option alone, to
+floating-point rounding.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -123,6 +127,18 @@ class _LayoutMemo:
     dims: Dims
     sublayers: dict[tuple[str, str, int], _Sublayer] = dataclasses.field(default_factory=dict)
     layer_memory: dict[tuple, LayerMemory] = dataclasses.field(default_factory=dict)
+    layer_costs: dict[tuple[LayerOption, float], LayerCost] = dataclasses.field(default_factory=dict)
+    """By option and the bytes held beside every layer's backward (a stage's tied output layer's)."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Prices:
+    """What pricing leaves to reuse, shared by the models of one job's pipeline stages: the latest
+    layout's memo, that layout's kernel calls and GEMMs priced, the attention rates by head dim."""
+
+    memo: _LayoutMemo | None = None
+    call_times: dict[tuple[str, AttentionCall | Gemm], float] = dataclasses.field(default_factory=dict)
+    rates: dict[tuple[str, bool, int], tuple[float, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
 class AnalyticCostModel:
@@ -182,10 +198,19 @@ class AnalyticCostModel:
         self._k_comm = correction["comm"] if correction else 1.0
         self._per_layer = correction["per_layer_s"] if correction else 0.0
         self._per_sync = correction["per_sync_s"] if correction else 0.0
-        self._last_memo: _LayoutMemo | None = None
-        # the memo's layout's kernel calls and GEMMs, priced
-        self._call_times: dict[tuple[str, AttentionCall | Gemm], float] = {}
-        self._rates: dict[tuple[str, bool, int], tuple[float, np.ndarray, np.ndarray]] = {}
+        self._prices = _Prices()
+
+    def for_stage(
+        self, *, static_bytes: float, vocab_size: int, tied_unfused_output: bool = False
+    ) -> AnalyticCostModel:
+        """This model for another pipeline stage of the same layers, with that stage's static bytes and
+        output layer (``vocab_size``, ``tied_unfused_output``: see the constructor); the two share what
+        they price of a layout's layers."""
+        stage = copy.copy(self)  # the profile, the shape and ``_prices`` shared
+        stage.static_bytes = float(static_bytes)
+        stage.vocab_size = vocab_size
+        stage.tied_unfused_output = tied_unfused_output
+        return stage
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, shape: ModelShape, p: int, **kwargs) -> AnalyticCostModel:
@@ -195,9 +220,14 @@ class AnalyticCostModel:
     # -- the CostModel protocol ------------------------------------------------------------------
     def layer_cost(self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int) -> LayerCost:
         """The slowest rank's time, the largest saved and transient bytes of any rank."""
-        times, saved, transient = zip(*self._per_rank(option, layout, micro_batch_size))
-        host = self._memo(layout, micro_batch_size).dims.x if option.offload else 0.0
-        return LayerCost(max(time.total_s for time in times), max(saved), max(transient), host)
+        memo = self._memo(layout, micro_batch_size)
+        key = (option, self._backward_held_bytes())
+        cost = memo.layer_costs.get(key)
+        if cost is None:
+            times, saved, transient = zip(*self._per_rank(option, layout, micro_batch_size))
+            host = memo.dims.x if option.offload else 0.0
+            cost = memo.layer_costs[key] = LayerCost(max(t.total_s for t in times), max(saved), max(transient), host)
+        return cost
 
     def peak_bytes(
         self,
@@ -392,7 +422,8 @@ class AnalyticCostModel:
         if layout.p != self.p:
             raise ValueError(f"the layout is for p={layout.p}, the cost model for p={self.p}")
         key = (layout.value, micro_batch_size)
-        memo = self._last_memo
+        prices = self._prices
+        memo = prices.memo
         if memo is None or memo.key != key:
             dims = Dims(
                 self.shape,
@@ -405,8 +436,8 @@ class AnalyticCostModel:
                 normalization=self.normalization,
                 device=self.device,
             )
-            memo = self._last_memo = _LayoutMemo(key, dims)
-            self._call_times.clear()
+            memo = prices.memo = _LayoutMemo(key, dims)
+            prices.call_times.clear()
         return memo
 
     def _sublayer(self, memo: _LayoutMemo, layout: SequenceLayout, sublayer: str, name: str, rank: int) -> _Sublayer:
@@ -486,17 +517,17 @@ class AnalyticCostModel:
                 "the cost profile has no host_link (host-device copy rates), so offloaded layers ('+rc+off') "
                 "cannot be priced; run `paradyse calibrate` again, or leave offload out (planner.host_memory_gib: 0)"
             )
-        copy = link["latency_s"] + nbytes * link["per_byte_s"]
-        return sum(self._exposed(compute, copy, link["overlap"]) for compute in (forward_s, backward_s))
+        transfer = link["latency_s"] + nbytes * link["per_byte_s"]
+        return sum(self._exposed(compute, transfer, link["overlap"]) for compute in (forward_s, backward_s))
 
     def _gemm(self, gemm: Gemm, direction: str) -> float:
         key = (direction, gemm)  # lean's p groups, and every rank, repeat the same GEMMs
-        known = self._call_times.get(key)
+        known = self._prices.call_times.get(key)
         if known is None:
             c0, c1, c2 = self.profile["gemm"][direction]["coef"]
             e = self.element_size
             known = c0 + c1 * gemm.flops + c2 * e * (gemm.m * gemm.k + gemm.n * gemm.k + gemm.m * gemm.n)
-            self._call_times[key] = known
+            self._prices.call_times[key] = known
         return known
 
     def _attention(self, calls: Sequence[AttentionCall], direction: str) -> list[float]:
@@ -504,7 +535,7 @@ class AnalyticCostModel:
         calibrated head dim, interpolated in log length (flat beyond the ends). Ranks and ring steps
         repeat the same few calls: each new one is priced once per layout, one ``np.interp`` for all
         new calls of one kind (mask, head dim)."""
-        known = self._call_times
+        known = self._prices.call_times
         kinds: dict[tuple[bool, int], list[AttentionCall]] = {}
         for call in calls:
             if (direction, call) not in known:
@@ -521,16 +552,17 @@ class AnalyticCostModel:
     def _attention_rates(self, direction: str, causal: bool, hn: int) -> tuple[float, np.ndarray, np.ndarray]:
         """(per-call seconds, log lengths, per-unit seconds) of the calibrated head dim nearest ``hn``."""
         key = (direction, causal, hn)
-        if key not in self._rates:
+        rates_by_key = self._prices.rates
+        if key not in rates_by_key:
             fit = self.profile["attention"][direction]["causal" if causal else "full"]
             by_hn = fit["by_head_dim"]
             rates = by_hn[min(by_hn, key=lambda n: abs(math.log(int(n) / hn)))]
-            self._rates[key] = (
+            rates_by_key[key] = (
                 fit["per_call_s"],
                 np.log(rates["lengths"]),
                 np.asarray(rates["per_unit_s"], dtype=np.float64),
             )
-        return self._rates[key]
+        return rates_by_key[key]
 
     def _elementwise(self, sub: SublayerTerms, factor: float) -> float:
         ew = self.profile["elementwise"]

@@ -82,28 +82,34 @@ def cross_entropy_problem(fused: bool) -> str | None:
 
 def stage_cost_models(args: argparse.Namespace, transformer, profile: dict, footprints) -> list:
     """One analytic cost model per pipeline stage of the job (``footprints``: :func:`stage_footprints`),
-    priced by ``profile``."""
+    priced by ``profile``. The stages run the same layers: their models share what they price of them
+    (:meth:`~megatron_paradyse.cost.AnalyticCostModel.for_stage`; every rank plans every stage)."""
     from megatron_paradyse.cost import AnalyticCostModel
     from megatron_paradyse.mcore.model_shape import model_shape, rotary_dim
 
     if problem := cross_entropy_problem(transformer.cross_entropy_loss_fusion):
         raise ValueError(problem)
 
+    layers = AnalyticCostModel(
+        profile,
+        model_shape(transformer),
+        args.tensor_model_parallel_size,
+        dtype=transformer.params_dtype,
+        rotary_dim=rotary_dim(transformer, args.position_embedding_type, args.rotary_percent),
+        bias=transformer.add_bias_linear,
+        normalization=transformer.normalization,
+    )
+    # one stage holds both: with pipeline stages the last one's copy is tied by an all-reduce
+    tied_unfused_output = (
+        args.pipeline_model_parallel_size == 1
+        and not args.untie_embeddings_and_output_weights
+        and not transformer.gradient_accumulation_fusion
+    )
     return [
-        AnalyticCostModel(
-            profile,
-            model_shape(transformer),
-            args.tensor_model_parallel_size,
-            dtype=transformer.params_dtype,
+        layers.for_stage(
             static_bytes=f.static_bytes,
             vocab_size=args.padded_vocab_size if f.has_output_layer else 0,
-            rotary_dim=rotary_dim(transformer, args.position_embedding_type, args.rotary_percent),
-            bias=transformer.add_bias_linear,
-            normalization=transformer.normalization,
-            # one stage holds both: with pipeline stages the last one's copy is tied by an all-reduce
-            tied_unfused_output=args.pipeline_model_parallel_size == 1
-            and not args.untie_embeddings_and_output_weights
-            and not transformer.gradient_accumulation_fusion,
+            tied_unfused_output=tied_unfused_output,
         )
         for f in footprints
     ]
