@@ -158,9 +158,10 @@ class Zero3Gathers:
     and when each weight's gather starts. ``chained`` (an MLP's fc1, then fc2): each linear's forward
     starts gathering the next one's weight before its own GEMM. Otherwise the caller starts a gather
     where it has compute to hide it behind (:meth:`start`: attention's projection while the attention
-    core runs). Either way the gather runs behind compute (on CUDA, on NCCL's stream) rather than before
-    its GEMM; the first linear, and every backward, gather their weight when they need it. A weight
-    gathered ahead exists from its gather's start until its linear's GEMM is done. (Gathering the
+    core runs; in backward, :meth:`start_when_gradient_reaches`: the QKV projection's while the core's
+    backward runs). Either way the gather runs behind compute (on CUDA, on NCCL's stream) rather than
+    before its GEMM; the others gather their weight when they need it. A weight gathered ahead exists
+    from its gather's start until its linear's GEMM is done. (Gathering the
     previous linear's weight during a backward too would hide that gather as well, at the price of a
     weight more at the backward's peak: for Llama-3-8B's MLP at TP=8, fc1's 235 MB beside fc2's weight
     gradient.) One object per run of the linears (a recomputed forward makes its own)."""
@@ -181,6 +182,12 @@ class Zero3Gathers:
             with torch.no_grad():
                 out = shard.new_empty((self.group.size() * shard.shape[0], *shard.shape[1:]))
                 self._pending[index] = (out, _all_gather_single(out, shard, group=self.group, async_op=True))
+
+    def start_when_gradient_reaches(self, tensor: Tensor, index: int) -> None:
+        """In backward: start gathering linear ``index``'s weight once ``tensor``'s gradient is computed,
+        so that the gather runs behind what autograd does next (attention's core)."""
+        if tensor.requires_grad and self.group.size() > 1:
+            tensor.register_hook(lambda grad: self.start(index))
 
     def take(self, index: int) -> Tensor:
         """Linear ``index``'s full weight: the gather started ahead, waited for, or one now."""

@@ -383,8 +383,10 @@ def _zero3_backward(
     release: tuple[str, ...],
     bias: float = 0.0,
     row: bool = False,
+    gathered: bool = False,
 ) -> None:
-    """``zero3_linear``'s backward: the weight gathered again for ``dx = dy W``; the full weight
+    """``zero3_linear``'s backward: the weight gathered again for ``dx = dy W`` (``gathered``: its gather
+    was started ahead, :func:`_gather_ahead`); the full weight
     gradient, in the accumulation dtype (a cast of the GEMM's result for half precision; row: laid
     out as ``[p, out, in/p]``, a copy), reduce-scattered to the shard and rounded back to its dtype;
     the bias's likewise (summed straight into the accumulation dtype); then ``release`` (the incoming
@@ -392,7 +394,7 @@ def _zero3_backward(
     if d.p == 1:
         _linear_backward(m, dx, dx_bytes, w, bias, release=release)
         return
-    weight = _gather_weight(m, f"{name}_w", w, row=row)
+    weight = _gather_weight(m, f"{name}_w", w, row=row, gathered=gathered)
     m.alloc(**{dx: dx_bytes})
     m.free(weight)
     w_acc = w / d.e * d.acc
@@ -961,12 +963,14 @@ def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMe
         bwd.alloc(a2a_send=core_local, d_core_full=core_local)
         bwd.free("a2a_send", "d_core")
         bwd.rename(d_core_full="d_core")
+    _gather_ahead(bwd, d, "qkv", w_qkv)  # once the core's gradient is there
     d_qkv = _full_attention_backward(bwd, d, layout, "d_core", kept, qk, heads, kv_heads)
     if p > 1:
         bwd.alloc(a2a_recv=qkv_local, d_qkv_local=qkv_local)
         bwd.free("a2a_recv", d_qkv)
         d_qkv = "d_qkv_local"
-    _zero3_backward(bwd, d, "qkv", "dx_local", d.x, w_qkv, bias=qkv_bias, release=(d_qkv, "x_local"))
+    release = (d_qkv, "x_local")
+    _zero3_backward(bwd, d, "qkv", "dx_local", d.x, w_qkv, bias=qkv_bias, release=release, gathered=True)
     return _sublayer(fwd.peak, bwd, saved)
 
 
@@ -1059,7 +1063,8 @@ def _ring_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemor
 @functools.lru_cache(maxsize=_MEMO_SIZE)
 def _ring_attention_memory(d: Dims, ring_forward: _Call, ring_backward: _Call) -> SublayerMemory:
     """``ring`` attention's memory around the rank's ring forward and backward (which ranks often
-    share: memoised): the projections' ZeRO-3 gathers (the output projection's while the ring runs),
+    share: memoised): the projections' ZeRO-3 gathers (the output projection's while the ring runs, in
+    backward the QKV projection's),
     q's copy, RoPE on the local tokens, the output permuted."""
     e = d.e
     w_qkv, w_proj, qkv_bias = d.qkv * d.h * e, d.h * d.a * e, d.qkv * e if d.bias else 0.0
@@ -1079,6 +1084,7 @@ def _ring_attention_memory(d: Dims, ring_forward: _Call, ring_backward: _Call) -
     bwd = _Memory(dy_local=0.0, **saved)
     _bias_grad(bwd, d, d.bias)
     _zero3_backward(bwd, d, "proj", "d_core", core_local, w_proj, row=True, release=("core",))
+    _gather_ahead(bwd, d, "qkv", w_qkv)  # once the ring output's gradient (a view of d_core) is there
     bwd.call(ring_backward)
     bwd.free("d_core", *(() if qk.norms_keep_qkv else ("qkv_local",)), *qk.transformed, "out", "lse")
     grads = [name for name, _ in ring_backward.leaves]
@@ -1088,7 +1094,8 @@ def _ring_attention_memory(d: Dims, ring_forward: _Call, ring_backward: _Call) -
         grads = [name for name in grads if name not in ("dq", "dk")] + [dq, dk]
     bwd.alloc(d_qkv_local=qkv_local)  # split's backward: one tensor
     bwd.free(*grads)
-    _zero3_backward(bwd, d, "qkv", "dx_local", d.x, w_qkv, bias=qkv_bias, release=("d_qkv_local", "x_local"))
+    release = ("d_qkv_local", "x_local")
+    _zero3_backward(bwd, d, "qkv", "dx_local", d.x, w_qkv, bias=qkv_bias, release=release, gathered=True)
     return _sublayer(fwd.peak, bwd, saved)
 
 

@@ -209,11 +209,12 @@ def _tp_sp_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerm
 
 
 def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
-    """The output projection's weight gathered while the attention core runs (``Zero3Gathers``): that
-    gather streams beside the forward pass; the rest is waited for."""
+    """The output projection's weight gathered while the attention core runs (``Zero3Gathers``), the
+    QKV projection's while the core's backward runs: those gathers stream beside their pass; the rest
+    is waited for."""
     t, b, e = d.t, d.b, d.e
     qkv_local, core_local = t * b * d.qkv * e, t * b * d.a * e  # = [s, b, qkv/p], [s, b, a/p] on the other side
-    qkv_fwd, qkv_bwd = _gathered(d.qkv * d.h * e, d)
+    qkv_fwd, (qkv_gather, qkv_reduce) = _gathered(d.qkv * d.h * e, d)
     proj_fwd, proj_bwd = _gathered(d.h * d.a * e, d)
     a2a_qkv, a2a_core = Collective("all_to_all", qkv_local), Collective("all_to_all", core_local)
     return SublayerTerms(
@@ -221,15 +222,17 @@ def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTe
         attention=attention_calls(layout, b, d.nq // d.p, d.hn),
         fwd_comm=(*qkv_fwd, a2a_qkv, a2a_core),
         fwd_streamed=proj_fwd,
-        bwd_comm=(*proj_bwd, a2a_core, a2a_qkv, *qkv_bwd),
+        bwd_comm=(*proj_bwd, a2a_core, a2a_qkv, qkv_reduce),
+        bwd_streamed=(qkv_gather,),
         elementwise_bytes=4 * qkv_local * (2 if layout.causal else 1) + 6 * core_local + _qk_norm_bytes(d),
     )
 
 
 def _ring_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
-    """The output projection's weight gathered while the ring runs: streamed beside the forward pass."""
+    """The output projection's weight gathered while the ring runs, the QKV projection's while the ring's
+    backward runs: streamed beside their pass."""
     t, b, e, p = d.t, d.b, d.e, d.p
-    qkv_fwd, qkv_bwd = _gathered(d.qkv * d.h * e, d)
+    qkv_fwd, (qkv_gather, qkv_reduce) = _gathered(d.qkv * d.h * e, d)
     proj_fwd, proj_bwd = _gathered(d.h * d.a * e, d)
     ring = _ring_stage(layout, rank, d, d.nq, d.ng)
     return SublayerTerms(
@@ -237,7 +240,8 @@ def _ring_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
         rings=(ring,),
         fwd_comm=qkv_fwd,
         fwd_streamed=proj_fwd,
-        bwd_comm=(*proj_bwd, *qkv_bwd),
+        bwd_comm=(*proj_bwd, qkv_reduce),
+        bwd_streamed=(qkv_gather,),
         # per step: the block's partial output and lse merged into the running ones
         elementwise_bytes=p * 8 * t * b * d.a * d.acc + 4 * t * b * d.a * e + 2 * ring.hop.nbytes + _qk_norm_bytes(d),
     )

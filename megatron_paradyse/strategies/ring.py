@@ -9,7 +9,8 @@ Partial results merge by log-sum-exp. The next block is in flight while the curr
 
 Backward walks the ring again: ``dq`` stays home, each block's ``(dk, dv)`` accumulator travels with
 it and, after ``p`` hops, arrives back at its owner complete. The projection's weight is gathered
-while the ring runs. Memory: ``O(s/p)`` activations, two K/V blocks and the gathered weights.
+while the ring runs, and in backward the QKV projection's. Memory: ``O(s/p)`` activations, two K/V
+blocks and the gathered weights.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def attention(x_local: Tensor, w: AttentionWeights, ctx: AttentionContext) -> Te
         q, k = ctx.qk_transform(q, k, local_positions(ctx, q.device))
     gathers.start(1)  # the projection's weight travels while the ring computes
     out = ring_attention(heads_first(q), heads_first(k), heads_first(v), layout, group, ctx.kernel, ctx.softmax_scale)
+    gathers.start_when_gradient_reaches(out, 0)  # backward: the QKV weight travels while the ring runs
     core = out.permute(2, 0, 1, 3).reshape(s_local, b, -1)  # [s/p, b, np*hn]
     return add_bias(zero3_linear(core, w.proj, None, group, dim=1, gathers=gathers, index=1), w.proj_bias)
 
