@@ -161,10 +161,9 @@ class Zero3Gathers:
     core runs; in backward, :meth:`start_when_gradient_reaches`: the QKV projection's while the core's
     backward runs). Either way the gather runs behind compute (on CUDA, on NCCL's stream) rather than
     before its GEMM; the others gather their weight when they need it. A weight gathered ahead exists
-    from its gather's start until its linear's GEMM is done. (Gathering the
-    previous linear's weight during a backward too would hide that gather as well, at the price of a
-    weight more at the backward's peak: for Llama-3-8B's MLP at TP=8, fc1's 235 MB beside fc2's weight
-    gradient.) One object per run of the linears (a recomputed forward makes its own)."""
+    from its gather's start until its linear's GEMM is done. (The MLP does not gather fc1's weight
+    during fc2's backward: for Llama-3-8B at TP=8 that puts fc1's 235 MB beside fc2's weight gradient at
+    the backward's peak.) One object per run of the linears (a recomputed forward makes its own)."""
 
     def __init__(self, shards: Sequence[tuple[Tensor, int]], group: ProcessGroup, *, chained: bool = True) -> None:
         self.shards = tuple(shards)
