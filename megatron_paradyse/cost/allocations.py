@@ -1064,8 +1064,7 @@ def _ring_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemor
 def _ring_attention_memory(d: Dims, ring_forward: _Call, ring_backward: _Call) -> SublayerMemory:
     """``ring`` attention's memory around the rank's ring forward and backward (which ranks often
     share: memoised): the projections' ZeRO-3 gathers (the output projection's while the ring runs, in
-    backward the QKV projection's),
-    q's copy, RoPE on the local tokens, the output permuted."""
+    backward the QKV projection's), q's copy, RoPE on the local tokens, the output permuted."""
     e = d.e
     w_qkv, w_proj, qkv_bias = d.qkv * d.h * e, d.h * d.a * e, d.qkv * e if d.bias else 0.0
     qkv_local, core_local = d.t * d.b * d.qkv * e, d.t * d.b * d.a * e
