@@ -7,14 +7,27 @@ import json
 import re
 
 from megatron_paradyse.bench.planner import main
+from megatron_paradyse.planner import Planner
 
 
-def test_pipeline_stages_plan_alike_and_one_call_decides_for_every_stage(tmp_path, capsys):
+def test_pipeline_stages_plan_alike_and_one_call_decides_for_every_stage(tmp_path, capsys, monkeypatch):
+    deciders = []
+    decide = Planner.decide
+
+    def recording(self, *args, **kwargs):
+        deciders.append(id(self))
+        return decide(self, *args, **kwargs)
+
+    monkeypatch.setattr(Planner, "decide", recording)
     figures = {}
     for stages in (1, 4):
         out = tmp_path / f"{stages}.json"
         args = ["--layers", "8", "--pipeline-stages", str(stages), "--uncached-calls", "3", "--cached-calls", "4"]
+        deciders.clear()
         assert main([*args, "--json", str(out)]) == 0
+        # the timed calls (3 uncached, 3 to fill the cache, 4 cached) run every stage's planner in turn
+        timed = deciders[-10 * stages :]
+        assert timed == timed[:stages] * 10 and len(set(timed)) == stages
         lines = capsys.readouterr().out.splitlines()
         assert re.fullmatch(r"planner_us_cached=[0-9.]+ planner_us_uncached=[0-9]+", lines[-1])
         figures[stages] = json.loads(out.read_text())
