@@ -322,14 +322,20 @@ def _calibrate_as_one_of_eight(rank: int, world: int, links: dict) -> dict | str
         profile = calibration.calibrate_on_group(
             dist.group.WORLD, device=torch.device("cpu"), dtype=torch.bfloat16, shape=SMALL, longest=512, links=links
         )
-    return profile, refused
+    from megatron.core import parallel_state
+
+    # the TP=8 linears' gather buffer, made without Megatron's parallel state, is gone with the calibration
+    return profile, refused, parallel_state._GLOBAL_MEMORY_BUFFER is not None
 
 
 def test_one_device_calibrates_the_compute_of_one_rank_of_eight_with_the_links_of_another_profile():
     from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
 
     links = hardware_profile(HARDWARE["h100"])
-    ((profile, refused),) = run_on_ranks(_calibrate_as_one_of_eight, 1, args=(links,), timeout_s=300)
+    ((profile, refused, gather_buffer_left),) = run_on_ranks(
+        _calibrate_as_one_of_eight, 1, args=(links,), timeout_s=300
+    )
+    assert not gather_buffer_left  # Megatron's initialize_model_parallel refuses one (found on an H200)
     assert refused == (
         "the links profile has no collectives for p=8 (it has p in []); calibrate them on the cluster with "
         "`paradyse calibrate --p 8`"

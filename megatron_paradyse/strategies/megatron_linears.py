@@ -8,10 +8,14 @@ builds, as ``SelfAttention`` and ``MLP`` configure them, so that ``tp_sp`` runs 
 Megatron's sequence-parallel column linears all-gather into its global memory buffer
 (``parallel_state.get_global_memory_buffer()``, name ``"mpu"``), which they keep: the buffer lives
 outside any layer, at the size of the largest gather so far. :func:`reserve_gather_buffer` sizes it
-before a measured window, as a step's earlier layers (or the output layer) leave it.
+before a measured window, as a step's earlier layers (or the output layer) leave it; where Megatron's
+parallel state is not set up, the buffer is made here, and :func:`gather_buffer_scope` releases it.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch.distributed import ProcessGroup
@@ -19,7 +23,7 @@ from torch.distributed import ProcessGroup
 from megatron_paradyse.core import compat
 from megatron_paradyse.strategies.base import AttentionWeights, MLPWeights, ModelShape
 
-__all__ = ["layer_linears", "reserve_gather_buffer"]
+__all__ = ["gather_buffer_scope", "layer_linears", "reserve_gather_buffer"]
 
 
 def layer_linears(
@@ -72,6 +76,22 @@ def reserve_gather_buffer(tokens: int, hidden_size: int, dtype: torch.dtype, dev
     held = buffer.buffer.get(("mpu", dtype))
     if held is None or held.numel() < tokens * hidden_size or held.device != torch.device(device):
         buffer.buffer[("mpu", dtype)] = torch.empty(tokens * hidden_size, dtype=dtype, device=device)
+
+
+@contextlib.contextmanager
+def gather_buffer_scope() -> Iterator[None]:
+    """Measurements inside the block may make Megatron's global memory buffer (where Megatron's parallel
+    state is not set up); one made inside is released at the end, so the process is left as it was:
+    ``initialize_model_parallel`` refuses a buffer that already exists, and the device memory is freed."""
+    compat.install()
+    from megatron.core import parallel_state
+
+    made_inside = parallel_state._GLOBAL_MEMORY_BUFFER is None
+    try:
+        yield
+    finally:
+        if made_inside:
+            parallel_state.destroy_global_memory_buffer()
 
 
 def _global_buffer():
