@@ -54,6 +54,20 @@ def test_calibrate_writes_a_profile_the_model_reads(tmp_path, monkeypatch, capfd
     assert len(profile["samples"]["gemm"]) == 4 and len(profile["samples"]["attention"]) == 5
     assert set(profile["collectives"]) == {"2"}
     assert all(c >= 0 for c in profile["gemm"]["forward"]["coef"]) and any(profile["gemm"]["forward"]["coef"])
+    for direction in ("forward", "backward"):  # each measured GEMM shape's rate at each of its m
+        rates = {
+            f"{n}x{k}": {
+                "m": [32, 256],
+                "per_flop_s": [
+                    g[f"{direction}_s"] / (2 * g["m"] * n * k)
+                    for m in (32, 256)
+                    for g in profile["samples"]["gemm"]
+                    if (g["m"], g["n"], g["k"]) == (m, n, k)
+                ],
+            }
+            for n, k in ((128, 128), (384, 128))
+        }
+        assert profile["gemm"][direction]["by_shape"] == rates
     causal = profile["attention"]["backward"]["causal"]["by_head_dim"]["32"]
     assert causal["lengths"] == [64.0, 256.0] and all(r > 0 for r in causal["per_unit_s"])
     full = profile["attention"]["forward"]["full"]["by_head_dim"]["32"]
@@ -129,8 +143,14 @@ def test_a_models_grid_measures_every_gemm_its_layers_are_priced_with(p):
         tokens = sorted(m for m, n2, k2 in grid.gemms if (n2, k2) == (n, k))
         assert tokens == [m for m in ladder if 2 * m * n * k <= cap] or tokens == [256]
     assert (65536, 4096, 4096) in grid.gemms and (longest, 4096, 4096) not in grid.gemms  # 4.4 TFLOP: over
-    blocks = {(sq, causal) for heads, hn, sq, sk, causal in grid.attention_calls if hn == 128 and sq == sk}
+    blocks = {(sq, causal): heads for heads, hn, sq, sk, causal in grid.attention_calls if hn == 128 and sq == sk}
     assert (32768, True) in blocks and (longest, True) not in blocks  # over the cap: the 32K rate prices it
+    # as many heads as the model's calls run (ring's and lean's all 32 at any p), fewer where over the cap: on
+    # an H200 one head of 8K tokens left most of the GPU idle; a CPU's rate does not depend on the count
+    assert blocks[8192, True] == blocks[8192, False] == 32 and blocks[32768, True] == 14
+    assert blocks[32768, False] == 7  # and 131,072 tokens: one head is over the cap
+    cpu_blocks = calibration.model_grid(TINY, LLAMA3_8B, p, longest, "cpu").attention_calls
+    assert {heads for heads, *_ in cpu_blocks} == {1}
     assert grid.correction_lengths == (64, 128, 512)  # the correction's layers: the grid's lengths and 4x the longest
     # one activation (fp32 bytes) at each token count, up to 2 GiB: a 16 MB add is launch overhead on a GPU
     generic = {4 << 10, 256 << 10, 4 << 20, 16 << 20}

@@ -333,6 +333,35 @@ def test_the_stage_time_prices_the_output_layer_and_loss_under_every_plan():
     assert stage_time(profile) == pytest.approx(1e-9 * 2 * 2048 * 256 * 256 + 3.0)  # [2048, 256] x [256, 1024/4]
 
 
+def test_a_measured_gemm_shape_is_priced_at_its_measured_rate_and_another_by_the_fit():
+    """A calibrated profile keeps each measured ``(n, k)``'s seconds per FLOP at each measured ``m``
+    (``gemm.<direction>.by_shape``): on an H200 the fit over a Llama-3-8B layer's own GEMMs priced them at
+    820 TFLOP/s, where they ran at 645 to 801. Priced through the output layer's GEMM, ``[2048, 256] x
+    [256, 1024/4]``: its rate interpolated in log m between the measured ones, flat beyond them; a shape
+    not measured keeps the fit."""
+    profile = synthetic_profile()
+    zero = {"coef": [0.0, 0.0, 0.0]}
+    profile["gemm"] = {"forward": dict(zero), "backward": {"coef": [3.0, 0.0, 0.0]}}
+    profile["elementwise"] = {"per_byte_s": 0.0, "per_op_s": 0.0}
+    profile["collectives"]["4"] = {k: {"latency_s": 0.0, "per_byte_s": 0.0} for k in profile["collectives"]["4"]}
+    layout = SequenceLayout.build(2048, 4, causal=True)
+    flops = 2 * 2048 * 256 * 256
+
+    def stage_time(stage: StageOptions = WHOLE_LOSS) -> float:
+        return AnalyticCostModel(profile, MHA, 4, vocab_size=1024).stage_time_s(layout, 1, stage)
+
+    profile["gemm"]["forward"]["by_shape"] = {"256x256": {"m": [1024, 4096], "per_flop_s": [4e-9, 1e-9]}}
+    # m = 2048, halfway in log m between 1024 and 4096; backward: this shape not measured, the fit's 3 s
+    assert stage_time() == pytest.approx(2.5e-9 * flops + 3.0)
+    # a chunked loss adds one forward per chunk of 128 rows on each of 4 ranks: m = 512, under the
+    # measured ones, at the rate of the shortest
+    assert stage_time(StageOptions(loss_chunk_tokens=512)) == pytest.approx(2.5e-9 * flops + 3.0 + 4e-9 * flops)
+    profile["gemm"]["backward"]["by_shape"] = {"256x256": {"m": [1024], "per_flop_s": [7e-9]}}
+    assert stage_time() == pytest.approx(2.5e-9 * flops + 7e-9 * flops)  # m over the measured: flat
+    profile["gemm"]["forward"]["by_shape"] = {"512x256": {"m": [2048], "per_flop_s": [1.0]}}  # another shape
+    assert stage_time() == pytest.approx(7e-9 * flops)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_stage_time_moves_activations_in_the_model_dtype_and_the_loss_statistics_in_fp32(dtype):
     """Per byte only: the output layer's input gathered forward and its gradient reduce-scattered backward,

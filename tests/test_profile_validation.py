@@ -60,6 +60,11 @@ def test_a_profile_is_saved_whole_or_not_at_all(tmp_path, profile, monkeypatch):
          "gemm.backward.coef[1] must be finite, got inf"),
         (lambda p: p["gemm"]["forward"].update(coef=[1e-6, 1e-12]),
          "gemm.forward.coef must be a list of 3 numbers, got [1e-06, 1e-12]"),
+        (lambda p: p["gemm"]["forward"].update(by_shape={"4096x14336": {"m": [4096, 1024], "per_flop_s": [1.0, 1.0]}}),
+         "gemm.forward.by_shape.4096x14336.m must increase, got [4096, 1024]"),
+        (lambda p: p["gemm"]["backward"].update(by_shape={"4096": {"m": [256], "per_flop_s": [-1.0]}}),
+         "gemm.backward.by_shape: keys are GEMM shapes '<n>x<k>', got '4096'; "
+         "gemm.backward.by_shape.4096.per_flop_s[0] must be in [0, inf), got -1.0"),
         (lambda p: p["elementwise"].update(per_op_s=-1e-6), "elementwise.per_op_s must be in [0, inf), got -1e-06"),
         (lambda p: p.update(ring_overlap=1.5), "ring_overlap must be in [0, 1], got 1.5"),
         (lambda p: p.update(concurrency=True), "concurrency must be a positive int, got True"),

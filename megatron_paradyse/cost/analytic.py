@@ -524,9 +524,15 @@ class AnalyticCostModel:
         key = (direction, gemm)  # lean's p groups, and every rank, repeat the same GEMMs
         known = self._prices.call_times.get(key)
         if known is None:
-            c0, c1, c2 = self.profile["gemm"][direction]["coef"]
-            e = self.element_size
-            known = c0 + c1 * gemm.flops + c2 * e * (gemm.m * gemm.k + gemm.n * gemm.k + gemm.m * gemm.n)
+            fit = self.profile["gemm"][direction]
+            measured = fit.get("by_shape", {}).get(f"{gemm.n}x{gemm.k}")  # profiles before 2026-11-27 have none
+            if measured is not None:  # its rate interpolated in log m, flat beyond the measured ones
+                rate = np.interp(math.log(gemm.m), np.log(measured["m"]), measured["per_flop_s"])
+                known = float(rate) * gemm.flops
+            else:
+                c0, c1, c2 = fit["coef"]
+                e = self.element_size
+                known = c0 + c1 * gemm.flops + c2 * e * (gemm.m * gemm.k + gemm.n * gemm.k + gemm.m * gemm.n)
             self._prices.call_times[key] = known
         return known
 

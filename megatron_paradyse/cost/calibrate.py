@@ -129,8 +129,11 @@ def model_grid(grid: Grid, shape: ModelShape, p: int, longest: int, device: str)
     """``grid`` with the work of ``shape``'s layer at ``p`` ranks added, for micro-batches up to ``longest``
     tokens: the ``(n, k)`` of every GEMM the cost terms of every strategy run (so nothing priced is
     extrapolated from other shapes), at token counts from 256 up to ``longest`` in steps of 4x, and
-    causal and full attention blocks at the model's head dim up to ``longest``, one head each; samples
-    over :data:`SAMPLE_FLOPS` are left out (a GEMM shape keeps its smallest token count); elementwise
+    causal and full attention blocks at the model's head dim up to ``longest``; samples
+    over :data:`SAMPLE_FLOPS` are left out (a GEMM shape keeps its smallest token count). On a GPU the
+    attention blocks run as many heads as the model's kernel calls do (fewer where a sample would pass
+    the cap): on an H200 one head of 8K tokens left most of the GPU idle, and its rate priced a Llama-3-8B
+    layer's attention at 2.7x its time (a CPU's rate per head does not depend on the count). Elementwise
     samples of one activation at those token counts, up to :data:`SAMPLE_BYTES` (on an H200 the generic
     ones, 16 MB at most, are launch overhead: their fit priced no byte). The correction
     is fitted on the model's own layers, at the grid's correction lengths and 4x the longest of them,
@@ -158,11 +161,13 @@ def model_grid(grid: Grid, shape: ModelShape, p: int, longest: int, device: str)
         fitting = [m for m in tokens if 2 * m * n * k <= cap] or tokens[:1]
         gemms += [(m, n, k) for m in fitting]
     hn = shape.kv_channels
+    most_heads = 1 if device == "cpu" else _most_heads_per_call(shape, dims, layout, attention)
     calls = []
     for length in sorted({*(128 * 4**i for i in range(32) if 128 * 4**i < longest), longest}):
         for causal in (True, False):
-            if AttentionCall(1, 1, length, length, hn, causal).flops <= cap:
-                calls.append((1, hn, length, length, causal))
+            heads = min(most_heads, int(cap // AttentionCall(1, 1, length, length, hn, causal).flops))
+            if heads >= 1:
+                calls.append((heads, hn, length, length, causal))
     corrections = sorted({min(n, longest) for n in (*grid.correction_lengths, 4 * max(grid.correction_lengths))})
     activations = [m * shape.hidden_size * 4 for m in tokens if m * shape.hidden_size * 4 <= SAMPLE_BYTES[device]]
     return dataclasses.replace(
@@ -172,6 +177,16 @@ def model_grid(grid: Grid, shape: ModelShape, p: int, longest: int, device: str)
         correction_lengths=tuple(corrections),
         elementwise_bytes=tuple(sorted({*grid.elementwise_bytes, *activations})),
     )
+
+
+def _most_heads_per_call(shape: ModelShape, dims: Dims, layout: SequenceLayout, strategies) -> int:
+    """The most heads one of the model's attention kernel calls runs under any of ``strategies``."""
+    most = 1
+    for name in strategies:
+        terms = sublayer_terms("attention", name, dims, layout)
+        ring_calls = (call for ring in terms.rings for step in ring.steps for call in step)
+        most = max(most, *(call.heads for call in (*terms.attention, *ring_calls)))
+    return most
 
 
 def model_key(shape: ModelShape) -> str:
@@ -528,7 +543,10 @@ def fit_profile(samples: dict[str, Any], element_size: int) -> dict[str, Any]:
     )
     fitted: dict[str, Any] = {
         "gemm": {
-            d: {"coef": fit_nonnegative(gemm_features, [g[f"{d}_s"] for g in gemm]).tolist()}
+            d: {
+                "coef": fit_nonnegative(gemm_features, [g[f"{d}_s"] for g in gemm]).tolist(),
+                "by_shape": _gemm_rates(gemm, f"{d}_s"),
+            }
             for d in ("forward", "backward")
         },
         "attention": {"forward": {}, "backward": {}},
@@ -553,6 +571,21 @@ def fit_profile(samples: dict[str, Any], element_size: int) -> dict[str, Any]:
         latency, per_byte = fit_nonnegative(np.array([[1.0, b] for b in sizes]), list(seconds))
         fitted["host_link"] = {"latency_s": float(latency), "per_byte_s": float(per_byte), "overlap": link["overlap"]}
     return fitted
+
+
+def _gemm_rates(samples: list[dict], key: str) -> dict[str, dict[str, list[float]]]:
+    """Per measured ``(n, k)`` (key ``"<n>x<k>"``), the seconds per FLOP at each measured ``m``. On a GPU
+    a GEMM's efficiency changes with its shape, and not linearly: on an H200 the linear fit over a
+    Llama-3-8B layer's own GEMMs priced them at 820 TFLOP/s, where they ran at 645 to 801; a shape that
+    was measured is interpolated (:meth:`AnalyticCostModel._gemm`), the fit prices the others."""
+    rates: dict[str, dict[int, list[float]]] = {}
+    for g in samples:
+        flops = 2 * g["m"] * g["n"] * g["k"]
+        rates.setdefault(f"{g['n']}x{g['k']}", {}).setdefault(g["m"], []).append(g[key] / flops)
+    return {
+        shape: {"m": sorted(by_m), "per_flop_s": [float(np.mean(by_m[m])) for m in sorted(by_m)]}
+        for shape, by_m in sorted(rates.items())
+    }
 
 
 def _fit_attention(rows: list[dict], key: str) -> dict[str, Any]:

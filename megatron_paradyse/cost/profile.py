@@ -9,7 +9,7 @@ all times in seconds, sizes in bytes::
       "fingerprint": {"device": "cpu" | "cuda", "device_name": str, "cpu_count": int,
                       "torch": str, "megatron_core": str, "python": str, "hostname": str},
       "dtype": "float32", "concurrency": 4,          # ranks computing at once while measured
-      "gemm": {"forward": LINEAR, "backward": LINEAR},                # features: 1, FLOPs, bytes
+      "gemm": {"forward": GEMM, "backward": GEMM},
       "attention": {"kernel": "torch",
                     "forward": {"causal": RATE, "full": RATE},
                     "backward": {"causal": RATE, "full": RATE}},
@@ -27,7 +27,9 @@ all times in seconds, sizes in bytes::
       "samples": {...}                                # the raw measurements the fits came from
     }
 
-with ``LINEAR = {"coef": [c0, c1, c2]}`` (time = c0 + c1 * FLOPs + c2 * bytes), ``RATE =
+with ``GEMM = {"coef": [c0, c1, c2], "by_shape": {"<n>x<k>": {"m": [m...], "per_flop_s": [r...]}}}``
+(a measured ``(n, k)``: time = r(m) * FLOPs, ``r`` interpolated in log m; any other: time = c0 + c1 *
+FLOPs + c2 * bytes; ``by_shape`` is optional, profiles before 2026-11-27 have none), ``RATE =
 {"per_call_s": c0, "by_head_dim": {"<hn>": {"lengths": [L...], "per_unit_s": [r...]}}}`` (time = c0 +
 r(L) * pairs * hn * heads * b at the nearest calibrated head dim, ``r`` interpolated in log length;
 ``L`` = sq causal, sqrt(sq sk) full) and
@@ -218,11 +220,18 @@ def _bad_values(profile: dict[str, Any]) -> Iterable[str]:
     ]  # fmt: skip
     for direction in ("forward", "backward"):
         checks += numbers(f"gemm.{direction}.coef", profile["gemm"][direction]["coef"], length=3)
+        if "by_shape" in profile["gemm"][direction]:
+            by_shape = profile["gemm"][direction]["by_shape"]
+            checks += _rate_tables(
+                f"gemm.{direction}.by_shape", by_shape, numbers, "GEMM shapes '<n>x<k>'", "m", "per_flop_s", parts=2
+            )
         for mask in ("causal", "full"):
             rate = profile["attention"][direction][mask]
             key = f"attention.{direction}.{mask}"
             checks.append(number(f"{key}.per_call_s", rate["per_call_s"]))
-            checks += _head_dim_rates(f"{key}.by_head_dim", rate["by_head_dim"], numbers)
+            checks += _rate_tables(
+                f"{key}.by_head_dim", rate["by_head_dim"], numbers, "head dims as strings", "lengths", "per_unit_s"
+            )
     for p, kinds in profile["collectives"].items():
         if not (isinstance(p, str) and p.isdigit() and int(p) >= 2):
             checks.append(f"collectives: keys are group sizes >= 2 as strings, got {p!r}")
@@ -247,24 +256,26 @@ def _bad_values(profile: dict[str, Any]) -> Iterable[str]:
     return [c for c in checks if c is not None]
 
 
-def _head_dim_rates(key: str, rates: Any, numbers) -> list[str | None]:
-    """The ``by_head_dim`` table of an attention rate: per head dim, increasing lengths and their rates."""
-    if not isinstance(rates, dict) or not rates:
-        return [f"{key} must be a mapping of head dims to rates, got {rates!r}"]
+def _rate_tables(key: str, tables: Any, numbers, names: str, x: str, y: str, *, parts: int = 1) -> list[str | None]:
+    """Rates to interpolate, one table per name of ``parts`` positive integers joined by ``x`` (a head dim
+    ``"128"``, a GEMM shape ``"4096x14336"``): increasing positive ``x`` and a rate ``y`` at each."""
+    if not isinstance(tables, dict) or not tables:
+        return [f"{key} must be a mapping of {names} to rates, got {tables!r}"]
     problems: list[str | None] = []
-    for hn, table in rates.items():
-        where = f"{key}.{hn}"
-        if not (isinstance(hn, str) and hn.isdigit() and int(hn) >= 1):
-            problems.append(f"{key}: keys are head dims as strings, got {hn!r}")
+    for name, table in tables.items():
+        where = f"{key}.{name}"
+        names_parts = name.split("x") if isinstance(name, str) else [""]
+        if len(names_parts) != parts or not all(part.isdigit() and int(part) >= 1 for part in names_parts):
+            problems.append(f"{key}: keys are {names}, got {name!r}")
         if not isinstance(table, dict):
-            problems.append(f"{where} must be a mapping with lengths and per_unit_s, got {table!r}")
+            problems.append(f"{where} must be a mapping with {x} and {y}, got {table!r}")
             continue
-        lengths = table.get("lengths")
-        problems += numbers(f"{where}.lengths", lengths, low=0.0, low_open=True)
-        problems += numbers(f"{where}.per_unit_s", table.get("per_unit_s"), length=len(lengths or []) or None)
-        if isinstance(lengths, list) and all(isinstance(v, (int, float)) for v in lengths):
-            if any(b <= a for a, b in zip(lengths, lengths[1:])):
-                problems.append(f"{where}.lengths must increase, got {lengths!r}")
+        xs = table.get(x)
+        problems += numbers(f"{where}.{x}", xs, low=0.0, low_open=True)
+        problems += numbers(f"{where}.{y}", table.get(y), length=len(xs or []) or None)
+        if isinstance(xs, list) and all(isinstance(v, (int, float)) for v in xs):
+            if any(b <= a for a, b in zip(xs, xs[1:])):
+                problems.append(f"{where}.{x} must increase, got {xs!r}")
     return problems
 
 
