@@ -118,8 +118,8 @@ GRIDS = {
 
 SAMPLE_FLOPS = {"cpu": 2e10, "cuda": 4e12}
 """The most forward FLOPs of one sample of a model's own work: a few milliseconds on a GPU, a fraction of
-a second on a CPU core. Longer GEMMs are priced by the fit (linear in FLOPs and bytes), longer attention
-blocks at the rate of the longest one measured (the rates are flat beyond the measured lengths)."""
+a second on a CPU core. Longer GEMMs and attention blocks are priced at the rate of the longest one
+measured of their shape (the rates are flat beyond the measured sizes)."""
 SAMPLE_BYTES = {"cpu": 1 << 28, "cuda": 1 << 31}
 """The largest operand of an elementwise sample of a model's activations (fp32 bytes): a millisecond on
 a GPU, a tenth of a second on a CPU core."""
