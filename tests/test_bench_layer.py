@@ -8,6 +8,9 @@ import re
 import subprocess
 import sys
 
+import pytest
+import torch
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -45,3 +48,43 @@ def test_bench_layer_refuses_bad_lengths_and_a_missing_device():
     assert result.returncode == 2 and "token counts must be even and >= 2" in result.stderr
     result = _bench("--device", "cuda")
     assert result.returncode == 2 and "--device cuda: no CUDA device here" in result.stderr
+
+
+def test_bench_layer_prints_the_cost_models_time_beside_the_measured(tmp_path, monkeypatch):
+    """``--profile``: the time the cost model predicts for the Paradyse layer under ``tp_sp/tp_sp`` at TP=1
+    from a profile of this machine, beside the measured one; the last line adds the least and the largest
+    predicted/measured ratio. A profile it cannot read stops it before anything is timed."""
+    from test_cost_calibration import TINY
+
+    from megatron_paradyse.bench.layer import MODELS
+    from megatron_paradyse.core.layout import SequenceLayout
+    from megatron_paradyse.core.plan import LayerOption
+    from megatron_paradyse.cost import calibrate as calibration
+    from megatron_paradyse.cost.analytic import AnalyticCostModel
+    from megatron_paradyse.cost.profile import save_profile
+
+    monkeypatch.setitem(calibration.GRIDS, "quick", TINY)
+    path = tmp_path / "profile.json"
+    save_profile(calibration.calibrate((1,), grid="quick", dtype=torch.bfloat16, show_progress=False), path)
+    result = _bench(
+        "--model", "tiny", "--lengths", "64,128", "--dtype", "bf16", "--warmup", "1", "--repeats", "2",
+        "--profile", str(path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[1].endswith("pred ms pred/meas")
+    model = AnalyticCostModel.from_file(path, MODELS["tiny"].shape, 1, dtype=torch.bfloat16)
+    ratios = []
+    for row, n in zip([line.split() for line in lines[2:-1]], (64, 128)):
+        ours, predicted, ratio = float(row[1]), float(row[8]), float(row[9])
+        expected = model.layer_cost(LayerOption("tp_sp", "tp_sp"), SequenceLayout.build(n, 1, causal=True), 1)
+        assert predicted == pytest.approx(expected.time_s * 1e3, abs=0.005)
+        assert abs(ratio - predicted / ours) <= predicted / ours * (0.005 / predicted + 0.005 / ours) * 1.01 + 0.0005
+        ratios.append(ratio)
+    assert lines[-1].endswith(
+        f" predicted_over_measured_min={min(ratios):.3f} predicted_over_measured_max={max(ratios):.3f}"
+    )
+
+    result = _bench("--model", "tiny", "--lengths", "64", "--profile", str(tmp_path / "none.json"))
+    assert result.returncode == 2 and f"--profile {tmp_path / 'none.json'}: " in result.stderr
+    assert "paradyse ms" not in result.stdout

@@ -18,10 +18,15 @@ GPU tests). For each length, one document of that many tokens, micro-batch 1, TP
   on CUDA, each printed with where it happened (elsewhere by
   :class:`~megatron_paradyse.core.host_sync.HostSyncs`).
 
+- **predicted** (``--profile FILE``, a profile calibrated on this machine): the cost model's time for
+  the Paradyse layer under ``tp_sp/tp_sp`` at TP=1, beside the measured one.
+
 Times are medians over ``--repeats`` runs after ``--warmup`` (CUDA events on a GPU). The last line:
 ``tp_sp_vs_stock_max`` (the largest Paradyse/stock time ratio over the lengths both ran),
 ``attention_vs_sdpa_best`` (the largest ratio of the Paradyse core to SDPA's fastest backend) and
-``host_syncs``. Targets on an H100: <= 1.03, <= 1.10 and 0.
+``host_syncs``, then with ``--profile`` the least and the largest predicted/measured ratio of the
+Paradyse layer (``predicted_over_measured_min``, ``predicted_over_measured_max``). Targets on an H100:
+<= 1.03, <= 1.10 and 0.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--profile", help="a cost profile of this machine: the predicted time beside the measured")
     args = parser.parse_args(argv)
     device, dtype, model = torch.device(args.device), DTYPES[args.dtype], MODELS[args.model]
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -86,11 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
+    predict = None if args.profile is None else _predictor(args.profile, model, dtype, parser)
 
     with fake_world(0, 1), _LayerPair(model, dtype, device) as pair:
         print(f"layer: {args.model}, {args.dtype}, {device}, transformer implementation: {pair.impl}")
-        print(f"{'tokens':>7} {'paradyse ms':>12} {'stock ms':>10} {'ratio':>6} {'attn ms':>9} {'sdpa ms':>9} ratio")
-        layer_ratios, attention_ratios = [], []
+        predicted_head = "" if predict is None else f" {'pred ms':>9} pred/meas"
+        print(
+            f"{'tokens':>7} {'paradyse ms':>12} {'stock ms':>10} {'ratio':>6} {'attn ms':>9} {'sdpa ms':>9} ratio"
+            + predicted_head
+        )
+        layer_ratios, attention_ratios, predicted_ratios = [], [], []
         timer = _Timer(device, args.warmup, args.repeats)
         for n in args.lengths:
             print(f"[bench layer] {n} tokens", file=sys.stderr, flush=True)
@@ -103,15 +114,38 @@ def main(argv: list[str] | None = None) -> int:
             attention_ratios.append(attention / sdpa)
             stock_text = "OOM" if stock is None else f"{stock * 1e3:.2f}"
             ratio_text = "-" if stock is None else f"{ours / stock:.3f}"
+            predicted_text = ""
+            if predict is not None:
+                predicted = predict(n)
+                predicted_ratios.append(predicted / ours)
+                predicted_text = f" {predicted * 1e3:>9.2f} {predicted / ours:.3f}"
             print(
                 f"{n:>7} {ours * 1e3:>12.2f} {stock_text:>10} {ratio_text:>6} {attention * 1e3:>9.2f} "
-                f"{sdpa * 1e3:>9.2f} {attention / sdpa:.3f} ({backend})",
+                f"{sdpa * 1e3:>9.2f} {attention / sdpa:.3f} ({backend})" + predicted_text,
                 flush=True,
             )
         syncs = _host_syncs(pair.step("paradyse", args.lengths[0]), device)
     worst_layer = max(layer_ratios) if layer_ratios else math.nan
-    print(f"tp_sp_vs_stock_max={worst_layer:.3f} attention_vs_sdpa_best={max(attention_ratios):.3f} host_syncs={syncs}")
+    last = f"tp_sp_vs_stock_max={worst_layer:.3f} attention_vs_sdpa_best={max(attention_ratios):.3f} host_syncs={syncs}"
+    if predicted_ratios:
+        low, high = min(predicted_ratios), max(predicted_ratios)
+        last += f" predicted_over_measured_min={low:.3f} predicted_over_measured_max={high:.3f}"
+    print(last)
     return 0
+
+
+def _predictor(path: str, model: LayerModel, dtype: torch.dtype, parser: argparse.ArgumentParser):
+    """The cost model's time of the Paradyse layer under ``tp_sp/tp_sp`` at TP=1, for a token count."""
+    from megatron_paradyse.core.plan import LayerOption
+    from megatron_paradyse.cost.analytic import AnalyticCostModel
+    from megatron_paradyse.cost.profile import ProfileError
+
+    try:
+        cost = AnalyticCostModel.from_file(path, model.shape, 1, dtype=dtype)
+    except (OSError, ProfileError, ValueError) as e:
+        parser.error(f"--profile {path}: {e}")
+    option = LayerOption("tp_sp", "tp_sp")
+    return lambda n: cost.layer_cost(option, SequenceLayout.build(n, 1, causal=True), 1).time_s
 
 
 class _LayerPair:
