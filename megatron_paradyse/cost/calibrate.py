@@ -812,12 +812,16 @@ def _cache_path(cache_dir, p: int, device: str, dtype: torch.dtype, shape: Model
 
 def _cached(path: Path, p: int, longest: int | None) -> dict[str, Any] | None:
     """The profile an earlier run saved at ``path``, if it serves a longest micro-batch of ``longest``
-    tokens (it measured as many or more), else None (a profile calibrated before offload is made again)."""
+    tokens (it measured as many or more), else None. A profile calibrated before offload, or before its
+    GEMM shapes had their own rates (and a GPU's attention samples the model's heads), is made again: a
+    cache is this module's, and what it measures better should not wait for someone to delete it."""
     from megatron_paradyse.cost.profile import ProfileError, load_profile
 
     try:
         profile = load_profile(path, p=p, host_link=True)
     except ProfileError:
+        return None
+    if "by_shape" not in profile["gemm"]["forward"]:
         return None
     if longest is None or profile.get("model") and profile["model"]["longest"] >= longest:
         print(f"paradyse: no cost.profile: using the quick profile calibrated before, {path}", flush=True)
