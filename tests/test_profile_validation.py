@@ -63,12 +63,16 @@ def test_a_profile_is_saved_whole_or_not_at_all(tmp_path, profile, monkeypatch):
         (lambda p: p["gemm"]["forward"].update(by_shape={"4096x14336": {"m": [4096, 1024], "per_flop_s": [1.0, 1.0]}}),
          "gemm.forward.by_shape.4096x14336.m must increase, got [4096, 1024]"),
         (lambda p: p["gemm"]["backward"].update(by_shape={"4096": {"m": [256], "per_flop_s": [-1.0]}}),
-         "gemm.backward.by_shape: keys are GEMM shapes '<n>x<k>', got '4096'; "
+         "gemm.backward.by_shape: keys are GEMM shapes as strings '<n>x<k>', got '4096'; "
          "gemm.backward.by_shape.4096.per_flop_s[0] must be in [0, inf), got -1.0"),
         (lambda p: p["elementwise"].update(per_op_s=-1e-6), "elementwise.per_op_s must be in [0, inf), got -1e-06"),
         (lambda p: p.update(ring_overlap=1.5), "ring_overlap must be in [0, 1], got 1.5"),
         (lambda p: p.update(concurrency=True), "concurrency must be a positive int, got True"),
         (lambda p: p.update(dtype="fp8"), "dtype must be one of float32, bfloat16, float16, got 'fp8'"),
+        (lambda p: p["attention"]["forward"]["causal"]["by_head_dim"].update({"128x2": p["elementwise"]}),
+         "attention.forward.causal.by_head_dim: keys are head dims as strings '<hn>', got '128x2'; "
+         "attention.forward.causal.by_head_dim.128x2.lengths must be a list of one or more numbers, got None; "
+         "attention.forward.causal.by_head_dim.128x2.per_unit_s must be a list of one or more numbers, got None"),
         (lambda p: p["attention"]["backward"]["full"]["by_head_dim"]["128"]["lengths"].reverse(),
          "attention.backward.full.by_head_dim.128.lengths must increase, got [8192.0, 4096.0, 2048.0, 1024.0, 512.0]"),
         (lambda p: p.update(correction={"compute": 0, "comm": 1.0, "per_sync_s": 0.0, "per_layer_s": 0.0}),

@@ -223,14 +223,14 @@ def _bad_values(profile: dict[str, Any]) -> Iterable[str]:
         if "by_shape" in profile["gemm"][direction]:
             by_shape = profile["gemm"][direction]["by_shape"]
             checks += _rate_tables(
-                f"gemm.{direction}.by_shape", by_shape, numbers, "GEMM shapes '<n>x<k>'", "m", "per_flop_s", parts=2
+                f"gemm.{direction}.by_shape", by_shape, numbers, "GEMM shapes", "'<n>x<k>'", "m", "per_flop_s"
             )
         for mask in ("causal", "full"):
             rate = profile["attention"][direction][mask]
             key = f"attention.{direction}.{mask}"
             checks.append(number(f"{key}.per_call_s", rate["per_call_s"]))
             checks += _rate_tables(
-                f"{key}.by_head_dim", rate["by_head_dim"], numbers, "head dims as strings", "lengths", "per_unit_s"
+                f"{key}.by_head_dim", rate["by_head_dim"], numbers, "head dims", "'<hn>'", "lengths", "per_unit_s"
             )
     for p, kinds in profile["collectives"].items():
         if not (isinstance(p, str) and p.isdigit() and int(p) >= 2):
@@ -256,17 +256,17 @@ def _bad_values(profile: dict[str, Any]) -> Iterable[str]:
     return [c for c in checks if c is not None]
 
 
-def _rate_tables(key: str, tables: Any, numbers, names: str, x: str, y: str, *, parts: int = 1) -> list[str | None]:
-    """Rates to interpolate, one table per name of ``parts`` positive integers joined by ``x`` (a head dim
+def _rate_tables(key: str, tables: Any, numbers, names: str, form: str, x: str, y: str) -> list[str | None]:
+    """Rates to interpolate, one table per key of ``form``, positive integers joined by ``x`` (a head dim
     ``"128"``, a GEMM shape ``"4096x14336"``): increasing positive ``x`` and a rate ``y`` at each."""
     if not isinstance(tables, dict) or not tables:
         return [f"{key} must be a mapping of {names} to rates, got {tables!r}"]
     problems: list[str | None] = []
     for name, table in tables.items():
         where = f"{key}.{name}"
-        names_parts = name.split("x") if isinstance(name, str) else [""]
-        if len(names_parts) != parts or not all(part.isdigit() and int(part) >= 1 for part in names_parts):
-            problems.append(f"{key}: keys are {names}, got {name!r}")
+        parts = name.split("x") if isinstance(name, str) else [""]
+        if len(parts) != form.count("x") + 1 or not all(part.isdigit() and int(part) >= 1 for part in parts):
+            problems.append(f"{key}: keys are {names} as strings {form}, got {name!r}")
         if not isinstance(table, dict):
             problems.append(f"{where} must be a mapping with {x} and {y}, got {table!r}")
             continue
