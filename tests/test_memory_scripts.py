@@ -43,6 +43,7 @@ from megatron_paradyse.cost.allocations import Dims, sublayer_memory
 from megatron_paradyse.cost.measure import make_layer_params, measure_layer
 from megatron_paradyse.cost.terms import layer_terms
 from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape, run_attention, run_mlp
+from megatron_paradyse.strategies.megatron_linears import gather_buffer_scope
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RUNS = 6
@@ -143,6 +144,7 @@ def _least_recurring(measure) -> tuple[int, ...]:
         return recurring_least(measure, most_runs=RUNS)
 
 
+@gather_buffer_scope()  # the linears' gather buffer gone before a Megatron cell sets up its parallel state
 def _measure_sublayer(cell: Cell, rank: int, p: int) -> tuple[int, int, int]:
     """(saved, forward peak, backward peak above its start) of one sublayer, as the scripts count them:
     the input allocated in the window and dropped by the caller after the call, the output's

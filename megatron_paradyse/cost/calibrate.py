@@ -54,7 +54,6 @@ from megatron_paradyse.cost.fitting import fit_nonnegative
 from megatron_paradyse.cost.profile import fingerprint
 from megatron_paradyse.cost.terms import COLLECTIVE_KINDS, AttentionCall, Dims, sublayer_terms, supported_options
 from megatron_paradyse.strategies import ModelShape
-from megatron_paradyse.strategies.megatron_linears import gather_buffer_scope
 
 __all__ = [
     "CORRECTION_LAYERS",
@@ -695,10 +694,9 @@ def calibrate_on_group(
     measured = _grid(grid, shape, p, longest, device.type)
     link_groups = {} if links is not None or p == 1 else {p: group}
     first = dist.get_rank(group) == 0
-    # the job's RNG untouched; gradients on even inside a recomputed forward (a drop-in layer's first call);
-    # a gather buffer the measurements make without Megatron's parallel state released after them
+    # the job's RNG untouched; gradients on even inside a recomputed forward (a drop-in layer's first call)
     rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
-    with rng, torch.enable_grad(), gather_buffer_scope():
+    with rng, torch.enable_grad():
         samples = _measure_samples(group, measured, link_groups, device, dtype, show_progress and first)
         profile = _profile_of(samples, grid, device.type, dtype, p, shape, longest)
         if links is not None:

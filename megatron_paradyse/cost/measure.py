@@ -47,7 +47,7 @@ from megatron_paradyse.strategies import (
     run_attention,
     run_mlp,
 )
-from megatron_paradyse.strategies.megatron_linears import layer_linears, reserve_gather_buffer
+from megatron_paradyse.strategies.megatron_linears import gather_buffer_scope, layer_linears, reserve_gather_buffer
 from megatron_paradyse.strategies.recompute import recompute
 from megatron_paradyse.strategies.tiling import over_row_tiles
 
@@ -149,6 +149,7 @@ class LayerMeasurement:
         return self.peak_bytes - self.saved_bytes
 
 
+@gather_buffer_scope()  # Megatron's gather buffer, where this call made it, gone with the layer
 def measure_layer(
     option: LayerOption,
     layout: SequenceLayout,

@@ -57,7 +57,7 @@ from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.allocations import Dims
 from megatron_paradyse.cost.measure import make_layer_params, run_layer
 from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape
-from megatron_paradyse.strategies.megatron_linears import reserve_gather_buffer
+from megatron_paradyse.strategies.megatron_linears import gather_buffer_scope, reserve_gather_buffer
 
 __all__ = [
     "AllocatorPeaks",
@@ -255,7 +255,7 @@ class RankTracer:
         self._gen = torch.Generator().manual_seed(seed + self.rank)
         # Real tensors the code holds (the layout's index tensors) enter a fake trace as constants.
         self._mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
-        self._megatron_state = False
+        self._held = contextlib.ExitStack()  # for the tracer's life: Megatron's parallel state, or the gather buffer
         self._rotary_tables: dict[int, Tensor] = {}
         try:
             with self._tensors():
@@ -317,11 +317,7 @@ class RankTracer:
         )
 
     def close(self) -> None:
-        if self._megatron_state:
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-            self._megatron_state = False
+        self._held.close()
 
     def __enter__(self) -> RankTracer:
         return self
@@ -348,6 +344,7 @@ class RankTracer:
             param.grad = torch.zeros_like(param)
 
     def _build_run_layer(self, seed: int) -> Callable:
+        self._held.enter_context(gather_buffer_scope())  # the linears' and trace()'s, where this tracer made it
         params = make_layer_params(
             self.model.shape, self.p, self.rank, bias=self.model.bias, dtype=self.dtype, device=self.device, seed=seed
         )
@@ -375,9 +372,8 @@ class RankTracer:
 
         if parallel_state.model_parallel_is_initialized():
             raise RuntimeError("RankTracer: Megatron's parallel state is already initialised in this process")
-        parallel_state.destroy_global_memory_buffer()  # one a run_layer trace reserved; Megatron makes its own
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.p, create_gloo_process_groups=False)
-        self._megatron_state = True
+        self._held.callback(parallel_state.destroy_model_parallel)  # its gather buffer with it
         config = self.model.transformer_config(self.p, self.dtype)
         layer = build_module(paradyse_layer_spec, config=config, layer_number=1)
         if self._mode is None:

@@ -9,7 +9,9 @@ Megatron's sequence-parallel column linears all-gather into its global memory bu
 (``parallel_state.get_global_memory_buffer()``, name ``"mpu"``), which they keep: the buffer lives
 outside any layer, at the size of the largest gather so far. :func:`reserve_gather_buffer` sizes it
 before a measured window, as a step's earlier layers (or the output layer) leave it; where Megatron's
-parallel state is not set up, the buffer is made here, and :func:`gather_buffer_scope` releases it.
+parallel state is not set up, the buffer is made here, and :func:`gather_buffer_scope` releases it: what
+measures with these linears (``measure_layer``, a ``run_layer`` ``RankTracer``) holds one, so the process is
+left as Megatron's ``initialize_model_parallel`` expects it.
 """
 
 from __future__ import annotations
