@@ -9,9 +9,10 @@
 # synchronisation, the attention kernels against 'math'), then a calibration at configs/llama3-8b.yaml's
 # shapes at TP=1 (as a job without cost.profile calibrates at start-up), then bench layer: 4K, 16K and
 # 64K tokens of a Llama-3-8B layer in bf16, Paradyse tp_sp against Megatron's stock layer and against the
-# time the calibrated cost model predicts, whose last line is
+# time the calibrated cost model predicts, and what the first call at a length not run before adds (a
+# new cuDNN attention graph per shape, a training run's micro-batch of a new length), whose last line is
 #   tp_sp_vs_stock_max=<ratio> attention_vs_sdpa_best=<ratio> host_syncs=<n>
-#   predicted_over_measured_min=<ratio> predicted_over_measured_max=<ratio>
+#   predicted_over_measured_min=<ratio> predicted_over_measured_max=<ratio> new_length_extra_ms_max=<ms>
 # (targets: <= 1.03, <= 1.10, 0). Exits non-zero if the tests, the calibration or the benchmark failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
