@@ -58,6 +58,7 @@ def _peaks_around_collectives(rank: int, world_size: int) -> dict:
     it late now and then, were the collective not waited for until gloo lets go of it."""
     import torch.distributed as dist
 
+    from megatron_paradyse.core.comm import all_gather_single
     from megatron_paradyse.core.memory import PeakMemory
 
     n = 1 << 14  # elements per buffer
@@ -72,7 +73,7 @@ def _peaks_around_collectives(rank: int, world_size: int) -> dict:
 
     def gathered(buffer: torch.Tensor) -> None:
         gathered.out = torch.empty(n * world_size, dtype=buffer.dtype)
-        dist.all_gather_into_tensor(gathered.out, buffer, async_op=True).wait()
+        all_gather_single(gathered.out, buffer, async_op=True).wait()
 
     peaks = {}
     for dtype in (torch.bfloat16, torch.float16, torch.float32):

@@ -4,7 +4,8 @@ Each public function names its layout change and its conjugate: ``forward: AG di
 dim 0``. The group is always an argument and is kept on ``ctx``, because pipeline schedules run the
 backward of one micro-batch after the forward of the next. A group of one rank is the identity.
 Outputs are fresh buffers allocated on the input's device: no collective ever writes into its input
-or into a parameter.
+or into a parameter. ``all_gather_single`` and ``reduce_scatter_single`` are torch's single-tensor
+collectives under the name this torch release has (every call in the project goes through them).
 """
 
 from __future__ import annotations
@@ -22,21 +23,23 @@ __all__ = [
     "RingComm",
     "Zero3Gathers",
     "all_gather_seq",
+    "all_gather_single",
     "all_to_all_heads_to_seq",
     "all_to_all_seq_to_heads",
     "reduce_scatter_seq",
+    "reduce_scatter_single",
     "zero3_linear",
 ]
 
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _all_gather_dim0(x: Tensor, group: ProcessGroup) -> Tensor:
     out = x.new_empty((group.size() * x.shape[0], *x.shape[1:]))
-    _all_gather_single(out, x.contiguous(), group=group)
+    all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
@@ -44,7 +47,7 @@ def _reduce_scatter_dim0(x: Tensor, group: ProcessGroup) -> Tensor:
     if x.shape[0] % group.size():
         raise ValueError(f"dim 0 ({x.shape[0]}) is not divisible by the group size {group.size()}")
     out = x.new_empty((x.shape[0] // group.size(), *x.shape[1:]))
-    _reduce_scatter_single(out, x.contiguous(), group=group)
+    reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
 
@@ -180,7 +183,7 @@ class Zero3Gathers:
             # fails ("a view was created in no_grad mode ..."; gloo, torch 2.13)
             with torch.no_grad():
                 out = shard.new_empty((self.group.size() * shard.shape[0], *shard.shape[1:]))
-                self._pending[index] = (out, _all_gather_single(out, shard, group=self.group, async_op=True))
+                self._pending[index] = (out, all_gather_single(out, shard, group=self.group, async_op=True))
 
     def start_when_gradient_reaches(self, tensor: Tensor, index: int) -> None:
         """In backward: start gathering linear ``index``'s weight once ``tensor``'s gradient is computed,

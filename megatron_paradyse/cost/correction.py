@@ -40,6 +40,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from megatron_paradyse.core.comm import all_gather_single
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption, Plan
 from megatron_paradyse.cost.base import WHOLE_LOSS, CostModel, LayerCost, StageOptions
@@ -211,7 +212,7 @@ def _gather_entries(mine: list, most_entries: int, group) -> list[list]:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     local = torch.from_numpy(rows.view(np.uint8)).to(device or "cpu")
     gathered = torch.empty(dist.get_world_size(group) * local.numel(), dtype=torch.uint8, device=local.device)
-    dist.all_gather_into_tensor(gathered, local, group=group)
+    all_gather_single(gathered, local, group=group)
     per_rank = gathered.cpu().numpy().view(_ENTRY).reshape(-1, most_entries + 1)
     problems = [
         f"rank {rank} measured {int(head['bucket'])} (option, bucket) pairs, more than most_entries={most_entries}"
