@@ -43,7 +43,7 @@ def _recorded_backward(rank: int, p: int, sublayer: str, name: str, dtype: torch
         y = run_mlp(name, x, params.mlp, MLPContext(group=group, shape=SHAPE, activation=F.gelu))
         weights = params.mlp
     calls = []
-    reduce_scatter, reduce, send_recv = comm._reduce_scatter_single, dist.reduce, comm.RingComm.send_recv
+    reduce_scatter, reduce, send_recv = comm.reduce_scatter_single, dist.reduce, comm.RingComm.send_recv
 
     def record(kind, original):
         def wrapper(*args, **kwargs):
@@ -53,13 +53,13 @@ def _recorded_backward(rank: int, p: int, sublayer: str, name: str, dtype: torch
 
         return wrapper
 
-    comm._reduce_scatter_single = record("reduce_scatter", reduce_scatter)
+    comm.reduce_scatter_single = record("reduce_scatter", reduce_scatter)
     dist.reduce = record("reduce", reduce)
     comm.RingComm.send_recv = record("send_recv", send_recv)
     try:
         y.float().square().sum().backward()
     finally:
-        comm._reduce_scatter_single, dist.reduce, comm.RingComm.send_recv = reduce_scatter, reduce, send_recv
+        comm.reduce_scatter_single, dist.reduce, comm.RingComm.send_recv = reduce_scatter, reduce, send_recv
     grads = [getattr(weights, f).grad.double() for f in ("qkv", "proj") if sublayer == "attention"]
     grads += [getattr(weights, f).grad.double() for f in ("fc1", "fc2") if sublayer == "mlp"]
     return calls, grads
