@@ -23,9 +23,10 @@ GPU tests). For each length, one document of that many tokens, micro-batch 1, TP
 - **a new length**: what the first call at a length the process has not run adds to the steady time,
   for the Paradyse layer, its attention core, and SDPA's cuDNN and flash backends (flash builds nothing
   per shape), each at its own new length just below a measured one (``n - 2`` to ``n - 8``: the
-  allocator already holds what ``n`` took, so the difference is per-shape set-up, not memory). PyTorch builds a
-  cuDNN attention graph for each new shape (its cache is keyed by the sequence length); a training run
-  meets a new length with most micro-batches, and the cost model prices none of it.
+  allocator already holds what ``n`` took, so the difference is per-shape set-up, not memory), its
+  steady time from at most 3 runs after 1. PyTorch builds a cuDNN attention graph for each new shape
+  (its cache is keyed by the sequence length); a training run meets a new length with most
+  micro-batches, and the cost model prices none of it.
 
 Times are medians over ``--repeats`` runs after ``--warmup`` (CUDA events on a GPU). The last line:
 ``tp_sp_vs_stock_max`` (the largest Paradyse/stock time ratio over the lengths both ran),
@@ -131,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{sdpa * 1e3:>9.2f} {attention / sdpa:.3f} ({backend})" + predicted_text,
                 flush=True,
             )
-        new_length_extras = _print_new_length_extras(pair, model, args.lengths, dtype, device, timer)
+        # a per-shape build (tens of milliseconds and more, by public reports) stands out of a short one
+        probe_timer = _Timer(device, min(args.warmup, 1), min(args.repeats, 3))
+        new_length_extras = _print_new_length_extras(pair, model, args.lengths, dtype, device, probe_timer)
         syncs = _host_syncs(pair.step("paradyse", args.lengths[0]), device)
     worst_layer = max(layer_ratios) if layer_ratios else math.nan
     last = f"tp_sp_vs_stock_max={worst_layer:.3f} attention_vs_sdpa_best={max(attention_ratios):.3f} host_syncs={syncs}"
