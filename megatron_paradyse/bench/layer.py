@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from megatron_paradyse.bench.memory import TRACE_MODELS
 from megatron_paradyse.core import compat
-from megatron_paradyse.core.host_sync import HostSyncs, cuda_sync_debug
+from megatron_paradyse.core.host_sync import HostSyncs, cuda_sync_debug, wait_for_device
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.mcore.trace import LayerModel, fake_world
 from megatron_paradyse.strategies import ModelShape
@@ -176,17 +176,12 @@ def _print_new_length_extras(
 
 def _first_call_extra(run: Callable[[], None], device: torch.device, timer: _Timer) -> float:
     """The first ``run()``'s wall time (the device synchronised before and after) less ``timer(run)``."""
-    _synchronize(device)
+    wait_for_device(device)
     start = time.perf_counter()
     run()
-    _synchronize(device)
+    wait_for_device(device)
     first = time.perf_counter() - start
     return first - timer(run)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _predictor(path: str, model: LayerModel, dtype: torch.dtype, parser: argparse.ArgumentParser):

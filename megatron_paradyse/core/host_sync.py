@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["HostSync", "HostSyncs", "cuda_sync_debug"]
+__all__ = ["HostSync", "HostSyncs", "cuda_sync_debug", "wait_for_device"]
 
 _COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
 _HOST_READS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
@@ -101,3 +101,10 @@ def _copy_ends(func, args, kwargs) -> tuple[torch.device, torch.device]:
         target = kwargs.get("device")
         return source, source if target is None else torch.device(target)
     return args[1].device, args[0].device
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Make the host wait until ``device`` has run what was queued on it (the measurements' deliberate
+    wait, around a timed window); nothing on the host, whose work is done when its call returns."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

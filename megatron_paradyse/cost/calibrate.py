@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.core.comm import RingComm, all_gather_seq, all_to_all_seq_to_heads, reduce_scatter_seq
+from megatron_paradyse.core.host_sync import wait_for_device
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.offload import ActivationOffload
@@ -267,30 +268,25 @@ def _median_time(fn: Callable[[], Any], repeats: int, device: torch.device, grou
     of the cores (three calibrations read one rate from 33 to 58 ps), all ranks' wall time does not.
     """
     with _all_or_none(group, device):  # the first call's outputs are allocated on every rank, or no rank goes on
-        _sync(device)
+        wait_for_device(device)
         start = time.perf_counter()
         fn()
-        _sync(device)
+        wait_for_device(device)
     once = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
     dist.all_reduce(once, op=dist.ReduceOp.MAX, group=group)
     calls = max(1, min(1000, int(_SAMPLE_S / max(once.item(), 1e-7))))
     times = []
     for _ in range(repeats):
         dist.barrier(group)
-        _sync(device)
+        wait_for_device(device)
         start = time.perf_counter()
         for _ in range(calls):
             fn()
-        _sync(device)
+        wait_for_device(device)
         times.append((time.perf_counter() - start) / calls)
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return statistics.median(slowest.tolist())
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _time_linear(m: int, n: int, k: int, repeats: int, device, dtype, group) -> tuple[float, float]:

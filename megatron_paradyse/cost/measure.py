@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megatron_paradyse.attention import get_kernel
+from megatron_paradyse.core.host_sync import wait_for_device
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.memory import (
     GradientRoot,
@@ -221,18 +222,13 @@ def measure_layer(
     times = []
     for _ in range(repeats):
         dist.barrier(group)
-        _synchronize(device)
+        wait_for_device(device)
         start = time.perf_counter()
         step()
-        _synchronize(device)
+        wait_for_device(device)
         times.append(time.perf_counter() - start)
     if not times:  # memory only
         return LayerMeasurement(float("nan"), saved, peak)
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return LayerMeasurement(statistics.median(slowest.cpu().tolist()), saved, peak)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
