@@ -75,7 +75,10 @@ def test_a_valid_config_is_printed_resolved_and_reads_back_the_same(tmp_path, ca
         'megatron_args: [--num-layers, "2", --sequence-parallel]\n'
     )
     assert paradyse(["check-config", str(path)]) == 0
-    assert capsys.readouterr().out == f"{path}: valid\n"
+    assert capsys.readouterr().out == (
+        f"{path}: valid (Megatron's parser takes its flags; they name no model (--num-layers, --hidden-size, "
+        f"--num-attention-heads), so the job's start-up checks did not run: give the job's flags after '--')\n"
+    )
     assert paradyse(["check-config", str(path), "--print-config"]) == 0
     printed = tmp_path / "elsewhere" / "printed.yaml"
     printed.parent.mkdir()
@@ -85,6 +88,53 @@ def test_a_valid_config_is_printed_resolved_and_reads_back_the_same(tmp_path, ca
     assert config.cost.profile == str(Path.home() / "prof.json")
     assert config.attention_mask == "bidirectional"
     assert format_config(config).startswith("planner:\n  method: exact\n  attention: null\n")
+
+
+def test_a_config_whose_job_would_stop_at_start_up_is_refused_with_the_jobs_own_message(capsys):
+    """``check-config`` runs the checks every rank of the job runs before joining a process group (Megatron's
+    argument validation, the entry point's and the Paradyse layers' refusals), on a machine without a GPU,
+    at one data-parallel replica or ``--world-size``; the job's command-line flags come after ``--``."""
+    config = str(Path(__file__).resolve().parent.parent / "configs" / "llama-7b.yaml")
+
+    def refused(*argv: str) -> str:
+        with pytest.raises(SystemExit) as exit_status:
+            paradyse(["check-config", config, *argv])
+        assert exit_status.value.code == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"paradyse: error: {config}: its job would stop at start-up (as on GPUs): ")
+        return err.split("(as on GPUs): ", 1)[1]
+
+    assert paradyse(["check-config", config]) == 0
+    assert (
+        capsys.readouterr().out
+        == f"{config}: valid (its job's arguments checked as its ranks check them, at 8 ranks)\n"
+    )
+    assert paradyse(["check-config", config, "--world-size", "32"]) == 0
+    assert capsys.readouterr().out.endswith("at 32 ranks)\n")
+    # Megatron's own checks: the world size, the model's heads over the tensor-parallel ranks
+    assert refused("--world-size", "12") == (
+        "Megatron's argument check failed: world size (12) is not divisible by total_model_size (total_model_size=8)\n"
+    )
+    assert refused("--", "--hidden-size", "4100").startswith(  # an assert without a message: its line
+        "Megatron's argument check failed: assert args.hidden_size % args.num_attention_heads == 0 (arguments.py:"
+    )
+    # the entry point's, every one at once
+    assert refused("--world-size", "8", "--", "--micro-batch-size", "2", "--eval-interval", "5") == (
+        "the Megatron arguments do not fit this entry point:\n"
+        "  - --micro-batch-size: a micro-batch is one row (one document or a packing); got 2, leave it out or set 1\n"
+        "  - --eval-interval 5 without --eval-iters: no validation would run; add --eval-iters N (validation steps "
+        "per evaluation, N > 0), or leave --eval-interval out\n"
+    )
+    with pytest.raises(SystemExit):  # a command without Megatron flags says so
+        paradyse(["plan", config, "--lengths", "4096", "--", "--bf16"])
+    assert capsys.readouterr().err.endswith("paradyse: error: plan takes no Megatron flags after '--'\n")
+    # the Paradyse layers'
+    assert refused("--", "--ffn-hidden-size", "11004", "--attention-dropout", "0.1") == (
+        "the Paradyse layers cannot run this model:\n"
+        "  - attention_dropout=0.1: the attention kernels have no dropout; set 0\n"
+        "  - no strategy can split this model over tensor_model_parallel_size=8: ffn_hidden_size=11004 is not "
+        "divisible by p=8\n"
+    )
 
 
 def test_calibration_covers_the_jobs_group_size_dtype_and_model(tmp_path):

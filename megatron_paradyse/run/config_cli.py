@@ -1,9 +1,12 @@
-"""``paradyse check-config FILE [--print-config]``: validate a paradyse config before a job starts.
+"""``paradyse check-config FILE [--world-size N] [--print-config] [-- MEGATRON_FLAGS]``: validate a paradyse
+config before a job starts.
 
 Checks everything :func:`~megatron_paradyse.config.load_config` checks (keys, types, ranges, strategy
-names), then parses the config's ``megatron_args`` with Megatron-LM's own argument parser, so a
-misspelt Megatron flag fails here rather than on every rank of a job. ``--print-config`` prints the
-resolved config (paths made absolute) as YAML; loading that output gives the same config.
+names), then parses the config's ``megatron_args`` (and the job's command-line flags, after ``--``) with
+Megatron-LM's own argument parser, so a misspelt Megatron flag fails here rather than on every rank of a
+job; where the flags name a model, it runs what the job's ranks check before joining a process group
+(:func:`~megatron_paradyse.run.job.check_job_arguments`). ``--print-config`` prints the resolved config
+(paths made absolute) as YAML; loading that output gives the same config.
 
 A bad config prints ``paradyse: error: ...`` (every problem, one per line) and exits with status 2;
 ``paradyse``'s parser (``megatron_paradyse/cli.py``) wires :func:`add_check_config_arguments` and
@@ -39,17 +42,47 @@ __all__ = [
 
 def add_check_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="paradyse YAML config")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        help="the job's ranks, for Megatron's checks that depend on it (default: one data-parallel replica)",
+    )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML")
+    parser.add_argument(
+        "megatron_flags",
+        nargs="*",
+        metavar="-- MEGATRON_FLAGS",
+        help="after a '--': the job's command-line Megatron flags, which override the config's megatron_args",
+    )
 
 
 def run_check_config(args: argparse.Namespace) -> int:
-    """The command, for ``paradyse``'s parser: raises :class:`ConfigError` for a bad config."""
+    """The command, for ``paradyse``'s parser: raises :class:`ConfigError` for a bad config, or for one
+    whose job would stop before it starts. Flags that name no model (a config completed by the job's
+    command line) are parsed, not checked as a job's."""
+    from megatron_paradyse.run.job import check_job_arguments
+
     config = load_config(args.config)
+    flags = [*config.megatron_args, *args.megatron_flags]
     try:
-        parse_megatron_args(config.megatron_args)
+        parsed = parse_megatron_args(flags)
     except ValueError as e:
-        raise ConfigError(f"{args.config}:\n  megatron_args: {e}") from e
-    print(format_config(config) if args.print_config else f"{args.config}: valid\n", end="")
+        where = "megatron_args and the flags after '--'" if args.megatron_flags else "megatron_args"
+        raise ConfigError(f"{args.config}:\n  {where}: {e}") from e
+    if args.world_size is not None and args.world_size < 1:
+        raise ConfigError(f"--world-size must be a positive number of ranks, got {args.world_size}")
+    if None in (parsed.num_layers, parsed.hidden_size, parsed.num_attention_heads):
+        checked = (
+            "Megatron's parser takes its flags; they name no model (--num-layers, --hidden-size, "
+            "--num-attention-heads), so the job's start-up checks did not run: give the job's flags after '--'"
+        )
+    else:
+        try:
+            world_size = check_job_arguments(config, args.megatron_flags, world_size=args.world_size)
+        except ValueError as e:
+            raise ConfigError(f"{args.config}: its job would stop at start-up (as on GPUs): {e}") from e
+        checked = f"its job's arguments checked as its ranks check them, at {world_size} ranks"
+    print(format_config(config) if args.print_config else f"{args.config}: valid ({checked})\n", end="")
     return 0
 
 

@@ -13,7 +13,7 @@ import functools
 import importlib.util
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -22,7 +22,7 @@ from megatron_paradyse.config import ParadyseConfig
 from megatron_paradyse.core.memory import device_memory_bytes
 from megatron_paradyse.run.fault import STATE_FILE, BudgetState, read_state
 
-__all__ = ["Job", "add_paradyse_args", "dataset_tokenizer", "entry_defaults"]
+__all__ = ["Job", "add_paradyse_args", "check_job_arguments", "dataset_tokenizer", "entry_defaults"]
 
 _GIB = 2**30
 
@@ -107,34 +107,16 @@ class Job:
     def from_argv(cls, config: ParadyseConfig, argv: list[str]) -> Job:
         """Parse and check everything that can be checked without a process group."""
         from megatron.core.transformer.enums import AttnMaskType
-        from megatron.training.argument_utils import gpt_config_from_args
         from megatron.training.arguments import parse_and_validate_args
 
-        from megatron_paradyse.mcore.modules import config_problems
         from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
 
         cuda = torch.cuda.is_available()
-        defaults = [*entry_defaults(config, cuda=cuda), *config.megatron_args]
+        flags = [*config.megatron_args, *argv]
         _use_prebuilt_dataset_helpers()
-        with _command_line([*defaults, *argv]):
-            try:
-                args = parse_and_validate_args(extra_args_provider=add_paradyse_args)
-            except AssertionError as e:  # Megatron checks its arguments with asserts
-                raise ValueError(f"Megatron's argument check failed: {_assertion(e)}") from e
-            except (ValueError, TypeError, KeyError) as e:  # a failure inside Megatron's own argument code
-                raise ValueError(f"Megatron's argument handling failed: {type(e).__name__}: {e}") from e
-        problems = _argument_problems(args, config, [*config.megatron_args, *argv])
-        if problems:
-            raise ValueError("the Megatron arguments do not fit this entry point:\n  - " + "\n  - ".join(problems))
-        # Lengths change between micro-batches: pipeline stages exchange shapes first. (Megatron's
-        # allgather token dispatcher refuses variable lengths even without experts.)
-        args.variable_seq_lengths = True
-        args.moe_token_dispatcher_type = "alltoall"
-        args.dataloader_save = args.save  # Megatron then saves the loader's position with each checkpoint
-        model_config = gpt_config_from_args(args)
-        problems = config_problems(model_config.transformer) + _overlap_problems(args, config, model_config.transformer)
-        if problems:
-            raise ValueError("the Paradyse layers cannot run this model:\n  - " + "\n  - ".join(problems))
+        with _command_line([*entry_defaults(config, cuda=cuda), *flags]):
+            args = _megatron_checked(lambda: parse_and_validate_args(extra_args_provider=add_paradyse_args))
+        model_config = _model_config(args, config, flags, cuda=cuda)
         mask = AttnMaskType.causal if config.attention_mask == "causal" else AttnMaskType.no_mask
         model_config.transformer_layer_spec = functools.partial(get_paradyse_layer_spec, attn_mask_type=mask)
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -222,9 +204,70 @@ class Job:
         return stage_cost_models(self.args, self.model_config.transformer, profile, self.footprints())
 
 
-def _argument_problems(args: argparse.Namespace, config: ParadyseConfig, flags: list[str]) -> list[str]:
+def check_job_arguments(config: ParadyseConfig, argv: list[str], *, world_size: int | None = None) -> int:
+    """Check the arguments of a job started with ``config`` and the command-line flags ``argv`` on CUDA
+    machines, as its ranks check them before joining a process group (Megatron's own validation, what this
+    entry point and the Paradyse layers can run), here and without a GPU: ``paradyse check-config``.
+    Nothing global is set (no tokenizer, no TensorBoard or W&B writer). ``world_size``: the job's ranks
+    (None: one data-parallel replica, every model-parallel rank once). Returns the world size checked;
+    raises ``ValueError`` with the job's own message."""
+    import io
+    import warnings
+
+    from megatron_paradyse.core import compat
+
+    compat.install()  # importing megatron.training needs it on CPU; a no-op with CUDA
+    from megatron.training.arguments import parse_args, validate_args
+
+    flags = [*config.megatron_args, *argv]
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # Megatron lists every argument
+        warnings.simplefilter("ignore")
+        with compat.megatron_training_on_cpu(), _command_line([*entry_defaults(config, cuda=True), *flags]):
+            args = parse_args(add_paradyse_args)
+            model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+            args.world_size = world_size or model_parallel * args.context_parallel_size
+            _megatron_checked(lambda: validate_args(args))
+            _model_config(args, config, flags, cuda=True)
+    return args.world_size
+
+
+def _megatron_checked(validate: Callable[[], argparse.Namespace]) -> argparse.Namespace:
+    """``validate()``, Megatron's argument validation, with its failures as a ``ValueError`` that says what
+    failed (Megatron checks its arguments with asserts, often without a message)."""
+    try:
+        return validate()
+    except AssertionError as e:
+        raise ValueError(f"Megatron's argument check failed: {_assertion(e)}") from e
+    except (ValueError, TypeError, KeyError) as e:  # a failure inside Megatron's own argument code
+        raise ValueError(f"Megatron's argument handling failed: {type(e).__name__}: {e}") from e
+
+
+def _model_config(args: argparse.Namespace, config: ParadyseConfig, flags: list[str], *, cuda: bool):
+    """Megatron's ``GPTModelConfig`` of validated ``args``, as this entry point runs it (``flags``: the
+    config's ``megatron_args`` and the command line's; ``cuda``: on CUDA machines); ``ValueError`` with
+    every problem the entry point or the Paradyse layers have with them."""
+    from megatron.training.argument_utils import gpt_config_from_args
+
+    from megatron_paradyse.mcore.modules import config_problems
+
+    problems = _argument_problems(args, config, flags, cuda=cuda)
+    if problems:
+        raise ValueError("the Megatron arguments do not fit this entry point:\n  - " + "\n  - ".join(problems))
+    # Lengths change between micro-batches: pipeline stages exchange shapes first. (Megatron's
+    # allgather token dispatcher refuses variable lengths even without experts.)
+    args.variable_seq_lengths = True
+    args.moe_token_dispatcher_type = "alltoall"
+    args.dataloader_save = args.save  # Megatron then saves the loader's position with each checkpoint
+    model_config = gpt_config_from_args(args)
+    problems = config_problems(model_config.transformer) + _overlap_problems(args, config, model_config.transformer)
+    if problems:
+        raise ValueError("the Paradyse layers cannot run this model:\n  - " + "\n  - ".join(problems))
+    return model_config
+
+
+def _argument_problems(args: argparse.Namespace, config: ParadyseConfig, flags: list[str], *, cuda: bool) -> list[str]:
     """What of Megatron's arguments this entry point cannot run (``flags``: the ones the user gave, the
-    config's ``megatron_args`` and the command line's)."""
+    config's ``megatron_args`` and the command line's; ``cuda``: on CUDA machines)."""
     from megatron_paradyse.mcore.drop_in import cross_entropy_problem
     from megatron_paradyse.mcore.static_memory import optimizer_problem
 
@@ -283,7 +326,7 @@ def _argument_problems(args: argparse.Namespace, config: ParadyseConfig, flags: 
             "error stops every rank with the shrunk budget saved, and torchrun --max-restarts with --load restarts "
             "the run from the last checkpoint (configs/README.md); leave it out"
         )
-    if not torch.cuda.is_available() and config.memory.budget_gib is None:
+    if not cuda and config.memory.budget_gib is None:
         problems.append("memory.budget_gib is required on a machine without CUDA (the config's memory section)")
     return problems
 
