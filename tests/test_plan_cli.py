@@ -34,6 +34,17 @@ def test_plan_answers_will_it_fit_for_llama3_8b_on_h100(tmp_path, capsys):
     assert f"longest sequence the planner fits: {answer['longest']} tokens" in printed
     assert "Megatron TP+SP (stock)" in printed and "does not fit" in printed
     assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+    # planned with the job's own arguments: Megatron accumulates bf16 gradients in fp32, so a parameter holds
+    # 18 bytes (its bf16 weight, fp32 gradient, fp32 master weight and two Adam moments); a rank's share of
+    # Llama 3 8B at TP=8: the layers' shards and norms, the embedding and output layer (the code corpus's
+    # byte vocabulary, padded to 128 x 8), the final norm
+    h, heads, groups, kv, ffn = 4096, 32, 8, 128, 14336
+    layer = (h * (heads + 2 * groups) * kv + heads * kv * h + h * 2 * ffn + ffn * h) // 8 + 2 * h
+    parameters = 32 * layer + 2 * (1024 // 8) * h + h
+    assert answer["static_gib"] == [parameters * 18 / 2**30]
+    assert f"budget {answer['budget_gib']:.2f} GiB per rank, of which the weights, gradients and optimizer state " in (
+        printed
+    )
 
 
 def test_plan_of_an_interleaved_pipeline_says_what_its_stages_hold(tmp_path, capsys):

@@ -5,7 +5,7 @@ Checks everything :func:`~megatron_paradyse.config.load_config` checks (keys, ty
 names), then parses the config's ``megatron_args`` (and the job's command-line flags, after ``--``) with
 Megatron-LM's own argument parser, so a misspelt Megatron flag fails here rather than on every rank of a
 job; where the flags name a model, it runs what the job's ranks check before joining a process group
-(:func:`~megatron_paradyse.run.job.check_job_arguments`). ``--print-config`` prints the resolved config
+(:func:`~megatron_paradyse.run.job.job_arguments`). ``--print-config`` prints the resolved config
 (paths made absolute) as YAML; loading that output gives the same config.
 
 A bad config prints ``paradyse: error: ...`` (every problem, one per line) and exits with status 2;
@@ -60,7 +60,7 @@ def run_check_config(args: argparse.Namespace) -> int:
     """The command, for ``paradyse``'s parser: raises :class:`ConfigError` for a bad config, or for one
     whose job would stop before it starts. Flags that name no model (a config completed by the job's
     command line) are parsed, not checked as a job's."""
-    from megatron_paradyse.run.job import check_job_arguments
+    from megatron_paradyse.run.job import job_arguments
 
     config = load_config(args.config)
     flags = [*config.megatron_args, *args.megatron_flags]
@@ -78,10 +78,10 @@ def run_check_config(args: argparse.Namespace) -> int:
         )
     else:
         try:
-            world_size = check_job_arguments(config, args.megatron_flags, world_size=args.world_size)
+            job, _ = job_arguments(config, args.megatron_flags, world_size=args.world_size)
         except ValueError as e:
             raise ConfigError(f"{args.config}: its job would stop at start-up (as on GPUs): {e}") from e
-        checked = f"its job's arguments checked as its ranks check them, at {world_size} ranks"
+        checked = f"its job's arguments checked as its ranks check them, at {job.world_size} ranks"
     print(format_config(config) if args.print_config else f"{args.config}: valid ({checked})\n", end="")
     return 0
 

@@ -22,7 +22,7 @@ from megatron_paradyse.config import ParadyseConfig
 from megatron_paradyse.core.memory import device_memory_bytes
 from megatron_paradyse.run.fault import STATE_FILE, BudgetState, read_state
 
-__all__ = ["Job", "add_paradyse_args", "check_job_arguments", "dataset_tokenizer", "entry_defaults"]
+__all__ = ["Job", "add_paradyse_args", "job_arguments", "dataset_tokenizer", "entry_defaults"]
 
 _GIB = 2**30
 
@@ -204,13 +204,16 @@ class Job:
         return stage_cost_models(self.args, self.model_config.transformer, profile, self.footprints())
 
 
-def check_job_arguments(config: ParadyseConfig, argv: list[str], *, world_size: int | None = None) -> int:
-    """Check the arguments of a job started with ``config`` and the command-line flags ``argv`` on CUDA
-    machines, as its ranks check them before joining a process group (Megatron's own validation, what this
-    entry point and the Paradyse layers can run), here and without a GPU: ``paradyse check-config``.
-    Nothing global is set (no tokenizer, no TensorBoard or W&B writer). ``world_size``: the job's ranks
-    (None: one data-parallel replica, every model-parallel rank once). Returns the world size checked;
-    raises ``ValueError`` with the job's own message."""
+def job_arguments(
+    config: ParadyseConfig, argv: list[str], *, world_size: int | None = None
+) -> tuple[argparse.Namespace, object]:
+    """Megatron's arguments and model config (``GPTModelConfig``) of a job started with ``config`` and the
+    command-line flags ``argv`` on CUDA machines, checked as its ranks check them before joining a process
+    group (Megatron's own validation, what this entry point and the Paradyse layers can run), here and
+    without a GPU: what ``paradyse check-config`` checks and ``paradyse plan`` plans. Nothing global is set
+    (no tokenizer, no TensorBoard or W&B writer). ``world_size``: the job's ranks (None: one data-parallel
+    replica, every model-parallel rank once; ``args.world_size`` says which). Raises ``ValueError`` with
+    the job's own message."""
     import io
     import warnings
 
@@ -227,8 +230,8 @@ def check_job_arguments(config: ParadyseConfig, argv: list[str], *, world_size: 
             model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
             args.world_size = world_size or model_parallel * args.context_parallel_size
             _megatron_checked(lambda: validate_args(args))
-            _model_config(args, config, flags, cuda=True)
-    return args.world_size
+            model_config = _model_config(args, config, flags, cuda=True)
+    return args, model_config
 
 
 def _megatron_checked(validate: Callable[[], argparse.Namespace]) -> argparse.Namespace:

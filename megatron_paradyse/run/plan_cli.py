@@ -18,8 +18,6 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
 __all__ = ["add_plan_arguments", "run_plan"]
 
 _GIB = 2**30
@@ -68,6 +66,7 @@ def run_plan(args: argparse.Namespace) -> int:
         "tp": job.tp,
         "pp": len(planner),
         "budget_gib": job.budget_bytes / _GIB,
+        "static_gib": [f.static_bytes / _GIB for f in job.footprints()],
         "forwards_in_flight": [p.forwards_in_flight for p in planner],
         "seq_length": job.args.seq_length,
         "lengths": rows,
@@ -112,9 +111,11 @@ class _Job:
     def from_config(cls, config, *, gpu: str | None, profile: str | None) -> _Job:
         from megatron_paradyse.cost import load_profile
         from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
-        from megatron_paradyse.run.config_cli import parse_megatron_args
+        from megatron_paradyse.run.job import job_arguments
 
-        args = parse_megatron_args(config.megatron_args)
+        # the job's own arguments and model, on one data-parallel rank: the distributed optimizer's shards
+        # are not counted, and the step runs the whole global batch's micro-batches (conservative)
+        args, model_config = job_arguments(config, [])
         tp = args.tensor_model_parallel_size
         budget = config.memory.budget_bytes(None if gpu is None else HARDWARE[gpu].memory_bytes)
         if budget is None:
@@ -131,27 +132,20 @@ class _Job:
             rates = load_profile(path, p=tp, check_machine=False, host_link=config.planner.host_memory_gib > 0)
             description = f"calibrated profile {path}"
         args.padded_vocab_size = _padded_vocab(args, config)
-        # what Megatron's argument check would fill in, on one data-parallel rank: the distributed optimizer's
-        # shards are not counted, and the step runs the whole global batch's micro-batches (conservative)
-        args.data_parallel_size = 1
-        args.micro_batch_size = args.micro_batch_size or 1
-        args.global_batch_size = args.global_batch_size or args.micro_batch_size
-        args.seq_length = args.seq_length or config.data.token_budget or config.data.max_len  # as the entry point's
-        args.virtual_pipeline_model_parallel_size = _virtual_stages(args)
-        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-        return cls(config, args, _transformer(args, dtype), rates, description, budget)
+        return cls(config, args, model_config.transformer, rates, description, budget)
+
+    def footprints(self) -> list:
+        """Every pipeline stage's static memory, its optimizer stepping as Megatron's would on the GPUs."""
+        from megatron_paradyse.mcore.drop_in import stage_footprints
+
+        return stage_footprints(self.args, self.transformer, "cuda")
 
     def planners(self, pair: str | None = None) -> list:
         """One planner per pipeline stage: the config's, or one that runs only ``pair`` on every layer."""
         import dataclasses
 
         from megatron_paradyse.core.plan import LayerOption
-        from megatron_paradyse.mcore.drop_in import (
-            stage_cost_models,
-            stage_footprints,
-            stage_planner,
-            step_stage_budgets,
-        )
+        from megatron_paradyse.mcore.drop_in import stage_cost_models, stage_planner, step_stage_budgets
 
         planner_config = dataclasses.replace(self.config.planner, on_infeasible="stop")
         if pair is not None:
@@ -167,19 +161,12 @@ class _Job:
                 hysteresis=0.0,
                 loss_chunk_tokens=0,  # Megatron's own loss, as a static run has it
             )
-        footprints = stage_footprints(self.args, self.transformer, "cuda")  # as Megatron would step on the GPUs
+        footprints = self.footprints()
         costs = stage_cost_models(self.args, self.transformer, self.profile, footprints)
         budgets = step_stage_budgets(self.budget_bytes, footprints, self.args, self.transformer)
         return [
             stage_planner(planner_config, c, f, budget, self.args) for c, f, budget in zip(costs, footprints, budgets)
         ]
-
-
-def _virtual_stages(args: argparse.Namespace) -> int | None:
-    """Virtual-pipeline chunks per pipeline rank (None: not interleaved), as Megatron's argument check sets them."""
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        return args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage
-    return args.num_virtual_stages_per_pipeline_rank
 
 
 def _padded_vocab(args: argparse.Namespace, config) -> int:
@@ -190,35 +177,6 @@ def _padded_vocab(args: argparse.Namespace, config) -> int:
         raise ValueError("the vocabulary size is unknown: add --vocab-size to megatron_args")
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     return -(-vocab // multiple) * multiple
-
-
-def _transformer(args: argparse.Namespace, dtype: torch.dtype):
-    from megatron.core.transformer import TransformerConfig
-
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    heads = args.num_attention_heads
-    return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=heads,
-        num_query_groups=args.num_query_groups if args.group_query_attention else heads,
-        kv_channels=args.kv_channels or args.hidden_size // heads,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-        gated_linear_unit=args.swiglu,
-        add_bias_linear=args.add_bias_linear,
-        normalization=args.normalization,
-        qk_layernorm=args.qk_layernorm,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        # Megatron's argument check turns the overlapped p2p exchange off without the interleaved schedule
-        overlap_p2p_comm=args.overlap_p2p_comm and args.virtual_pipeline_model_parallel_size is not None,
-        sequence_parallel=tp > 1,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-    )
 
 
 def _lengths(args: argparse.Namespace, config, job: _Job) -> list[int]:
@@ -247,7 +205,9 @@ def _format(answer: dict) -> str:
     width = max([44, *map(len, plans)])
     lines = [
         f"cost model: {answer['cost_model']}",
-        f"TP={answer['tp']} PP={stages}; budget {answer['budget_gib']:.2f} GiB per rank",
+        f"TP={answer['tp']} PP={stages}; budget {answer['budget_gib']:.2f} GiB per rank, of which the weights, "
+        f"gradients and optimizer state hold {', '.join(f'{g:.2f}' for g in answer['static_gib'])} GiB"
+        + (f" (stages 0..{stages - 1})" if stages > 1 else ""),
     ]
     if max(answer["forwards_in_flight"]) > 1:
         lines.append(
