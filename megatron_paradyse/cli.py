@@ -165,14 +165,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(argv[1:])
     parser = _parser()
-    # Megatron flags after "--" are split off here: argparse gives a positional that follows options
-    # nothing ("check-config FILE --world-size 8 -- --bf16" would refuse "--bf16")
-    head, flags = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, None)
+    # Megatron flags after "--" (every command takes them) are split off here: argparse gives a positional
+    # that follows options nothing ("check-config FILE --world-size 8 -- --bf16" would refuse "--bf16")
+    head, flags = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = parser.parse_args(head)
-    if flags is not None:
-        if not hasattr(args, "megatron_flags"):
-            parser.error(f"{args.command} takes no Megatron flags after '--'")
-        args.megatron_flags = flags
+    args.megatron_flags = flags
     try:
         return args.run(args)
     except ValueError as e:  # bad input: a message, not a traceback

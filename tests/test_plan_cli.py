@@ -53,12 +53,13 @@ def test_plan_of_an_interleaved_pipeline_says_what_its_stages_hold(tmp_path, cap
     same plan."""
     config = yaml.safe_load((CONFIGS / "llama3-8b.yaml").read_text())
     config["cost"]["profile"] = None
-    config["megatron_args"] += ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "4"]
-    config["megatron_args"][config["megatron_args"].index("--global-batch-size") + 1] = "8"
     path = tmp_path / "pp2.yaml"
     path.write_text(yaml.safe_dump(config))
     out = tmp_path / "plan.json"
-    assert paradyse(["plan", str(path), "--gpu", "h100", "--lengths", "131072", "--json", str(out)]) == 0
+    argv = ["plan", str(path), "--gpu", "h100", "--lengths", "131072", "--json", str(out)]
+    # the job's command-line flags, after the config's
+    flags = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "4"]
+    assert paradyse([*argv, "--", *flags, "--global-batch-size", "8"]) == 0
     printed = capsys.readouterr().out
     assert (
         "pipeline stages 0..1 hold up to 9, 7 forwards at once, each planned to hold what one of --seq-length "

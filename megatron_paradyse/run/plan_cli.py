@@ -40,13 +40,19 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     lengths.add_argument("--dataset", help="prefix of an indexed dataset: every document's length")
     parser.add_argument("--json", help="write the answer to this file")
     parser.add_argument("--plot", help="write a PNG of predicted peaks against length")
+    parser.add_argument(
+        "megatron_flags",
+        nargs="*",
+        metavar="-- MEGATRON_FLAGS",
+        help="after a '--': the job's command-line Megatron flags, which override the config's megatron_args",
+    )
 
 
 def run_plan(args: argparse.Namespace) -> int:
     from megatron_paradyse.config import load_config
 
     config = load_config(args.config)
-    job = _Job.from_config(config, gpu=args.gpu, profile=args.profile)
+    job = _Job.from_config(config, args.megatron_flags, gpu=args.gpu, profile=args.profile)
     lengths = _lengths(args, config, job)
     planner = job.planners()
     rows = []
@@ -108,14 +114,14 @@ class _Job:
         self.causal = config.attention_mask == "causal"
 
     @classmethod
-    def from_config(cls, config, *, gpu: str | None, profile: str | None) -> _Job:
+    def from_config(cls, config, megatron_flags: list[str], *, gpu: str | None, profile: str | None) -> _Job:
         from megatron_paradyse.cost import load_profile
         from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
         from megatron_paradyse.run.job import job_arguments
 
         # the job's own arguments and model, on one data-parallel rank: the distributed optimizer's shards
         # are not counted, and the step runs the whole global batch's micro-batches (conservative)
-        args, model_config = job_arguments(config, [])
+        args, model_config = job_arguments(config, megatron_flags)
         tp = args.tensor_model_parallel_size
         budget = config.memory.budget_bytes(None if gpu is None else HARDWARE[gpu].memory_bytes)
         if budget is None:
