@@ -4,12 +4,13 @@
     paradyse plan cfg.yaml --profile profile.json --dataset data/mine --json plan.json --plot plan.png
 
 From a paradyse config (its planner, memory budget and ``megatron_args``: the model and its parallel
-layout), a cost profile (``--profile``, the config's ``cost.profile``, or ``--gpu``: a node's published
-figures, simulated) and sequence lengths (``--lengths``, or every document of ``--dataset``, by the
-planner's length buckets): per length, the plan each pipeline stage would choose, its predicted time
-and peak per rank; the longest length each static strategy fits (Megatron's own TP+SP included) and
-the longest the planner fits; a plot and JSON on request. Nothing runs on a device: the answer is the
-analytic cost model's, priced by the profile.
+layout; Megatron flags after ``--`` as on the job's command line, all validated as the job validates
+them: :func:`~megatron_paradyse.run.job.job_arguments`), a cost profile (``--profile``, the config's
+``cost.profile``, or ``--gpu``: a node's published figures, simulated) and sequence lengths
+(``--lengths``, or every document of ``--dataset``, by the planner's length buckets): per length, the
+plan each pipeline stage would choose, its predicted time and peak per rank; the longest length each
+static strategy fits (Megatron's own TP+SP included) and the longest the planner fits; a plot and JSON
+on request. Nothing runs on a device: the answer is the analytic cost model's, priced by the profile.
 """
 
 from __future__ import annotations
