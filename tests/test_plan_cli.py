@@ -45,6 +45,12 @@ def test_plan_answers_will_it_fit_for_llama3_8b_on_h100(tmp_path, capsys):
     assert f"budget {answer['budget_gib']:.2f} GiB per rank, of which the weights, gradients and optimizer state " in (
         printed
     )
+    # at the job's world size, the distributed optimizer's master weights and moments are split over its
+    # data-parallel ranks: 2 + 4 + 12 / 4 bytes a parameter at 32 ranks
+    argv = ["plan", str(CONFIGS / "llama3-8b.yaml"), "--gpu", "h100", "--lengths", "4096", "--json", str(out)]
+    assert paradyse([*argv, "--world-size", "32", "--", "--use-distributed-optimizer"]) == 0
+    assert "TP=8 PP=1 DP=4; budget" in capsys.readouterr().out
+    assert json.loads(out.read_text())["static_gib"] == [parameters * 9 / 2**30]
 
 
 def test_plan_of_an_interleaved_pipeline_says_what_its_stages_hold(tmp_path, capsys):

@@ -39,6 +39,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     lengths = parser.add_mutually_exclusive_group(required=True)
     lengths.add_argument("--lengths", help="sequence lengths in tokens, e.g. 4096,32768,131072")
     lengths.add_argument("--dataset", help="prefix of an indexed dataset: every document's length")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        help="the job's ranks: its data-parallel size (default 1: the distributed optimizer's state unsharded)",
+    )
     parser.add_argument("--json", help="write the answer to this file")
     parser.add_argument("--plot", help="write a PNG of predicted peaks against length")
     parser.add_argument(
@@ -53,7 +58,9 @@ def run_plan(args: argparse.Namespace) -> int:
     from megatron_paradyse.config import load_config
 
     config = load_config(args.config)
-    job = _Job.from_config(config, args.megatron_flags, gpu=args.gpu, profile=args.profile)
+    if args.world_size is not None and args.world_size < 1:
+        raise ValueError(f"--world-size must be a positive number of ranks, got {args.world_size}")
+    job = _Job.from_config(config, args.megatron_flags, world_size=args.world_size, gpu=args.gpu, profile=args.profile)
     lengths = _lengths(args, config, job)
     planner = job.planners()
     rows = []
@@ -71,6 +78,7 @@ def run_plan(args: argparse.Namespace) -> int:
         "config": args.config,
         "cost_model": job.description,
         "tp": job.tp,
+        "world_size": job.args.world_size,
         "pp": len(planner),
         "budget_gib": job.budget_bytes / _GIB,
         "static_gib": [f.static_bytes / _GIB for f in job.footprints()],
@@ -115,14 +123,16 @@ class _Job:
         self.causal = config.attention_mask == "causal"
 
     @classmethod
-    def from_config(cls, config, megatron_flags: list[str], *, gpu: str | None, profile: str | None) -> _Job:
+    def from_config(
+        cls, config, megatron_flags: list[str], *, world_size: int | None, gpu: str | None, profile: str | None
+    ) -> _Job:
         from megatron_paradyse.cost import load_profile
         from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
         from megatron_paradyse.run.job import job_arguments
 
-        # the job's own arguments and model, on one data-parallel rank: the distributed optimizer's shards
-        # are not counted, and the step runs the whole global batch's micro-batches (conservative)
-        args, model_config = job_arguments(config, megatron_flags)
+        # the job's own arguments and model; without its world size, on one data-parallel rank: the
+        # distributed optimizer's state unsharded, the global batch's micro-batches all on one (conservative)
+        args, model_config = job_arguments(config, megatron_flags, world_size=world_size)
         tp = args.tensor_model_parallel_size
         budget = config.memory.budget_bytes(None if gpu is None else HARDWARE[gpu].memory_bytes)
         if budget is None:
@@ -210,10 +220,11 @@ def _format(answer: dict) -> str:
     stages = answer["pp"]
     plans = [row[f"stage{stage}"]["plan"] or "" for row in answer["lengths"] for stage in range(stages)]
     width = max([44, *map(len, plans)])
+    dp = answer["world_size"] // (answer["tp"] * stages)
     lines = [
         f"cost model: {answer['cost_model']}",
-        f"TP={answer['tp']} PP={stages}; budget {answer['budget_gib']:.2f} GiB per rank, of which the weights, "
-        f"gradients and optimizer state hold {', '.join(f'{g:.2f}' for g in answer['static_gib'])} GiB"
+        f"TP={answer['tp']} PP={stages} DP={dp}; budget {answer['budget_gib']:.2f} GiB per rank, of which the "
+        f"weights, gradients and optimizer state hold {', '.join(f'{g:.2f}' for g in answer['static_gib'])} GiB"
         + (f" (stages 0..{stages - 1})" if stages > 1 else ""),
     ]
     if max(answer["forwards_in_flight"]) > 1:
