@@ -37,6 +37,7 @@ __all__ = [
     "model_shape_from_args",
     "parse_megatron_args",
     "run_check_config",
+    "world_size",
 ]
 
 
@@ -44,7 +45,7 @@ def add_check_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="paradyse YAML config")
     parser.add_argument(
         "--world-size",
-        type=int,
+        type=world_size,
         help="the job's ranks, for Megatron's checks that depend on it (default: one data-parallel replica)",
     )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML")
@@ -54,6 +55,17 @@ def add_check_config_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="-- MEGATRON_FLAGS",
         help="after a '--': the job's command-line Megatron flags, which override the config's megatron_args",
     )
+
+
+def world_size(text: str) -> int:
+    """``--world-size``'s value: a job's ranks, a positive number."""
+    try:
+        ranks = int(text)
+    except ValueError:
+        ranks = 0
+    if ranks < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of ranks, got {text!r}")
+    return ranks
 
 
 def run_check_config(args: argparse.Namespace) -> int:
@@ -69,8 +81,6 @@ def run_check_config(args: argparse.Namespace) -> int:
     except ValueError as e:
         where = "megatron_args and the flags after '--'" if args.megatron_flags else "megatron_args"
         raise ConfigError(f"{args.config}:\n  {where}: {e}") from e
-    if args.world_size is not None and args.world_size < 1:
-        raise ConfigError(f"--world-size must be a positive number of ranks, got {args.world_size}")
     if None in (parsed.num_layers, parsed.hidden_size, parsed.num_attention_heads):
         checked = (
             "Megatron's parser takes its flags; they name no model (--num-layers, --hidden-size, "

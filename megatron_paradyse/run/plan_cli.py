@@ -19,6 +19,8 @@ import argparse
 import json
 from pathlib import Path
 
+from megatron_paradyse.run.config_cli import world_size
+
 __all__ = ["add_plan_arguments", "run_plan"]
 
 _GIB = 2**30
@@ -41,7 +43,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     lengths.add_argument("--dataset", help="prefix of an indexed dataset: every document's length")
     parser.add_argument(
         "--world-size",
-        type=int,
+        type=world_size,
         help="the job's ranks: its data-parallel size (default 1: the distributed optimizer's state unsharded)",
     )
     parser.add_argument("--json", help="write the answer to this file")
@@ -58,8 +60,6 @@ def run_plan(args: argparse.Namespace) -> int:
     from megatron_paradyse.config import load_config
 
     config = load_config(args.config)
-    if args.world_size is not None and args.world_size < 1:
-        raise ValueError(f"--world-size must be a positive number of ranks, got {args.world_size}")
     job = _Job.from_config(config, args.megatron_flags, world_size=args.world_size, gpu=args.gpu, profile=args.profile)
     lengths = _lengths(args, config, job)
     planner = job.planners()
