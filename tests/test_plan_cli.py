@@ -53,6 +53,25 @@ def test_plan_answers_will_it_fit_for_llama3_8b_on_h100(tmp_path, capsys):
     assert json.loads(out.read_text())["static_gib"] == [parameters * 9 / 2**30]
 
 
+@pytest.mark.parametrize(("precision", "bytes_per_parameter"), [("--bf16", 18), ("--fp16", 16), (None, 16)])
+def test_the_static_memory_plan_counts_is_the_jobs_in_every_precision(tmp_path, precision, bytes_per_parameter):
+    """``plan``'s static memory (:meth:`_Job.footprints`) from the job's validated arguments: Megatron
+    accumulates bf16 gradients in fp32 (2 + 4 bytes, then the fp32 master weight and two Adam moments),
+    keeps fp16 ones in fp16 (2 + 2 + 12), and an fp32 model has no master copy (4 + 4 + 8). Llama 3 8B at
+    TP=8: 873,730,048 parameters a rank (counted in the test above)."""
+    from megatron_paradyse.config import load_config
+    from megatron_paradyse.run.plan_cli import _Job
+
+    config = yaml.safe_load((CONFIGS / "llama3-8b.yaml").read_text())
+    config["megatron_args"].remove("--bf16")
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    job = _Job.from_config(
+        load_config(path), [precision] if precision else [], world_size=None, gpu="h100", profile=None
+    )
+    assert [f.static_bytes for f in job.footprints()] == [873_730_048 * bytes_per_parameter]
+
+
 def test_plan_of_an_interleaved_pipeline_says_what_its_stages_hold(tmp_path, capsys):
     """Llama 3 8B on PP=2 with 4 model chunks a stage and 8 micro-batches a step: stages hold 9 and 7 chunk
     forwards at once (Megatron's warm-up plus one), each planned by chunk: every chunk of a stage runs the
