@@ -133,10 +133,11 @@ class LogSection:
     measure: bool = False
     """Measure each micro-batch's forward + backward time and peak memory beside the predictions (CUDA
     events and the allocator's peak, whose reset synchronises the device once per micro-batch; on the
-    CPU a dispatch mode that watches every operator). Under pipeline parallelism time only (a micro-batch's
-    forward and backward through every model chunk of the stage), since a stage runs other micro-batches
-    between one's forward and its backward. Off: the run makes no host synchronisation of its own inside a
-    step, and the measured columns stay empty."""
+    CPU a dispatch mode that watches every operator, whose own cost a quick profile calibrated at start-up
+    takes into its correction: the times predicted are the metered job's). Under pipeline parallelism
+    time only (a micro-batch's forward and backward through every model chunk of the stage), since a
+    stage runs other micro-batches between one's forward and its backward. Off: the run makes no host
+    synchronisation of its own inside a step, and the measured columns stay empty."""
 
 
 _Word = typing.NewType("_Word", str)

@@ -15,6 +15,7 @@ import torch
 
 from megatron_paradyse.cli import main as cli_main
 from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.memory import PeakMemory
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost import calibrate as calibration
@@ -243,12 +244,22 @@ class _OutOfMemoryFrom256Tokens:
         return self.kernel.backward(*args)
 
 
+class _CountedMeterWindows(PeakMemory):
+    entered = 0
+
+    def __enter__(self):
+        type(self).entered += 1
+        return super().__enter__()
+
+
 def _startup_on_tp_groups(rank: int, world: int, cache_dir: str, failing_ranks: tuple[int, ...], dtype: str):
-    """Rank ``rank`` of a job of 4 ranks in tensor-parallel pairs, calibrating at start-up twice: measured
-    the first time (in these processes: starting any fails), read from the cache the second. On
-    ``failing_ranks``, attention runs out of memory partway through the samples."""
+    """Rank ``rank`` of a job of 4 ranks in tensor-parallel pairs, calibrating at start-up: measured the
+    first time (in these processes: starting any fails), then for a job that meters its micro-batches'
+    memory (the meter's windows counted), then read from the cache. On ``failing_ranks``, attention runs
+    out of memory partway through the samples."""
     import torch.distributed as dist
 
+    from megatron_paradyse.cost import measure
     from megatron_paradyse.cost.profile import ProfileError
 
     calibration.GRIDS["quick"] = TINY
@@ -259,7 +270,7 @@ def _startup_on_tp_groups(rank: int, world: int, cache_dir: str, failing_ranks: 
         get_kernel = calibration.get_kernel
         calibration.get_kernel = lambda *args: _OutOfMemoryFrom256Tokens(get_kernel(*args))
 
-    def profile() -> dict:
+    def profile(metered: bool = False) -> dict:
         return calibration.startup_profile(
             cache_dir,
             tp_group,
@@ -268,28 +279,38 @@ def _startup_on_tp_groups(rank: int, world: int, cache_dir: str, failing_ranks: 
             dtype=getattr(torch, dtype),
             shape=SMALL,
             longest=256,
+            metered=metered,
         )
 
     try:
         first = profile()
     except ProfileError as e:
         return str(e)
-    calibration._measure_samples = _refuse_to_start_processes  # the second run measures nothing
-    return first, profile()
+    measure.PeakMemory = _CountedMeterWindows
+    metered = profile(metered=True)
+    calibration._measure_samples = _refuse_to_start_processes  # the last run measures nothing
+    return first, profile(), metered, _CountedMeterWindows.entered
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])  # float32: the entry point's and drop-in's tests
 def test_a_job_calibrates_on_its_own_tensor_parallel_groups_and_every_rank_plans_from_rank_0s(tmp_path, dtype):
     """No cost.profile: each TP group of the job measures itself, no process is started, all ranks get
-    rank 0's profile (TP=2 shapes, the model's own work, the job's dtype), which a second start reads from
-    the cache."""
+    rank 0's profile (TP=2 shapes, the model's own work, the job's dtype), which a later start reads from
+    the cache. A job that meters each micro-batch's memory (``log.measure``) on CPU, where the meter slows
+    the work it watches, has the correction's layers timed under the meter, in a profile cached apart."""
     per_rank = run_on_ranks(_startup_on_tp_groups, 4, args=(str(tmp_path), (), dtype), timeout_s=300)
-    measured, cached = zip(*per_rank)
+    measured, cached, metered, windows = zip(*per_rank)
     assert all(p == measured[0] for p in measured) and all(p == cached[0] for p in cached)
-    (saved,) = tmp_path.glob(f"cost-profile-quick-corrected-cpu-p2-{dtype}-model*.json")
+    assert all(p == metered[0] for p in metered)
+    saved = tmp_path / f"cost-profile-quick-corrected-cpu-p2-{dtype}-model{calibration.model_key(SMALL)}.json"
     assert cached[0] == load_profile(saved, p=2)
     written = {"schema", "version", "created"}
     assert {k: v for k, v in cached[0].items() if k not in written} == json.loads(json.dumps(measured[0]))
+    saved_metered = load_profile(saved.with_name(f"{saved.stem}-metered.json"), p=2)
+    assert {k: v for k, v in saved_metered.items() if k not in written} == json.loads(json.dumps(metered[0]))
+    # every timed run of every correction layer at every length, on each rank: a window of the meter
+    lengths = calibration.model_grid(TINY, SMALL, 2, 256, "cpu").correction_lengths
+    assert windows == (len(calibration.CORRECTION_LAYERS) * len(lengths) * 3,) * 4
     profile = measured[0]
     assert (
         profile["dtype"] == dtype

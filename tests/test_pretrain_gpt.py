@@ -150,8 +150,6 @@ def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_s
     sections = dict(memory={"budget_gib": 1 / 64}, data=SMALL_DOCS, planner={"on_infeasible": "stop"})
     learning = dict(sections, planner={**sections["planner"], "learn_time": True})
     config = _write_config(tmp_path / "cfg.yaml", cache, **learning, log={"jsonl": "log.jsonl", "measure": True})
-    # resumed as a GPU run would be: learning without the memory meter (no synchronisation inside a step)
-    time_only = _write_config(tmp_path / "time_only.yaml", cache, **learning, log={"jsonl": "log.jsonl"})
     lengths = DocumentDataset(build_code_corpus(cache)).lengths
     files = sorted(lengths[spread_by_length(lengths, *SMALL_DOCS.values())])
     checkpoints = ["--save", str(tmp_path / "ckpt"), "--save-interval", "1", "--train-iters", "6"]
@@ -159,6 +157,9 @@ def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_s
     first = _torchrun(2, "--paradyse-config", str(config), *SMALL_GPT, *checkpoints, "--exit-interval", "2")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "paradyse: no cost.profile: calibrating a quick profile for p=2" in first.stdout
+    # on CPU the memory meter slows the layers it watches: the profile's correction takes its cost in
+    (profile,) = cache.glob("cost-profile-*.json")
+    assert profile.name.endswith("-metered.json")
     records = read_jsonl(tmp_path / "log.jsonl")
     assert [r.iteration for r in records] == [1, 2]
     assert [mb.tokens for r in records for mb in r.micro_batches] == list(files[:2])
@@ -181,9 +182,14 @@ def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_s
     assert learned == {records[1].micro_batches[0].plan.removeprefix("2x ")}
     assert sum(state["planners"][0]["previous"]) == 2
 
+    # resumed as a GPU run would be: learning without the memory meter (no synchronisation inside a step),
+    # on the first run's profile (a quick one without the meter's cost would be calibrated anew: a minute)
+    time_only = _write_config(
+        tmp_path / "time_only.yaml", cache, **learning, log={"jsonl": "log.jsonl"}, cost={"profile": str(profile)}
+    )
     second = _torchrun(2, "--paradyse-config", str(time_only), *SMALL_GPT, *checkpoints, "--load", checkpoints[1])
     assert second.returncode != 0
-    assert "using the quick profile calibrated before" in second.stdout
+    assert "calibrating" not in second.stdout
     records = read_jsonl(tmp_path / "log.jsonl")
     assert [r.iteration for r in records] == [1, 2, 3, 4]
     assert [mb.tokens for r in records[2:] for mb in r.micro_batches] == list(files[2:4])

@@ -48,6 +48,7 @@ from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.core.comm import RingComm, all_gather_seq, all_to_all_seq_to_heads, reduce_scatter_seq
 from megatron_paradyse.core.host_sync import wait_for_device
 from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.memory import PeakMemory
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.offload import ActivationOffload
 from megatron_paradyse.core.plan import LayerOption
@@ -668,6 +669,7 @@ def calibrate_on_group(
     longest: int | None = None,
     links: dict[str, Any] | None = None,
     show_progress: bool = False,
+    metered: bool = False,
 ) -> dict[str, Any]:
     """:func:`calibrate` in the processes of ``group``, which all call it (a collective over it); returns
     its first rank's profile on every rank.
@@ -679,6 +681,9 @@ def calibrate_on_group(
     collectives for ``group.size()`` (calibrated on the real cluster, or a published node's,
     :func:`~megatron_paradyse.cost.hardware.hardware_profile`), whose collectives and ring overlap the
     profile takes instead of measuring them; its correction is then fitted on the compute terms alone.
+    ``metered``: the correction's layers timed under the memory meter, as a job with ``log.measure`` runs
+    its layers (where the meter slows them, :meth:`~megatron_paradyse.core.memory.PeakMemory.slows_work`,
+    the correction takes its cost in).
     """
     p = group.size()
     if links is not None and p > 1 and str(p) not in links.get("collectives", {}):
@@ -701,7 +706,7 @@ def calibrate_on_group(
             profile["links"] = {"fingerprint": links["fingerprint"], "grid": links["grid"]}
         if fit_correction:
             layers = REFERENCE_SHAPE if shape is None else shape
-            times = _correction_layers(group, layers, measured.correction_lengths, device, dtype)
+            times = _correction_layers(group, layers, measured.correction_lengths, device, dtype, metered=metered)
             profile["correction"] = _fit_correction(profile, times, p, dtype, layers, comm_measured=links is None)
     if device.type == "cuda":  # the job's allocator starts from its own blocks, not the samples'
         torch.cuda.empty_cache()
@@ -748,7 +753,9 @@ def _profile_of(
     return profile
 
 
-def _correction_layers(group, shape: ModelShape, lengths, device: torch.device, dtype: torch.dtype):
+def _correction_layers(
+    group, shape: ModelShape, lengths, device: torch.device, dtype: torch.dtype, *, metered: bool = False
+):
     """``(option, tokens, seconds)`` of each correction layer at each length, on ``group`` (a collective)."""
     from megatron_paradyse.cost.measure import measure_layer
 
@@ -757,7 +764,7 @@ def _correction_layers(group, shape: ModelShape, lengths, device: torch.device, 
     for s in lengths:
         layout = SequenceLayout.build(s, p, causal=True)
         for option in CORRECTION_LAYERS:
-            m = measure_layer(option, layout, shape, group, dtype=dtype, device=device, memory_runs=0)
+            m = measure_layer(option, layout, shape, group, dtype=dtype, device=device, memory_runs=0, metered=metered)
             out.append((str(option), s, m.time_s))
     return out
 
@@ -798,10 +805,13 @@ def _fit_correction(profile, measured, p: int, dtype, shape: ModelShape, *, comm
     }
 
 
-def _cache_path(cache_dir, p: int, device: str, dtype: torch.dtype, shape: ModelShape | None) -> Path:
+def _cache_path(
+    cache_dir, p: int, device: str, dtype: torch.dtype, shape: ModelShape | None, *, metered: bool = False
+) -> Path:
     name = str(dtype).removeprefix("torch.")
     model = "" if shape is None else f"-model{model_key(shape)}"
-    return Path(cache_dir) / f"cost-profile-quick-corrected-{device}-p{p}-{name}{model}.json"
+    meter = "-metered" if metered else ""
+    return Path(cache_dir) / f"cost-profile-quick-corrected-{device}-p{p}-{name}{model}{meter}.json"
 
 
 def _cached(path: Path, p: int, longest: int | None) -> dict[str, Any] | None:
@@ -870,10 +880,14 @@ def startup_profile(
     dtype: torch.dtype,
     shape: ModelShape,
     longest: int,
+    metered: bool = False,
 ) -> dict[str, Any]:
     """A job without ``cost.profile``: the quick profile with its correction fitted on the model's own
     layers, the same on every rank of ``share_group`` (a collective over it, made of whole
-    ``measure_group`` s: the job's tensor-parallel groups).
+    ``measure_group`` s: the job's tensor-parallel groups). ``metered``: the job measures every
+    micro-batch's peak (``log.measure``); where that slows its layers (the CPU's meter), the correction is
+    fitted on layers timed under the same meter, so that the times predicted are the job's, and the profile
+    is cached apart from an unmetered job's.
 
     The first rank of ``share_group`` reads the one an earlier run saved in ``cache_dir`` (this layer at
     this group size, up to ``longest`` tokens or more). Else each ``measure_group`` calibrates on itself
@@ -883,7 +897,8 @@ def startup_profile(
     from megatron_paradyse.cost.profile import ProfileError, save_profile
 
     p = measure_group.size()
-    path = _cache_path(cache_dir, p, device.type, dtype, shape)
+    metered = metered and PeakMemory.slows_work(device)
+    path = _cache_path(cache_dir, p, device.type, dtype, shape, metered=metered)
     first = dist.get_rank(share_group) == 0
     message: list = [_cached(path, p, longest) if first else None]
     dist.broadcast_object_list(message, group_src=0, group=share_group)
@@ -897,7 +912,9 @@ def startup_profile(
     start = time.perf_counter()
     profile, error = None, None
     try:
-        profile = calibrate_on_group(measure_group, device=device, dtype=dtype, shape=shape, longest=longest)
+        profile = calibrate_on_group(
+            measure_group, device=device, dtype=dtype, shape=shape, longest=longest, metered=metered
+        )
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, not wait in the next collective
         error = f"rank {dist.get_rank()}: {e}"
     errors: list = [None] * share_group.size()

@@ -18,6 +18,7 @@ Used by the benchmark, by ``paradyse calibrate`` (its optional fitted correction
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -166,6 +167,7 @@ def measure_layer(
     repeats: int = 3,
     memory_runs: int = 6,
     seed: int = 0,
+    metered: bool = False,
 ) -> LayerMeasurement:
     """Forward + backward of one layer on every rank of ``group`` (a collective: all ranks call it).
 
@@ -177,7 +179,8 @@ def measure_layer(
     has dropped would outlive it until this thread next waits, by chance and load (the tracker waits
     for a collective's itself). Time
     comes from ``repeats`` untracked runs after ``warmup`` (``repeats=0``: memory only;
-    ``memory_runs=0``: time only, memory 0): per run the slowest rank's, then the median.
+    ``memory_runs=0``: time only, memory 0): per run the slowest rank's, then the median; ``metered``: each
+    timed run inside a :class:`PeakMemory` window, as a job that measures every micro-batch's peak runs it.
     """
     device = torch.device(device)
     rank, p = group.rank(), group.size()
@@ -224,7 +227,8 @@ def measure_layer(
         dist.barrier(group)
         wait_for_device(device)
         start = time.perf_counter()
-        step()
+        with PeakMemory(device) if metered else contextlib.nullcontext():
+            step()
         wait_for_device(device)
         times.append(time.perf_counter() - start)
     if not times:  # memory only

@@ -218,11 +218,7 @@ class TrainingRun:
             self._resume(iterator)
         self.iterators.append(iterator)
         if (config.log.measure or learning) and self.meter is None:  # one for every chunk
-            # a micro-batch's peak is its own only where nothing else runs between its forward and backward
-            one_at_a_time = mpu.get_pipeline_model_parallel_world_size() == 1
-            self.meter = MicroBatchMeter(
-                job.device, self.footprints[stage].static_bytes, memory=config.log.measure and one_at_a_time
-            )
+            self.meter = MicroBatchMeter(job.device, self.footprints[stage].static_bytes, memory=_meters_memory(job))
         return iterator
 
     def _prepare(self) -> None:
@@ -669,11 +665,19 @@ def _say_how_forwards_in_flight_are_budgeted(args, transformer, on_infeasible: s
     )
 
 
+def _meters_memory(job: Job) -> bool:
+    """Whether the job measures each micro-batch's peak: ``log.measure``, where a micro-batch's peak is its
+    own (nothing else runs between its forward and backward: one pipeline stage)."""
+    from megatron.core import parallel_state as mpu
+
+    return job.config.log.measure and mpu.get_pipeline_model_parallel_world_size() == 1
+
+
 def _calibrate_once(job: Job) -> dict:
     """No ``cost.profile``: the quick profile with its correction fitted on the model's layers, read from
     the data cache or measured by every tensor-parallel group on itself, in the job's own processes
-    (:func:`~megatron_paradyse.cost.calibrate.startup_profile`); every rank plans from rank 0's. A failure
-    on any rank raises on every rank."""
+    (:func:`~megatron_paradyse.cost.calibrate.startup_profile`), its layers timed as the job's meter will
+    time them; every rank plans from rank 0's. A failure on any rank raises on every rank."""
     from megatron.core import parallel_state as mpu
 
     from megatron_paradyse.cost.calibrate import startup_profile
@@ -688,4 +692,5 @@ def _calibrate_once(job: Job) -> dict:
         dtype=transformer.params_dtype,
         shape=model_shape(transformer),
         longest=job.args.seq_length,
+        metered=_meters_memory(job),
     )
