@@ -311,6 +311,7 @@ def test_a_job_calibrates_on_its_own_tensor_parallel_groups_and_every_rank_plans
     # every timed run of every correction layer at every length, on each rank: a window of the meter
     lengths = calibration.model_grid(TINY, SMALL, 2, 256, "cpu").correction_lengths
     assert windows == (len(calibration.CORRECTION_LAYERS) * len(lengths) * 3,) * 4
+    assert (measured[0]["correction"]["metered"], metered[0]["correction"]["metered"]) == (False, True)
     profile = measured[0]
     assert (
         profile["dtype"] == dtype

@@ -707,7 +707,9 @@ def calibrate_on_group(
         if fit_correction:
             layers = REFERENCE_SHAPE if shape is None else shape
             times = _correction_layers(group, layers, measured.correction_lengths, device, dtype, metered=metered)
-            profile["correction"] = _fit_correction(profile, times, p, dtype, layers, comm_measured=links is None)
+            profile["correction"] = _fit_correction(
+                profile, times, p, dtype, layers, comm_measured=links is None, metered=metered
+            )
     if device.type == "cuda":  # the job's allocator starts from its own blocks, not the samples'
         torch.cuda.empty_cache()
     message = [profile]
@@ -774,12 +776,15 @@ def _correction_layers_on_rank(rank: int, world: int, shape: ModelShape, lengths
     return _correction_layers(dist.group.WORLD, shape, lengths, device, getattr(torch, dtype_name))
 
 
-def _fit_correction(profile, measured, p: int, dtype, shape: ModelShape, *, comm_measured: bool = True) -> dict:
+def _fit_correction(
+    profile, measured, p: int, dtype, shape: ModelShape, *, comm_measured: bool = True, metered: bool = False
+) -> dict:
     """Fit ``time = k_compute * compute + k_comm * comm + per_sync_s * syncs + per_layer_s`` on the
     ``measured`` layers of ``shape`` at ``p`` ranks (``syncs``: collectives and ring hops, each a point
     where ranks wait for each other: on an oversubscribed CPU a rank that arrives early waits for the
     scheduler to run the rest). Where the layers' collectives took no time (``comm_measured=False``:
-    a fake group), on the compute terms alone: ``k_comm`` 1, no time per synchronisation."""
+    a fake group), on the compute terms alone: ``k_comm`` 1, no time per synchronisation. ``metered``:
+    the layers were timed under the memory meter (recorded, so that a profile says what its times hold)."""
     from megatron_paradyse.cost.analytic import AnalyticCostModel
 
     model = AnalyticCostModel(profile, shape, p, dtype=dtype, use_correction=False)
@@ -802,6 +807,7 @@ def _fit_correction(profile, measured, p: int, dtype, shape: ModelShape, *, comm
         "per_sync_s": float(per_sync),
         "per_layer_s": float(per_layer),
         "fitted_on": [f"{option}@{s}" for option, s, _ in measured],
+        "metered": metered,
     }
 
 

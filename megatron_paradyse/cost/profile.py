@@ -21,7 +21,8 @@ all times in seconds, sizes in bytes::
                     "overlap": float},                # and the fraction of it compute hides
       "allocator_slack": float,                       # fraction of the transient (0 on the CPU tracker)
       "correction": null | {"compute": k, "comm": k, "per_sync_s": c, "per_layer_s": c,
-                            "fitted_on": ["tp_sp/tp_sp@512", ...]},
+                            "fitted_on": ["tp_sp/tp_sp@512", ...],
+                            "metered": bool},         # optional: its layers timed under the memory meter
       "model": null | {"shape": {...}, "p": int,      # optional: the model whose own GEMMs and attention
                        "longest": int},               # were measured too (calibrate.model_grid)
       "samples": {...}                                # the raw measurements the fits came from
