@@ -232,6 +232,13 @@ class _Fault:
         )
 
 
+def _say(line: str) -> None:
+    """``line`` on stderr in one write: ``print`` writes the newline apart, and a warning the main thread
+    prints meanwhile (the watcher is a thread) would land on the same line."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 class FaultWatch:
     """One rank's side of the protocol in the module docstring. :meth:`start` once the default process
     group exists; :meth:`out_of_memory` from the training step that ran out of memory; leave the ``with``
@@ -292,7 +299,7 @@ class FaultWatch:
         others = [self._key(f"wake/{r}") for r in range(self.world_size) if r != self.rank]
         if others:
             self._store.multi_set(others, [fault.to_bytes()] * len(others))
-        print(fault.message([e.budget_before_bytes for e in failures]), file=sys.stderr, flush=True)
+        _say(fault.message([e.budget_before_bytes for e in failures]))
         self._store.set(self._wake_key, _STOP)  # this rank's own watcher: no wait left open on the store
         self._thread.join(_GATHER_TIMEOUT.total_seconds())
         self._leave(self._store, "done")
@@ -341,7 +348,7 @@ class FaultWatch:
             return
         fault = _Fault.from_bytes(value)
         self._fired.set()
-        print(fault.peer_message(self.rank), file=sys.stderr, flush=True)
+        _say(fault.peer_message(self.rank))
         self._leave(store, "done")
         end_process(fault.exit_code)
 
