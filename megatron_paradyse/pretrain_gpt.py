@@ -62,6 +62,7 @@ import torch
 from megatron_paradyse.config import ParadyseConfig, load_config
 from megatron_paradyse.core import allocator, compat
 from megatron_paradyse.run.job import Job, add_paradyse_args
+from megatron_paradyse.run.startup import leaving_process_groups
 
 __all__ = ["main"]
 
@@ -76,14 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = _paradyse_config(argv)
     except ValueError as e:
-        return _failed_to_start(e, argv)
+        with leaving_process_groups():
+            return _failed_to_start(e, argv)
     compat.install()
     from megatron_paradyse.cost import ProfileError
     from megatron_paradyse.planner import InfeasibleSequenceError
     from megatron_paradyse.run.agreement import RankDisagreement
     from megatron_paradyse.run.startup import StartupError
 
-    with compat.megatron_training_on_cpu():
+    with compat.megatron_training_on_cpu(), leaving_process_groups():
         try:
             job = Job.from_argv(config, argv)
         except ValueError as e:

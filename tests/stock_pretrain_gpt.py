@@ -3,7 +3,8 @@ for the tests: its ``get_batch`` (TP rank 0 reads, then broadcasts), ``loss_func
 as the stock script has them, Megatron's ``GPTDataset``/``MockGPTDataset`` through
 ``BlendedMegatronDatasetBuilder``, and ``megatron.training.pretrain``. No megatron-paradyse code runs
 but what ``--spec`` names (and, on a machine without CUDA, :mod:`megatron_paradyse.core.compat`, which the
-patch in ``patches/`` also installs into the stock script).
+patch in ``patches/`` also installs into the stock script; and, unlike the stock script, on its way out
+:func:`megatron_paradyse.run.startup.leaving_process_groups`).
 
     torchrun --nproc-per-node 2 tests/stock_pretrain_gpt.py --mock-data --spec megatron_paradyse.spec \\
         get_paradyse_layer_spec --tensor-model-parallel-size 2 --sequence-parallel ...
@@ -27,6 +28,8 @@ from megatron.training import get_args, pretrain  # noqa: E402
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args  # noqa: E402
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.utils import get_blend_and_blend_per_split  # noqa: E402
+
+from megatron_paradyse.run.startup import leaving_process_groups  # noqa: E402
 
 BATCH_KEYS = ["attention_mask", "cu_seqlens", "cu_seqlens_padded", "labels", "loss_mask", "max_seqlen"]
 BATCH_KEYS += ["position_ids", "tokens"]
@@ -131,7 +134,9 @@ if __name__ == "__main__":
 
     dataset_utils.compile_helpers = lambda: None
     train_valid_test_datasets_provider.is_distributed = True
-    with compat.megatron_training_on_cpu():
+    # leaving_process_groups: PyTorch's documented shutdown, which the stock script leaves to the
+    # interpreter's exit, where a gloo group still alive can abort a finished rank (seen in CI)
+    with compat.megatron_training_on_cpu(), leaving_process_groups():
         args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
         pretrain(
             pretrain_cfg_container_from_args(args, gpt_config_from_args(args)),

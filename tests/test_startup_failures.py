@@ -8,6 +8,7 @@ torchrun would end them itself and hide a rank left waiting for the distributed 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -173,3 +174,35 @@ def test_token_ids_outside_the_vocabulary_stop_every_rank(tmp_path, profile):
         "[0, 100); prepare the dataset with the tokenizer the run uses (--tokenizer-type, --vocab-size, or the "
         "dataset's manifest)",
     )
+
+
+def test_a_rank_leaves_its_process_groups_when_its_work_ends_without_a_failure():
+    """Destroyed on a return and on Megatron's ``--exit-interval`` exit (status 0); kept after a failure, where
+    destroying a gloo group would wait for a collective the other ranks may never join (one gloo rank)."""
+    import torch.distributed as dist
+
+    from megatron_paradyse.run.startup import leaving_process_groups
+
+    def joined() -> None:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    def work(*, then: BaseException | None) -> None:
+        with leaving_process_groups():
+            if then is not None:
+                raise then
+
+    try:
+        for failure in (RuntimeError("a collective failed"), SystemExit(1), KeyboardInterrupt()):
+            joined()
+            with pytest.raises(type(failure)):
+                work(then=failure)
+            assert dist.is_initialized(), failure
+            dist.destroy_process_group()
+        for end in (None, SystemExit(0), SystemExit(None)):
+            joined()
+            with pytest.raises(SystemExit) if end is not None else contextlib.nullcontext():
+                work(then=end)
+            assert not dist.is_initialized(), end
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -7,19 +7,29 @@ launcher to kill them (torchrun does, ``srun`` only with ``--kill-on-bad-exit``)
 the job's default process group as Megatron's ``initialize_megatron`` would (:func:`init_distributed`;
 Megatron then skips its own), a rank that already failed included, and :func:`agree` gathers every
 rank's problem: if any rank has one, every rank raises the same :class:`StartupError`.
+
+A rank that ends its work leaves the process groups itself (:func:`leaving_process_groups`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["StartupError", "agree", "distributed_launch", "distributed_settings", "init_distributed"]
+__all__ = [
+    "StartupError",
+    "agree",
+    "distributed_launch",
+    "distributed_settings",
+    "init_distributed",
+    "leaving_process_groups",
+]
 
 
 class StartupError(ValueError):
@@ -77,3 +87,25 @@ def agree(problem: str | None) -> None:
 
 def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+@contextlib.contextmanager
+def leaving_process_groups() -> Iterator[None]:
+    """The block is this rank's work. Where it ends without a failure (it returns, or Megatron's
+    ``--exit-interval`` exits with status 0), destroy the default process group and its subgroups, as
+    PyTorch asks of every script: left to the interpreter's shutdown, a gloo group's worker thread can
+    release a tensor while Python finalises and abort the rank (SIGABRT after a finished run, seen in CI
+    with torch 2.13). Not after a failure: the rank may be inside a collective the others never joined,
+    and destroying a gloo group joins its worker threads, so the rank would wait for it."""
+    try:
+        yield
+    except SystemExit as e:
+        if e.code in (None, 0):
+            _leave()
+        raise
+    _leave()
+
+
+def _leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
