@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -243,6 +244,70 @@ def test_one_variable_length_call_over_packed_documents_matches_a_dense_mask(cau
         torch.testing.assert_close(mine.grad, theirs.grad)
 
 
+def test_only_a_causal_document_with_padding_after_it_has_causal_tail_padding():
+    assert SequenceLayout.build(9, 2, causal=True).causal_tail_padding == 3
+    assert SequenceLayout.build(8, 2, causal=True).causal_tail_padding == 0  # no padding
+    assert SequenceLayout.build(9, 2, causal=False).causal_tail_padding == 0  # the padding would be seen
+    assert SequenceLayout.build((5, 4), 2, causal=True).causal_tail_padding == 0  # the second would see the first
+
+
+class _CountedCalls:
+    """A kernel whose dense and variable-length calls are recorded as (method, query rows)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getattr__(self, name):
+        method = getattr(self.kernel, name)
+        if name not in ("forward", "backward", "forward_varlen", "backward_varlen"):
+            return method
+
+        def counted(*args):
+            rows = args[1 if name.startswith("backward") else 0].shape[2 if name in ("forward", "backward") else 0]
+            self.calls.append((name, rows))
+            return method(*args)
+
+        return counted
+
+
+@pytest.mark.parametrize("kernel_name", ["torch", "math", "varlen"])
+@pytest.mark.parametrize("b", [1, 2])
+def test_a_causal_document_and_its_padding_run_as_one_call_with_the_paddings_rows_redone(kernel_name, b):
+    """No real query comes after a padding key, so the whole padded sequence is one causal call (on a
+    Hopper GPU cuDNN's, where the variable-length call is FlashAttention-2's); the padding attends to
+    itself alone, as a document of its own: its rows are redone forward, and left out of the whole
+    call's backward. Large logits: a padding row's weights over the document would overflow if they
+    took part."""
+    layout = SequenceLayout.build(9, 2, causal=True)  # 9 tokens, 3 of padding
+    s, tail = layout.padded_len, layout.causal_tail_padding
+    q, k, v = (10 * t for t in _qkv(b=b, sq=s, sk=s))
+    inner = _VarlenMath() if kernel_name == "varlen" else get_kernel(kernel_name, CPU, torch.float64)
+    kernel = _CountedCalls(inner)
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    out = segment_attention(qs, ks, vs, layout.full_segments(), 0.5, kernel, layout.indices(CPU).cu_seqlens, tail)
+    doc = torch.cat([torch.full((e - a,), i) for i, (a, e) in enumerate(layout.doc_bounds)])
+    mask = (doc[:, None] == doc[None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = _dense(qr, kr, vr, mask, 0.5)
+    dout = torch.randn_like(ref)
+    out.backward(dout)
+    ref.backward(dout)
+    assert kernel.calls == [("forward", s), ("forward", tail), ("backward", s), ("backward", tail)]
+    torch.testing.assert_close(out, ref)
+    for mine, theirs in ((qs, qr), (ks, kr), (vs, vr)):
+        torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+def test_tail_padding_needs_one_causal_document_then_its_padding():
+    layout = SequenceLayout.build((5, 4), 2, causal=True)  # two documents, 3 of padding
+    q, k, v = _qkv(b=1, sq=12, sk=12)
+    kernel = get_kernel("math", CPU, torch.float64)
+    expected = (Segment(0, 9, 0, 9, True), Segment(9, 12, 9, 12, True))
+    message = f"tail=3 padding rows need one causal document then its padding, {expected}; got {layout.full_segments()}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        segment_attention(q, k, v, layout.full_segments(), 0.5, kernel, None, 3)
+
+
 @pytest.mark.parametrize(
     ("dtype", "d", "capability", "dense_op"),
     [
@@ -257,7 +322,7 @@ def test_one_variable_length_call_over_packed_documents_matches_a_dense_mask(cau
 def test_torch_cuda_kernel_calls_match_the_ops_schemas_and_shapes(monkeypatch, dtype, d, capability, dense_op):
     """The CUDA kernel's op calls on meta tensors (torch's shape functions, no device): arguments
     against each op's schema, and the shapes it hands back: cuDNN (bf16 on Hopper, queries and keys
-    equally many), FlashAttention (bf16: rectangles, head sizes padded to a multiple of 8, Ampere),
+    equally many, more than one), FlashAttention (bf16: rectangles, head sizes padded to a multiple of 8, Ampere),
     memory-efficient attention (fp32, whose log-sum-exp rows come padded to a multiple of 32), GQA,
     dense and variable-length. The numbers are checked on a GPU (tests/test_attention_gpu.py)."""
     monkeypatch.setattr(kernels, "_capability", lambda device: capability)
@@ -274,12 +339,12 @@ def test_torch_cuda_kernel_calls_match_the_ops_schemas_and_shapes(monkeypatch, d
     kernel = kernels.TorchCudaKernel()
     b = 2
     meta = dict(device="meta", dtype=dtype)
-    for sq, sk in ((40, 40), (40, 24)):
+    for sq, sk in ((40, 40), (40, 24), (1, 1)):  # (1, 1): a padding of one token, which cuDNN is not given
         called.clear()
         q = torch.empty(sq, b, 4, d, **meta).permute(1, 2, 0, 3)
         k, v = (torch.empty(sk, b, 2, d, **meta).permute(1, 2, 0, 3) for _ in range(2))
         out, lse = kernel.forward(q, k, v, False, 0.1)
-        square_op = dense_op if sq == sk or dense_op != "_scaled_dot_product_cudnn_attention" else None
+        square_op = dense_op if sq == sk > 1 or dense_op != "_scaled_dot_product_cudnn_attention" else None
         assert called == [square_op or "_flash_attention_forward"]
         assert out.shape == q.shape and lse.shape == (b, 4, sq) and lse.dtype == torch.float32
         dq, dk, dv = kernel.backward(torch.empty_like(out), q, k, v, out, lse, False, 0.1)

@@ -7,7 +7,8 @@ kernel call. Two uses:
 - :func:`segment_attention`: a whole sequence against itself (``tp_sp``, ``ulysses``). Its segments
   are one per document (padding is a document of its own), so every query row is in exactly one
   segment: results are written in place, in the inputs' dtype, and the gradients likewise. A kernel
-  with a variable-length call takes all documents in that one call instead.
+  with a variable-length call takes all documents in that one call instead; one causal document and
+  its padding run as one call over the whole sequence, the padding's rows redone apart.
 - :func:`accumulate_block` / :func:`accumulate_block_grads`: one key block of ring attention. A query
   row may see several segments of a block, and several blocks: partial results are merged into
   running accumulators (fp32 for half precision) by their log-sum-exp with a max shift, in place, so
@@ -122,16 +123,25 @@ def batch_cu_seqlens(cu_seqlens: Tensor, b: int) -> Tensor:
 
 class _SegmentAttention(torch.autograd.Function):
     """Attention of a sequence against itself, with the kernel's own backward (no ``[s, s]`` tensor is
-    kept): one variable-length call over every document where the kernel has one and the bounds are
-    given, else one call per document. Documents share no query and no key, so each call's results are
+    kept). One call over the whole block where one segment covers it, or where the segments are one
+    causal document and its padding (``tail``: the padding's rows then redone over the padding alone);
+    else one variable-length call over every document where the kernel has one and the bounds are
+    given; else one call per document. Documents share no query and no key, so each call's results are
     written into their rows, in the inputs' dtype: nothing to merge."""
 
     @staticmethod
-    def forward(ctx, q, k, v, segments, scale, kernel, cu_seqlens):
+    def forward(ctx, q, k, v, segments, scale, kernel, cu_seqlens, tail):
         causal = segments[0].causal
-        ctx.varlen = not _one_call(segments, q.shape[2], k.shape[2]) and cu_seqlens is not None and kernel.varlen(q)
-        if _one_call(segments, q.shape[2], k.shape[2]):
+        ctx.whole = tail > 0 or _one_call(segments, q.shape[2], k.shape[2])
+        ctx.varlen = not ctx.whole and cu_seqlens is not None and kernel.varlen(q)
+        if ctx.whole:
             out, lse = kernel.forward(q, k, v, causal, scale)
+            if tail:  # the padding's rows saw the document: redone over the padding alone
+                pad = slice(q.shape[2] - tail, None)
+                part_out, part_lse = kernel.forward(q[:, :, pad], k[:, :, pad], v[:, :, pad], True, scale)
+                out[:, :, pad] = part_out
+                lse[:, :, pad] = part_lse
+                del part_out, part_lse
         elif ctx.varlen:
             ctx.max_len = max(seg.q_end - seg.q_start for seg in segments)
             out, lse = kernel.forward_varlen(
@@ -148,15 +158,22 @@ class _SegmentAttention(torch.autograd.Function):
                 lse[:, :, rows] = part_lse
                 del part_out, part_lse  # freed before the next call allocates its own
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        ctx.segments, ctx.scale, ctx.kernel = segments, scale, kernel
+        ctx.segments, ctx.scale, ctx.kernel, ctx.tail = segments, scale, kernel, tail
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        segments, scale, kernel = ctx.segments, ctx.scale, ctx.kernel
-        if _one_call(segments, q.shape[2], k.shape[2]):
-            dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, segments[0].causal, scale)
+        segments, scale, kernel, tail = ctx.segments, ctx.scale, ctx.kernel, ctx.tail
+        if ctx.whole:
+            whole_lse = lse
+            if tail:  # the padding's rows take no part in the whole call: weights exp(s - inf) = 0
+                whole_lse = lse.clone()
+                whole_lse[:, :, q.shape[2] - tail :] = float("inf")
+            dq, dk, dv = kernel.backward(dout, q, k, v, out, whole_lse, segments[0].causal, scale)
+            del whole_lse
+            if tail:  # the padding's own share, where the whole call left zeros
+                accumulate_block_grads(dout, q, k, v, out, lse, segments[-1:], scale, kernel, (dq, dk, dv))
         elif ctx.varlen:
             b = q.shape[0]
             grads = kernel.backward_varlen(
@@ -171,7 +188,16 @@ class _SegmentAttention(torch.autograd.Function):
         else:
             dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
             accumulate_block_grads(dout, q, k, v, out, lse, segments, scale, kernel, (dq, dk, dv))
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _check_tail(segments: Sequence[Segment], s: int, tail: int) -> None:
+    """``tail`` padding rows must be the last of two causal segments that tile the sequence."""
+    expected = (Segment(0, s - tail, 0, s - tail, True), Segment(s - tail, s, s - tail, s, True))
+    if tuple(segments) != expected:
+        raise ValueError(
+            f"tail={tail} padding rows need one causal document then its padding, {expected}; got {tuple(segments)}"
+        )
 
 
 def segment_attention(
@@ -182,9 +208,14 @@ def segment_attention(
     scale: float,
     kernel: AttentionKernel | VarlenAttentionKernel,
     cu_seqlens: Tensor | None = None,
+    tail: int = 0,
 ) -> Tensor:
     """Differentiable ``[b, nq, s, d]`` attention of a whole sequence over its visible ``segments``
     (each query row in exactly one: :meth:`SequenceLayout.full_segments`). ``cu_seqlens``: the same
     segments' bounds ``[0, end_1, ..., s]`` as int32 on the inputs' device
-    (:attr:`LayoutIndices.cu_seqlens`), for kernels with a variable-length call."""
-    return _SegmentAttention.apply(q, k, v, tuple(segments), scale, kernel, cu_seqlens)
+    (:attr:`LayoutIndices.cu_seqlens`), for kernels with a variable-length call. ``tail``: the layout's
+    :attr:`~SequenceLayout.causal_tail_padding`; a padded document then runs as one dense call (on a
+    Hopper GPU cuDNN's, where a variable-length call would be FlashAttention-2's, 1.8x slower)."""
+    if tail:
+        _check_tail(segments, q.shape[2], tail)
+    return _SegmentAttention.apply(q, k, v, tuple(segments), scale, kernel, cu_seqlens, tail)

@@ -201,8 +201,8 @@ class TorchCudaKernel:
     """PyTorch's own CUDA attention: no package beyond torch. CI has no GPU: ``pytest -m gpu`` runs it
     (first on an H200, docs/gpu.md).
 
-    fp16/bf16 on Hopper or newer, a block whose queries and keys are equally many, head sizes up to
-    128 and a multiple of 8: cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention`` and
+    fp16/bf16 on Hopper or newer, a block whose queries and keys are equally many (more than one), head
+    sizes up to 128 and a multiple of 8: cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention`` and
     its backward), GQA natively; on an H200 it ran a causal 8B layer's attention core (32 query heads,
     8 key heads, d=128) forward and backward in 211 ms at 64K tokens against 374 ms for FlashAttention-2.
     Its causal mask aligns the block's top-left corners, so rectangles (ring blocks of unequal length)
@@ -235,7 +235,7 @@ class TorchCudaKernel:
             q.dtype in (torch.float16, torch.bfloat16)
             and d % 8 == 0
             and d <= 128
-            and q.shape[2] == k.shape[2]
+            and q.shape[2] == k.shape[2] > 1  # PyTorch's own dispatch gives cuDNN no key length 1
             and _capability(q.device) >= (9, 0)
         )
 

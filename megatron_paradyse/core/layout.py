@@ -252,6 +252,16 @@ class SequenceLayout:
             )
 
     # -- attention visibility ---------------------------------------------------------------------
+    @property
+    def causal_tail_padding(self) -> int:
+        """Padding tokens after the only document of a causal sequence; 0 where there is no padding,
+        more than one document, or no causal mask. Attention over the whole sequence then runs as one
+        causal call, as if unpadded: no real query comes after a padding key, and the padding's own
+        rows are redone over the padding alone (``attention.blocks.segment_attention``)."""
+        if not self.causal or len(self.doc_lengths) != 1:
+            return 0
+        return self.padded_len - self.valid_len
+
     def full_segments(self) -> tuple[Segment, ...]:
         """Visible blocks of the whole sequence in natural order (query tensor = key tensor)."""
         return self._self_segments((_Run(0, 0, self.padded_len),))

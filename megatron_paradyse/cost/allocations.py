@@ -789,9 +789,10 @@ def _full_attention_forward(
     m: _Memory, d: Dims, layout: SequenceLayout, qkv: str, heads: int, kv_heads: int
 ) -> tuple[tuple[str, ...], _QK, str]:
     """``attend_full_sequence`` of ``qkv`` ``[s, b, (heads + 2 kv_heads) hn]`` (alive): q, k and their
-    transform (:func:`_qk_forward`), q/k/v put in natural order (causal: copies), the attention (several
-    documents: FlashAttention's one variable-length call, :func:`_varlen_forward`; elsewhere one kernel
-    call per document, written into a zeroed output), the output as ``[s, b, heads hn]`` in canonical
+    transform (:func:`_qk_forward`), q/k/v put in natural order (causal: copies), the attention (one
+    causal document and its padding: one call over the whole sequence, then the padding's rows redone;
+    several documents: FlashAttention's one variable-length call, :func:`_varlen_call`; elsewhere one
+    kernel call per document, written into a zeroed output), the output as ``[s, b, heads hn]`` in canonical
     order (causal: a copy; otherwise a view, the kernel lays its output out sequence-major, but for the
     variable-length call's sample-major output of several samples: a copy). Returns what the attention
     keeps for backward (the transform's own kept apart, in the :class:`_QK`) and the name of that
@@ -806,10 +807,13 @@ def _full_attention_forward(
         m.alloc(q_natural=core, k_natural=kv, v_natural=kv)
         m.free(*(name for name in dict.fromkeys((q, k)) if name != qkv))
         kept = ("q_natural", "k_natural", "v_natural")
-    segments = layout.full_segments()
-    varlen = len(segments) > 1 and _flash(d)
-    if len(segments) == 1:
+    segments, tail = layout.full_segments(), layout.causal_tail_padding
+    varlen = len(segments) > 1 and not tail and _flash(d)
+    if len(segments) == 1 or tail:
         _kernel_forward(m, d, "attn_out", "lse", heads, kv_heads, d.s, d.s)
+        if tail:  # the padding's rows redone, written into the whole call's
+            _kernel_forward(m, d, "seg_out", "seg_lse", heads, kv_heads, tail, tail)
+            m.free("seg_out", "seg_lse")
     elif varlen:
         _varlen_call(m, d, len(segments), {"q": core, "k": kv, "v": kv}, attn_out=core, lse=d.b * heads * d.s * d.acc)
     else:
@@ -846,9 +850,14 @@ def _full_attention_backward(
         m.alloc(dcore_zeros=core, dout_natural=core)
         m.free("dcore_zeros", dcore)
         dcore = "dout_natural"
-    segments = layout.full_segments()
-    if len(segments) == 1:
+    segments, tail = layout.full_segments(), layout.causal_tail_padding
+    if len(segments) == 1 or tail:
+        if tail:  # the log-sum-exp with the padding's rows left out of the whole call
+            m.alloc(whole_lse=d.b * heads * d.s * d.acc)
         _kernel_backward(m, d, ("dq", "dk", "dv"), heads, kv_heads, d.s, d.s)
+        if tail:
+            m.free("whole_lse")
+            _accumulate_block_grads(m, d, ((tail, tail),), heads, kv_heads, d.s)
     elif _flash(d):
         _varlen_call(m, d, len(segments), {"dout": core, "q": core, "k": kv, "v": kv}, dq=core, dk=kv, dv=kv)
     else:

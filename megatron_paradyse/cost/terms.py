@@ -155,7 +155,11 @@ class SublayerTerms:
 
 
 def attention_calls(layout: SequenceLayout, b: int, heads: int, hn: int) -> tuple[AttentionCall, ...]:
-    """Kernel calls of full-sequence attention on ``heads`` heads (tp_sp, ulysses: one per document)."""
+    """Kernel calls of full-sequence attention on ``heads`` heads (tp_sp, ulysses): one per document;
+    one causal document and its padding: one over the whole sequence, one over the padding."""
+    if tail := layout.causal_tail_padding:
+        s = layout.padded_len
+        return (AttentionCall(b, heads, s, s, hn, True), AttentionCall(b, heads, tail, tail, hn, True))
     return _segment_calls(layout.full_segments(), b, heads, hn)
 
 

@@ -48,6 +48,7 @@ def attend_full_sequence(qkv_full: Tensor, ctx: AttentionContext) -> Tensor:
         ctx.softmax_scale,
         ctx.kernel,
         indices.cu_seqlens,
+        layout.causal_tail_padding,
     )
     out = out.permute(2, 0, 1, 3)  # [s, b, nq, hn], natural order
     if not layout.is_identity:
