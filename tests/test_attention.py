@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,6 +24,8 @@ from megatron_paradyse.attention.blocks import batch_cu_seqlens
 from megatron_paradyse.core.layout import Segment, SequenceLayout
 from megatron_paradyse.cost.allocations import Dims, sublayer_memory
 from megatron_paradyse.strategies import ModelShape
+from megatron_paradyse.strategies.base import AttentionContext
+from megatron_paradyse.strategies.common import attend_full_sequence
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
@@ -306,6 +311,55 @@ def test_tail_padding_needs_one_causal_document_then_its_padding():
     message = f"tail=3 padding rows need one causal document then its padding, {expected}; got {layout.full_segments()}"
     with pytest.raises(ValueError, match=re.escape(message)):
         segment_attention(q, k, v, layout.full_segments(), 0.5, kernel, None, 3)
+
+
+def test_cudnn_length_buckets_are_on_unless_the_process_set_them():
+    environ = {}
+    kernels.prefer_cudnn_length_buckets(environ)
+    assert environ == {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "1"}
+    environ = {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "0"}
+    kernels.prefer_cudnn_length_buckets(environ)
+    assert environ == {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "0"}
+
+
+@pytest.mark.parametrize("own", [None, "0"])
+def test_importing_the_kernels_turns_cudnn_length_buckets_on_before_any_attention_runs(own):
+    """PyTorch reads the switch once, at its first cuDNN attention call: set on import, so that the
+    calibration and training processes time the same kernels; a process's own setting stands."""
+    environ = {k: v for k, v in os.environ.items() if k != kernels.CUDNN_LENGTH_BUCKETS}
+    if own is not None:
+        environ[kernels.CUDNN_LENGTH_BUCKETS] = own
+    probe = "import os, megatron_paradyse.attention; print(os.environ['TORCH_CUDNN_SDPA_AVOID_RECOMPILE'])"
+    done = subprocess.run([sys.executable, "-c", probe], env=environ, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == (own or "1")
+
+
+class _LayoutRecorder(kernels.MathKernel):
+    """The ``math`` kernel, recording whether each call's q, k, v are dense ``[b, s, n, d]``."""
+
+    def __init__(self):
+        self.dense = []
+
+    def forward(self, q, k, v, causal, scale):
+        self.dense.append(tuple(t.transpose(1, 2).is_contiguous() for t in (q, k, v)))
+        return super().forward(q, k, v, causal, scale)
+
+
+@pytest.mark.parametrize(("p", "causal"), [(1, True), (2, True), (2, False)], ids=["p1", "zigzag", "contiguous"])
+@pytest.mark.parametrize("rotary", [False, True])
+def test_full_sequence_attention_hands_the_kernel_dense_sequence_major_q_k_v(p, causal, rotary):
+    """Views of the fused projection (v always; q, k where no transform made them anew) are copied dense:
+    only so does cuDNN key its graphs by length bucket (``CUDNN_LENGTH_BUCKETS``)."""
+    shape = ModelShape(hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8, ffn_hidden_size=64)
+    layout = SequenceLayout.build(16, p, causal=causal)
+    recorder = _LayoutRecorder()
+    transform = (lambda q, k, positions: (q * 2, k * 2)) if rotary else None  # new tensors, as RoPE's
+    ctx = AttentionContext(
+        group=None, layout=layout, shape=shape, kernel=recorder, softmax_scale=0.5, qk_transform=transform
+    )
+    qkv = torch.randn(16, 1, 2 * (2 + 2) * 8, dtype=torch.float64)
+    attend_full_sequence(qkv, ctx)
+    assert recorder.dense == [(True, True, True)]
 
 
 @pytest.mark.parametrize(

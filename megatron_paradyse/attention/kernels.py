@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+from collections.abc import MutableMapping
 from typing import Protocol
 
 import torch
@@ -30,6 +32,7 @@ from torch import Tensor
 from megatron_paradyse.core.precision import accumulation_dtype
 
 __all__ = [
+    "CUDNN_LENGTH_BUCKETS",
     "EFFICIENT_LSE_ROWS",
     "AttentionKernel",
     "TorchCudaKernel",
@@ -37,9 +40,27 @@ __all__ = [
     "accumulation_dtype",
     "get_kernel",
     "kernel_names",
+    "prefer_cudnn_length_buckets",
 ]
 
 logger = logging.getLogger(__name__)
+
+CUDNN_LENGTH_BUCKETS = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
+"""PyTorch's switch for cuDNN's attention: without it a graph is built for every new sequence length
+(70 to 220 ms each on an H100, and a training run meets a new length with most micro-batches); with it,
+where q, k, v and the output are dense ``[b, s, n, d]`` (as ``strategies.common.attend_full_sequence``
+hands them over), the graphs are keyed by lengths rounded up to a power of two and the true lengths
+passed at run time: on an H100 no build at a new length, steady attention 3% to 7% slower (docs/gpu.md)."""
+
+
+def prefer_cudnn_length_buckets(environ: MutableMapping[str, str] = os.environ) -> None:
+    """:data:`CUDNN_LENGTH_BUCKETS` on, unless the process set it. PyTorch reads it once, at its first
+    cuDNN attention call: this module sets it when imported, before any attention of this package runs,
+    so that calibration and training time the same kernels."""
+    environ.setdefault(CUDNN_LENGTH_BUCKETS, "1")
+
+
+prefer_cudnn_length_buckets()
 
 
 class AttentionKernel(Protocol):

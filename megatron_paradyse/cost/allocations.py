@@ -789,7 +789,8 @@ def _full_attention_forward(
     m: _Memory, d: Dims, layout: SequenceLayout, qkv: str, heads: int, kv_heads: int
 ) -> tuple[tuple[str, ...], _QK, str]:
     """``attend_full_sequence`` of ``qkv`` ``[s, b, (heads + 2 kv_heads) hn]`` (alive): q, k and their
-    transform (:func:`_qk_forward`), q/k/v put in natural order (causal: copies), the attention (one
+    transform (:func:`_qk_forward`), q/k/v put in natural order (causal: copies; otherwise those still views
+    of the projection copied dense, v always, so the projection dies unless q/k norms keep it), the attention (one
     causal document and its padding: one call over the whole sequence, then the padding's rows redone;
     several documents: FlashAttention's one variable-length call, :func:`_varlen_call`; elsewhere one
     kernel call per document, written into a zeroed output), the output as ``[s, b, heads hn]`` in canonical
@@ -801,8 +802,14 @@ def _full_attention_forward(
     kv = d.s * d.b * kv_heads * d.hn * d.e
     qk = _qk_forward(m, d, d.s, heads, kv_heads, qkv)
     q, k = qk.q, qk.k
-    if layout.is_identity:
-        kept = tuple(dict.fromkeys((q, k, qkv)))
+    if layout.is_identity:  # dense copies of what is still a view of the projection: v, q and k untransformed
+        kept = []
+        for name, source, nbytes in (("q", q, core), ("k", k, kv), ("v", qkv, kv)):
+            if source == qkv:
+                m.alloc(**{f"{name}_dense": nbytes})
+                source = f"{name}_dense"
+            kept.append(source)
+        kept = tuple(kept)
     else:
         m.alloc(q_natural=core, k_natural=kv, v_natural=kv)
         m.free(*(name for name in dict.fromkeys((q, k)) if name != qkv))

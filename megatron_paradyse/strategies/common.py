@@ -38,7 +38,12 @@ def attend_full_sequence(qkv_full: Tensor, ctx: AttentionContext) -> Tensor:
     q, k, v = split_qkv(qkv_full, ctx.shape)
     if ctx.qk_transform is not None:
         q, k = ctx.qk_transform(q, k, indices.position_ids)
-    if not layout.is_identity:
+    # Natural order, and q, k, v dense [s, b, n, d] (views of the projection copied): only so does cuDNN's
+    # attention build one graph for all lengths up to a power of two (TORCH_CUDNN_SDPA_AVOID_RECOMPILE,
+    # core.allocator), and a copied v lets the projection's output die where q and k are made anew.
+    if layout.is_identity:
+        q, k, v = (t.contiguous() for t in (q, k, v))
+    else:
         q, k, v = (t.index_select(0, indices.canonical_index) for t in (q, k, v))
     out = segment_attention(
         heads_first(q),
