@@ -316,11 +316,13 @@ def _gemm_shapes(grid: Grid) -> list[tuple[int, int, int]]:
 
 
 def _time_attention(kernel, heads: int, hn: int, sq: int, sk: int, causal: bool, repeats: int, device, dtype, group):
-    """(forward, backward) seconds of one kernel call on a ``[1, heads, sq | sk, hn]`` block."""
+    """(forward, backward) seconds of one kernel call on a ``[1, heads, sq | sk, hn]`` block, laid out
+    sequence-major as the strategies hand it over (on CUDA, cuDNN's graphs by length bucket then apply:
+    ``attention.kernels.CUDNN_LENGTH_BUCKETS``)."""
     scale = hn**-0.5
     with _all_or_none(group, device):
-        q = torch.randn(1, heads, sq, hn, device=device, dtype=dtype)
-        k = torch.randn(1, heads, sk, hn, device=device, dtype=dtype)
+        q = torch.randn(1, sq, heads, hn, device=device, dtype=dtype).transpose(1, 2)
+        k = torch.randn(1, sk, heads, hn, device=device, dtype=dtype).transpose(1, 2)
         v = torch.randn_like(k)
         out, lse = kernel.forward(q, k, v, causal, scale)
         dout = torch.randn_like(out)
