@@ -131,3 +131,11 @@ def test_bench_layer_prints_the_cost_models_time_beside_the_measured(tmp_path, m
     result = _bench("--model", "tiny", "--lengths", "64", "--profile", str(tmp_path / "none.json"))
     assert result.returncode == 2 and f"--profile {tmp_path / 'none.json'}: " in result.stderr
     assert "paradyse ms" not in result.stdout
+
+
+def test_the_attention_cores_are_timed_on_sequence_major_inputs_as_the_strategies_hand_them_over():
+    """On CUDA only such inputs run cuDNN's graphs by length bucket, which the training run's layers run."""
+    from megatron_paradyse.bench import layer
+
+    tensors = layer._qkv(layer.MODELS["tiny"].shape, 6, torch.float32, torch.device("cpu"))
+    assert all(t.transpose(1, 2).is_contiguous() and t.requires_grad for t in tensors)

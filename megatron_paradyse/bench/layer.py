@@ -274,9 +274,14 @@ class _LayerPair:
 
 
 def _qkv(shape: ModelShape, n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """``q [1, nq, n, d]``, ``k``/``v`` ``[1, nkv, n, d]``, needing gradients."""
+    """``q [1, nq, n, d]``, ``k``/``v`` ``[1, nkv, n, d]``, needing gradients, laid out sequence-major as
+    the strategies hand them to the kernel (on CUDA, cuDNN's graphs by length bucket then apply:
+    ``attention.kernels.CUDNN_LENGTH_BUCKETS``)."""
     heads = (shape.num_attention_heads, shape.num_query_groups, shape.num_query_groups)
-    return tuple(torch.randn(1, h, n, shape.kv_channels, device=device, dtype=dtype).requires_grad_() for h in heads)
+    return tuple(
+        torch.randn(1, n, h, shape.kv_channels, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+        for h in heads
+    )
 
 
 def _paradyse_attention(model: LayerModel, n: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
