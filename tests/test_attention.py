@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -311,27 +308,6 @@ def test_tail_padding_needs_one_causal_document_then_its_padding():
     message = f"tail=3 padding rows need one causal document then its padding, {expected}; got {layout.full_segments()}"
     with pytest.raises(ValueError, match=re.escape(message)):
         segment_attention(q, k, v, layout.full_segments(), 0.5, kernel, None, 3)
-
-
-def test_cudnn_length_buckets_are_on_unless_the_process_set_them():
-    environ = {}
-    kernels.prefer_cudnn_length_buckets(environ)
-    assert environ == {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "1"}
-    environ = {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "0"}
-    kernels.prefer_cudnn_length_buckets(environ)
-    assert environ == {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "0"}
-
-
-@pytest.mark.parametrize("own", [None, "0"])
-def test_importing_the_kernels_turns_cudnn_length_buckets_on_before_any_attention_runs(own):
-    """PyTorch reads the switch once, at its first cuDNN attention call: set on import, so that the
-    calibration and training processes time the same kernels; a process's own setting stands."""
-    environ = {k: v for k, v in os.environ.items() if k != kernels.CUDNN_LENGTH_BUCKETS}
-    if own is not None:
-        environ[kernels.CUDNN_LENGTH_BUCKETS] = own
-    probe = "import os, megatron_paradyse.attention; print(os.environ['TORCH_CUDNN_SDPA_AVOID_RECOMPILE'])"
-    done = subprocess.run([sys.executable, "-c", probe], env=environ, capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == (own or "1")
 
 
 class _LayoutRecorder(kernels.MathKernel):

@@ -10,11 +10,15 @@ reference is exact, the tolerances are the kernel dtype's round-off.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from megatron_paradyse.attention import get_kernel, merge_into, segment_attention
-from megatron_paradyse.attention.kernels import TorchCudaKernel
+from megatron_paradyse.attention.kernels import CUDNN_LENGTH_BUCKETS, TorchCudaKernel
 from megatron_paradyse.core.layout import SequenceLayout
 
 pytestmark = [
@@ -172,6 +176,47 @@ def test_a_document_and_its_padding_run_as_one_dense_call_and_match_a_dense_mask
     cu_seqlens = layout.indices(CUDA).cu_seqlens
     out = segment_attention(qs, ks, vs, layout.full_segments(), 0.125, kernel, cu_seqlens, tail)
     _matches_a_dense_mask(layout, (q, k, v), (qs, ks, vs), out, dtype)
+
+
+_LENGTH_BUCKETS_CHILD = """
+import sys, torch
+from megatron_paradyse.attention import get_kernel, segment_attention
+from megatron_paradyse.core.layout import SequenceLayout
+cuda = torch.device("cuda")
+kernel, math = get_kernel("torch", cuda, torch.bfloat16), get_kernel("math", cuda, torch.float64)
+worst = 0.0
+for n, p in ((4096, 1), (4095, 1), (3001, 2), (1337, 4)):  # lengths of two power-of-two buckets, padded and not
+    layout = SequenceLayout.build(n, p, causal=True)
+    s, tail = layout.padded_len, layout.causal_tail_padding
+    gen = torch.Generator(device=cuda).manual_seed(n)
+    inputs = [torch.randn(s, 1, h, 128, generator=gen, device=cuda).permute(1, 2, 0, 3) for h in (32, 8, 8)]
+    dout = torch.randn(s, 1, 32, 128, generator=gen, device=cuda).permute(1, 2, 0, 3)
+    results = []
+    for k, dtype in ((kernel, torch.bfloat16), (math, torch.float64)):
+        leaves = [t.to(dtype).requires_grad_() for t in inputs]
+        out = segment_attention(*leaves, layout.full_segments(), 128**-0.5, k, layout.indices(cuda).cu_seqlens, tail)
+        out.backward(dout.to(dtype))
+        results.append([out.detach(), *(t.grad for t in leaves)])
+    for mine, ref in zip(*results):
+        worst = max(worst, ((mine.double() - ref).norm() / ref.norm()).item())
+print(f"worst={worst:.2e}")
+sys.exit(0 if worst < 2e-2 else 1)
+"""
+
+
+def test_cudnn_length_buckets_give_what_the_dense_graphs_give():
+    """PyTorch's opt-in ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE`` (``CUDNN_LENGTH_BUCKETS``; read once per
+    process, so a child with it set): cuDNN's ragged path engaged (its warning, and not the one it gives
+    when it declines) on sequence-major bf16 q, k, v, output and every gradient against fp64 ``math``,
+    for padded and unpadded documents at p = 1, 2, 4 in two power-of-two buckets. A ragged cuDNN backward
+    has returned zero gradients without an error in some cuDNN releases."""
+    if torch.cuda.get_device_capability(CUDA) < (9, 0):
+        pytest.skip("cuDNN's attention runs from Hopper on")
+    env = {**os.environ, CUDNN_LENGTH_BUCKETS: "1"}
+    done = subprocess.run([sys.executable, "-c", _LENGTH_BUCKETS_CHILD], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "AVOID_RECOMPILE=1 is currently experimental" in done.stderr
+    assert "only works with Q, K, V, and output in BSHD" not in done.stderr
 
 
 def test_auto_on_cuda_is_torch_on_hopper_else_flash_attn_where_installed():

@@ -134,7 +134,8 @@ def test_bench_layer_prints_the_cost_models_time_beside_the_measured(tmp_path, m
 
 
 def test_the_attention_cores_are_timed_on_sequence_major_inputs_as_the_strategies_hand_them_over():
-    """On CUDA only such inputs run cuDNN's graphs by length bucket, which the training run's layers run."""
+    """On CUDA with ``CUDNN_LENGTH_BUCKETS`` set only such inputs run cuDNN's graphs by length bucket, as
+    the training run's layers do."""
     from megatron_paradyse.bench import layer
 
     tensors = layer._qkv(layer.MODELS["tiny"].shape, 6, torch.float32, torch.device("cpu"))

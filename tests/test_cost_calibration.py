@@ -465,8 +465,8 @@ def test_one_gpu_calibrates_a_rank_of_eight_of_the_configs_model(tmp_path, monke
 
 def test_attention_is_timed_on_blocks_laid_out_as_the_strategies_hand_them_over():
     """Sequence-major q, k, v (``[b, s, n, d]`` dense), as ``attend_full_sequence`` gives the kernel: on
-    a GPU only these run cuDNN's graphs by length bucket, a few percent slower than the dense graph
-    per length, and calibration must time what training runs."""
+    a GPU with ``CUDNN_LENGTH_BUCKETS`` set only these run cuDNN's graphs by length bucket, a few percent
+    slower than the dense graph per length, and calibration must time what training runs."""
     from megatron_paradyse.attention.kernels import MathKernel
 
     class Recorder(MathKernel):

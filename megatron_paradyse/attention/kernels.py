@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-from collections.abc import MutableMapping
 from typing import Protocol
 
 import torch
@@ -40,27 +38,21 @@ __all__ = [
     "accumulation_dtype",
     "get_kernel",
     "kernel_names",
-    "prefer_cudnn_length_buckets",
 ]
 
 logger = logging.getLogger(__name__)
 
 CUDNN_LENGTH_BUCKETS = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
-"""PyTorch's switch for cuDNN's attention: without it a graph is built for every new sequence length
-(70 to 220 ms each on an H100, and a training run meets a new length with most micro-batches); with it,
-where q, k, v and the output are dense ``[b, s, n, d]`` (as ``strategies.common.attend_full_sequence``
-hands them over), the graphs are keyed by lengths rounded up to a power of two and the true lengths
-passed at run time: on an H100 no build at a new length, steady attention 3% to 7% slower (docs/gpu.md)."""
-
-
-def prefer_cudnn_length_buckets(environ: MutableMapping[str, str] = os.environ) -> None:
-    """:data:`CUDNN_LENGTH_BUCKETS` on, unless the process set it. PyTorch reads it once, at its first
-    cuDNN attention call: this module sets it when imported, before any attention of this package runs,
-    so that calibration and training time the same kernels."""
-    environ.setdefault(CUDNN_LENGTH_BUCKETS, "1")
-
-
-prefer_cudnn_length_buckets()
+"""PyTorch's switch for cuDNN's attention, opt-in (``export TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` before
+the job; PyTorch reads it once, at the first cuDNN attention call). Without it a graph is built for
+every new sequence length (70 to 220 ms each on an H100, and a training run meets a new length with
+most micro-batches); with it, where q, k, v and the output are dense ``[b, s, n, d]`` (as
+``strategies.common.attend_full_sequence`` hands them over), the graphs are keyed by lengths rounded up
+to a power of two and the true lengths passed at run time: on an H100 no build at a new length, the
+same output, steady attention 3% to 7% slower (docs/gpu.md). Not on by default: PyTorch calls it
+experimental, its ragged backward's gradients have not been checked here on a GPU yet
+(``tests/test_attention_gpu.py`` does), and a ragged cuDNN backward has returned zero gradients without
+an error in some cuDNN releases (cudnn-frontend pull request 462)."""
 
 
 class AttentionKernel(Protocol):

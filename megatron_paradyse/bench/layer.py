@@ -275,8 +275,8 @@ class _LayerPair:
 
 def _qkv(shape: ModelShape, n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
     """``q [1, nq, n, d]``, ``k``/``v`` ``[1, nkv, n, d]``, needing gradients, laid out sequence-major as
-    the strategies hand them to the kernel (on CUDA, cuDNN's graphs by length bucket then apply:
-    ``attention.kernels.CUDNN_LENGTH_BUCKETS``)."""
+    the strategies hand them to the kernel (on CUDA with ``attention.kernels.CUDNN_LENGTH_BUCKETS`` set,
+    cuDNN's graphs by length bucket then apply, as in the job)."""
     heads = (shape.num_attention_heads, shape.num_query_groups, shape.num_query_groups)
     return tuple(
         torch.randn(1, n, h, shape.kv_channels, device=device, dtype=dtype).transpose(1, 2).requires_grad_()

@@ -317,8 +317,8 @@ def _gemm_shapes(grid: Grid) -> list[tuple[int, int, int]]:
 
 def _time_attention(kernel, heads: int, hn: int, sq: int, sk: int, causal: bool, repeats: int, device, dtype, group):
     """(forward, backward) seconds of one kernel call on a ``[1, heads, sq | sk, hn]`` block, laid out
-    sequence-major as the strategies hand it over (on CUDA, cuDNN's graphs by length bucket then apply:
-    ``attention.kernels.CUDNN_LENGTH_BUCKETS``)."""
+    sequence-major as the strategies hand it over (on CUDA with ``attention.kernels.CUDNN_LENGTH_BUCKETS``
+    set, cuDNN's graphs by length bucket then apply, as in the job)."""
     scale = hn**-0.5
     with _all_or_none(group, device):
         q = torch.randn(1, sq, heads, hn, device=device, dtype=dtype).transpose(1, 2)

@@ -38,9 +38,9 @@ def attend_full_sequence(qkv_full: Tensor, ctx: AttentionContext) -> Tensor:
     q, k, v = split_qkv(qkv_full, ctx.shape)
     if ctx.qk_transform is not None:
         q, k = ctx.qk_transform(q, k, indices.position_ids)
-    # Natural order, and q, k, v dense [s, b, n, d] (views of the projection copied): only so does cuDNN's
-    # attention build one graph for all lengths up to a power of two (TORCH_CUDNN_SDPA_AVOID_RECOMPILE,
-    # core.allocator), and a copied v lets the projection's output die where q and k are made anew.
+    # Natural order, and q, k, v dense [s, b, n, d] (views of the projection copied): only so can cuDNN's
+    # attention build one graph for all lengths up to a power of two (attention.kernels.CUDNN_LENGTH_BUCKETS),
+    # and a copied v lets the projection's output die where q and k are made anew.
     if layout.is_identity:
         q, k, v = (t.contiguous() for t in (q, k, v))
     else:
