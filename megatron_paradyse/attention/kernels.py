@@ -49,7 +49,8 @@ every new sequence length (70 to 220 ms each on an H100, and a training run meet
 most micro-batches); with it, where q, k, v and the output are dense ``[b, s, n, d]`` (as
 ``strategies.common.attend_full_sequence`` hands them over), the graphs are keyed by lengths rounded up
 to a power of two and the true lengths passed at run time: on an H100 no build at a new length, the
-same output, steady attention 3% to 7% slower (docs/gpu.md). Not on by default: PyTorch calls it
+same output, steady attention 3% to 7% slower in one run each (two runs without it differed by up to
+8%; docs/gpu.md). Not on by default: PyTorch calls it
 experimental, its ragged backward's gradients have not been checked here on a GPU yet
 (``tests/test_attention_gpu.py`` does), and a ragged cuDNN backward has returned zero gradients without
 an error in some cuDNN releases (cudnn-frontend pull request 462)."""
