@@ -116,16 +116,19 @@ def test_zero3_strategies_gather_weights_for_each_gemm_and_keep_none():
     ]
     # the output projection's weight travels while the attention core runs
     assert [(c.kind, c.nbytes) for c in uly.fwd_streamed] == [("all_gather", 256 * 256 * 2)]
-    # backward gathers each weight again before reduce-scattering its gradient, in fp32; the QKV weight
-    # travels while the core's backward runs
+    # backward waits for the all-to-alls only: it gathers each weight again (the QKV weight while the
+    # core's backward runs, the output projection's beside its weight gradient's GEMM) and reduce-scatters
+    # its gradient, in fp32, beside the input gradient's GEMM
     assert [(c.kind, c.nbytes) for c in uly.bwd_comm] == [
-        ("all_gather", 256 * 256 * 2),
-        ("reduce_scatter", 256 * 256 * 4),
         ("all_to_all", t * 2 * 256 * 2),
         ("all_to_all", t * 2 * qkv * 2),
+    ]
+    assert [(c.kind, c.nbytes) for c in uly.bwd_streamed] == [
+        ("all_gather", 256 * 256 * 2),
+        ("reduce_scatter", 256 * 256 * 4),
+        ("all_gather", qkv * 256 * 2),
         ("reduce_scatter", qkv * 256 * 4),
     ]
-    assert [(c.kind, c.nbytes) for c in uly.bwd_streamed] == [("all_gather", qkv * 256 * 2)]
     saved = dict(sublayer_memory("attention", "ulysses", d, layout).saved)
     assert set(saved) == {"x_local", "q_natural", "k_natural", "v_natural", "attn_out", "lse", "core_local"}
     mlp = sublayer_terms("mlp", "zero3", d, layout)
@@ -147,9 +150,9 @@ def test_zero3_mlp_peaks_match_hand_counts():
     # forward: input, fc1's output, the activation, and fc2's weight gathered as [p, h, ffn/p] beside
     # its [h, ffn] layout
     assert mlp.fwd_peak == x + 2 * hidden + 2 * w2
-    # backward, linear_fc2: the activation's gradient, the full weight gradient and its transposed
-    # copy for the reduce-scatter (the weight itself was freed after dgrad)
-    assert mlp.bwd_peak == hidden + 2 * w2
+    # backward, linear_fc2's input gradient: itself (the activation's), the weight laid out as [h, ffn],
+    # and beside it the reduce-scatter of the weight gradient's transposed copy into the shard's
+    assert mlp.bwd_peak == hidden + 2 * w2 + w2 / 4
 
 
 def test_lean_terms_match_hand_counts():

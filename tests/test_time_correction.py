@@ -180,7 +180,7 @@ def test_a_planner_follows_the_corrections_and_keeps_memory_as_it_was():
 
 
 def test_a_resumed_planner_makes_the_decisions_of_an_uninterrupted_one():
-    lengths = [16384, 15000, 13000, 11000, 9000, 7000, 5000, 3000]
+    lengths = [16384, 15000, 14000, 13000, 11000, 10000, 9000, 7000]
     layouts = [SequenceLayout.build([n], 8, causal=True) for n in lengths]
     config = dict(hysteresis=0.5, bucket_tokens=1024)
     uninterrupted = physical_planner(8, 60 * GIB, **config)

@@ -134,14 +134,17 @@ def _full_weight(gathered: Tensor, shard: Tensor, dim: int) -> Tensor:
     return gathered.view(p, *shard.shape).permute(1, 0, 2).reshape(shard.shape[0], p * shard.shape[1])
 
 
-def _reduce_scatter_shards(grad_full: Tensor, group: ProcessGroup, dim: int) -> Tensor:
-    """The adjoint of gathering shards (:func:`_full_weight`): sum over ranks, each keeps its own shard's gradient."""
+def _start_reduce_scatter_shards(grad_full: Tensor, group: ProcessGroup, dim: int) -> tuple[Tensor, Tensor, dist.Work]:
+    """The adjoint of gathering shards (:func:`_full_weight`), started: sum over ranks, each keeps its own
+    shard's gradient. Returns (the shard's gradient once waited for, the reduced buffer, which must live
+    until then, the work)."""
     if dim == 1:
         p = group.size()
         out_features, in_features = grad_full.shape
         grad_full = grad_full.view(out_features, p, in_features // p).permute(1, 0, 2)
         grad_full = grad_full.reshape(p * out_features, in_features // p)
-    return _reduce_scatter_dim0(grad_full, group)
+    out = grad_full.new_empty((grad_full.shape[0] // group.size(), *grad_full.shape[1:]))
+    return out, grad_full, reduce_scatter_single(out, grad_full, group=group, async_op=True)
 
 
 def linear_over_rows(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
@@ -163,7 +166,8 @@ class Zero3Gathers:
     where it has compute to hide it behind (:meth:`start`: attention's projection while the attention
     core runs; in backward, :meth:`start_when_gradient_reaches`: the QKV projection's while the core's
     backward runs). Either way the gather runs behind compute (on CUDA, on NCCL's stream) rather than
-    before its GEMM; the others gather their weight when they need it. A weight gathered ahead exists
+    before its GEMM; in backward, a weight not gathered ahead is gathered behind its own weight
+    gradient's GEMM (:class:`_Zero3Linear`). A weight gathered ahead exists
     from its gather's start until its linear's GEMM is done. (The MLP does not gather fc1's weight
     during fc2's backward: for Llama-3-8B at TP=8 that puts fc1's 235 MB beside fc2's weight gradient at
     the backward's peak.) One object per run of the linears (a recomputed forward makes its own)."""
@@ -210,7 +214,12 @@ class _Zero3Linear(torch.autograd.Function):
     (reduce-scattered) gradient is the full-loss gradient of each rank's shard:
 
         forward:  W = AG(W_shard);  y = x W^T + b
-        backward: W = AG(W_shard);  dx = dy W;  dW_shard = RS(dy^T x);  db_shard = RS(sum dy)
+        backward: W = AG(W_shard) behind dW = dy^T x;  dW_shard = RS(dW) behind dx = dy W;  db_shard = RS(sum dy)
+
+    Each backward collective runs behind a GEMM that does not need it (on CUDA, issued in this order on
+    the group's one NCCL stream: the gather beside the weight gradient's GEMM, then the reduce-scatter,
+    which waits for that GEMM, beside the input gradient's), so the weight and the full weight gradient
+    are alive together.
 
     The weight gradients are summed over ranks in the accumulation dtype (fp32 for half-precision
     weights) and rounded to the shard's dtype once, after the sum.
@@ -232,11 +241,15 @@ class _Zero3Linear(torch.autograd.Function):
         gathers, index = ctx.gathers, ctx.index
         group, dim = gathers.group, gathers.shards[index][1]
         dy_2d, x_2d = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        w = gathers.take(index)
-        dx = (dy_2d @ w).view(x.shape)
-        del w
         acc = accumulation_dtype(w_shard.dtype)
-        dw_shard = _reduce_scatter_shards((dy_2d.t() @ x_2d).to(acc), group, dim).to(w_shard.dtype)
+        gathers.start(index)  # behind the weight gradient's GEMM
+        dw_shard, dw_full, reducing = _start_reduce_scatter_shards((dy_2d.t() @ x_2d).to(acc), group, dim)
+        w = gathers.take(index)
+        dx = (dy_2d @ w).view(x.shape)  # the weight gradient's reduce-scatter runs behind it
+        del w
+        reducing.wait()
+        del dw_full, reducing
+        dw_shard = dw_shard.to(w_shard.dtype)
         db_shard = None
         if ctx.has_bias:
             db_shard = _reduce_scatter_dim0(dy_2d.sum(dim=0, dtype=acc), group).to(w_shard.dtype)

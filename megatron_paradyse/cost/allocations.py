@@ -385,18 +385,18 @@ def _zero3_backward(
     row: bool = False,
     gathered: bool = False,
 ) -> None:
-    """``zero3_linear``'s backward: the weight gathered again for ``dx = dy W`` (``gathered``: its gather
-    was started ahead, :func:`_gather_ahead`); the full weight
-    gradient, in the accumulation dtype (a cast of the GEMM's result for half precision; row: laid
-    out as ``[p, out, in/p]``, a copy), reduce-scattered to the shard and rounded back to its dtype;
-    the bias's likewise (summed straight into the accumulation dtype); then ``release`` (the incoming
-    gradient, the saved input) and the shard gradients (accumulated into ``.grad``) die."""
+    """``zero3_linear``'s backward: the weight gathered again (``gathered``: its gather was started
+    ahead, :func:`_gather_ahead`; otherwise now) while the full weight gradient's GEMM runs; that
+    gradient, in the accumulation dtype (a cast of the GEMM's result for half precision; row: laid out
+    as ``[p, out, in/p]``, a copy), reduce-scattered to the shard while ``dx = dy W`` runs, alive until
+    then, and the shard rounded back to its dtype; the bias's gradient likewise (summed straight into
+    the accumulation dtype, waited for); then ``release`` (the incoming gradient, the saved input) and
+    the shard gradients (accumulated into ``.grad``) die."""
     if d.p == 1:
         _linear_backward(m, dx, dx_bytes, w, bias, release=release)
         return
-    weight = _gather_weight(m, f"{name}_w", w, row=row, gathered=gathered)
-    m.alloc(**{dx: dx_bytes})
-    m.free(weight)
+    if not gathered:
+        m.alloc(**{f"{name}_w": w})
     w_acc = w / d.e * d.acc
     m.alloc(dw_full=w)
     if d.half:
@@ -408,7 +408,9 @@ def _zero3_backward(
         m.free("dw_full")
         m.rename(dw_t="dw_full")
     m.alloc(dw_shard=w_acc / d.p)
-    m.free("dw_full")
+    weight = _gather_weight(m, f"{name}_w", w, row=row, gathered=True)
+    m.alloc(**{dx: dx_bytes})
+    m.free(weight, "dw_full")
     if d.half:
         m.alloc(dw=w / d.p)
         m.free("dw_shard")

@@ -182,7 +182,8 @@ def _ring_stage(layout: SequenceLayout, rank: int, d: Dims, heads: int, kv_heads
 def _gathered(w: int, d: Dims) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
     """``zero3_linear`` of a weight of ``w`` bytes: (forward, backward) collectives. The weight is
     gathered for the forward and again for the backward, whose gradient is reduce-scattered in the
-    accumulation dtype."""
+    accumulation dtype. The backward's two stream beside its GEMMs: the gather beside the weight
+    gradient's, the reduce-scatter beside the input gradient's."""
     gather = Collective("all_gather", w)
     return (gather,), (gather, Collective("reduce_scatter", w // d.e * d.acc))
 
@@ -214,11 +215,12 @@ def _tp_sp_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerm
 
 def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
     """The output projection's weight gathered while the attention core runs (``Zero3Gathers``), the
-    QKV projection's while the core's backward runs: those gathers stream beside their pass; the rest
-    is waited for."""
+    QKV projection's while the core's backward runs: those gathers stream beside their pass, as the
+    projections' backward collectives do; the all-to-alls and the QKV projection's forward gather are
+    waited for."""
     t, b, e = d.t, d.b, d.e
     qkv_local, core_local = t * b * d.qkv * e, t * b * d.a * e  # = [s, b, qkv/p], [s, b, a/p] on the other side
-    qkv_fwd, (qkv_gather, qkv_reduce) = _gathered(d.qkv * d.h * e, d)
+    qkv_fwd, qkv_bwd = _gathered(d.qkv * d.h * e, d)
     proj_fwd, proj_bwd = _gathered(d.h * d.a * e, d)
     a2a_qkv, a2a_core = Collective("all_to_all", qkv_local), Collective("all_to_all", core_local)
     return SublayerTerms(
@@ -226,17 +228,17 @@ def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTe
         attention=attention_calls(layout, b, d.nq // d.p, d.hn),
         fwd_comm=(*qkv_fwd, a2a_qkv, a2a_core),
         fwd_streamed=proj_fwd,
-        bwd_comm=(*proj_bwd, a2a_core, a2a_qkv, qkv_reduce),
-        bwd_streamed=(qkv_gather,),
+        bwd_comm=(a2a_core, a2a_qkv),
+        bwd_streamed=(*proj_bwd, *qkv_bwd),
         elementwise_bytes=4 * qkv_local * (2 if layout.causal else 1) + 6 * core_local + _qk_norm_bytes(d),
     )
 
 
 def _ring_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
     """The output projection's weight gathered while the ring runs, the QKV projection's while the ring's
-    backward runs: streamed beside their pass."""
+    backward runs: streamed beside their pass, as the projections' backward collectives are."""
     t, b, e, p = d.t, d.b, d.e, d.p
-    qkv_fwd, (qkv_gather, qkv_reduce) = _gathered(d.qkv * d.h * e, d)
+    qkv_fwd, qkv_bwd = _gathered(d.qkv * d.h * e, d)
     proj_fwd, proj_bwd = _gathered(d.h * d.a * e, d)
     ring = _ring_stage(layout, rank, d, d.nq, d.ng)
     return SublayerTerms(
@@ -244,8 +246,7 @@ def _ring_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
         rings=(ring,),
         fwd_comm=qkv_fwd,
         fwd_streamed=proj_fwd,
-        bwd_comm=(*proj_bwd, qkv_reduce),
-        bwd_streamed=(qkv_gather,),
+        bwd_streamed=(*proj_bwd, *qkv_bwd),
         # per step: the block's partial output and lse merged into the running ones
         elementwise_bytes=p * 8 * t * b * d.a * d.acc + 4 * t * b * d.a * e + 2 * ring.hop.nbytes + _qk_norm_bytes(d),
     )
@@ -296,7 +297,8 @@ def _tp_sp_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
 
 def _zero3_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
     """fc2's weight gathered while fc1 computes (``Zero3Gathers``): that gather streams beside the forward
-    pass; the other gathers and the weight gradients' reduce-scatters are waited for."""
+    pass, the backward's gathers and reduce-scatters beside the backward's GEMMs; fc1's forward gather
+    is waited for."""
     t, b, e = d.t, d.b, d.e
     (fc1_gather,), fc1_bwd = _gathered(d.f1 * d.h * e, d)
     (fc2_gather,), fc2_bwd = _gathered(d.h * d.f * e, d)
@@ -304,7 +306,7 @@ def _zero3_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
         gemms=(Gemm(t * b, d.f1, d.h), Gemm(t * b, d.h, d.f)),
         fwd_comm=(fc1_gather,),
         fwd_streamed=(fc2_gather,),
-        bwd_comm=(*fc2_bwd, *fc1_bwd),
+        bwd_streamed=(*fc2_bwd, *fc1_bwd),
         elementwise_bytes=3 * t * b * d.f1 * e,
     )
 
