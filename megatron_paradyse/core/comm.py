@@ -167,10 +167,11 @@ class Zero3Gathers:
     core runs; in backward, :meth:`start_when_gradient_reaches`: the QKV projection's while the core's
     backward runs). Either way the gather runs behind compute (on CUDA, on NCCL's stream) rather than
     before its GEMM; in backward, a weight not gathered ahead is gathered behind its own weight
-    gradient's GEMM (:class:`_Zero3Linear`). A weight gathered ahead exists
-    from its gather's start until its linear's GEMM is done. (The MLP does not gather fc1's weight
-    during fc2's backward: for Llama-3-8B at TP=8 that puts fc1's 235 MB beside fc2's weight gradient at
-    the backward's peak.) One object per run of the linears (a recomputed forward makes its own)."""
+    gradient's GEMM (:class:`_Zero3Linear`). A weight gathered ahead exists from its gather's start
+    until its linear's GEMM is done. (The MLP does not gather fc1's weight during fc2's backward: fc1's
+    own weight-gradient GEMM hides that gather, and started earlier the weight would sit beside fc2's
+    weight gradient at the backward's peak.) One object per run of the linears (a recomputed forward
+    makes its own)."""
 
     def __init__(self, shards: Sequence[tuple[Tensor, int]], group: ProcessGroup, *, chained: bool = True) -> None:
         self.shards = tuple(shards)
