@@ -325,8 +325,9 @@ def test_tail_padding_needs_one_causal_document_then_its_padding():
         segment_attention(q, k, v, layout.full_segments(), 0.5, kernel, None, 3)
 
 
-class _LayoutRecorder(kernels.MathKernel):
-    """The ``math`` kernel, recording whether each call's q, k, v are dense ``[b, s, n, d]``."""
+class DenseLayoutRecorder(kernels.MathKernel):
+    """The ``math`` kernel, recording whether each call's q, k, v are dense ``[b, s, n, d]`` (also used by
+    the calibration's test)."""
 
     def __init__(self):
         self.dense = []
@@ -343,7 +344,7 @@ def test_full_sequence_attention_hands_the_kernel_dense_sequence_major_q_k_v(p, 
     only so does cuDNN key its graphs by length bucket (``CUDNN_LENGTH_BUCKETS``)."""
     shape = ModelShape(hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8, ffn_hidden_size=64)
     layout = SequenceLayout.build(16, p, causal=causal)
-    recorder = _LayoutRecorder()
+    recorder = DenseLayoutRecorder()
     transform = (lambda q, k, positions: (q * 2, k * 2)) if rotary else None  # new tensors, as RoPE's
     ctx = AttentionContext(
         group=None, layout=layout, shape=shape, kernel=recorder, softmax_scale=0.5, qk_transform=transform

@@ -467,18 +467,12 @@ def test_attention_is_timed_on_blocks_laid_out_as_the_strategies_hand_them_over(
     """Sequence-major q, k, v (``[b, s, n, d]`` dense), as ``attend_full_sequence`` gives the kernel: on
     a GPU with ``CUDNN_LENGTH_BUCKETS`` set only these run cuDNN's graphs by length bucket, a few percent
     slower than the dense graph per length, and calibration must time what training runs."""
-    from megatron_paradyse.attention.kernels import MathKernel
+    from test_attention import DenseLayoutRecorder  # the attention tests' recording math kernel
 
-    class Recorder(MathKernel):
-        seen = []
-
-        def forward(self, q, k, v, causal, scale):
-            self.seen.append(tuple(t.transpose(1, 2).is_contiguous() for t in (q, k, v)))
-            return super().forward(q, k, v, causal, scale)
-
+    recorder = DenseLayoutRecorder()
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
-        calibration._time_attention(Recorder(), 2, 8, 16, 16, True, 1, torch.device("cpu"), torch.float32, None)
+        calibration._time_attention(recorder, 2, 8, 16, 16, True, 1, torch.device("cpu"), torch.float32, None)
     finally:
         torch.distributed.destroy_process_group()
-    assert Recorder.seen and set(Recorder.seen) == {(True, True, True)}
+    assert recorder.dense and set(recorder.dense) == {(True, True, True)}
