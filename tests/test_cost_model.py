@@ -6,6 +6,7 @@ this machine's speed. Measured agreement is in test_cost_calibration.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -139,6 +140,46 @@ def test_zero3_strategies_gather_weights_for_each_gemm_and_keep_none():
         "act_gate": t * 2 * 512 * 2,
         "act_out": t * 2 * 512 * 2,
     }
+
+
+@pytest.mark.parametrize("attention", ["tp_sp", "ulysses", "ring", "lean"])
+@pytest.mark.parametrize("tile_tokens", [0, 512])
+def test_ulysses_and_ring_gather_a_whole_zero3_mlps_first_weight_while_their_core_runs(attention, tile_tokens):
+    p, s = 4, 1024
+    layout = SequenceLayout.build(s, p, causal=True)
+    d = Dims(GQA, p, s, 2, 2)
+    fc1_gather = ("all_gather", 1024 * 256 * 2)  # gated: 2 ffn rows of h, bf16
+    ahead = attention in ("ulysses", "ring") and not tile_tokens
+    terms = layer_terms(LayerOption(attention, "zero3", mlp_tile_tokens=tile_tokens), d, layout)
+    alone = sublayer_terms("attention", attention, d, layout)
+    assert [(c.kind, c.nbytes) for c in terms.attention.fwd_streamed] == [
+        *((c.kind, c.nbytes) for c in alone.fwd_streamed),
+        *([fc1_gather] if ahead else []),
+    ]
+    assert terms.attention.fwd_comm == alone.fwd_comm
+    assert [(c.kind, c.nbytes) for c in terms.mlp.fwd_comm] == ([] if ahead else [fc1_gather])
+    # on one rank nothing is gathered ahead: each sublayer's terms are its own
+    d1, layout1 = Dims(GQA, 1, s, 2, 2), SequenceLayout.build(s, 1, causal=True)
+    one = layer_terms(LayerOption(attention, "zero3"), d1, layout1)
+    assert one.attention == sublayer_terms("attention", attention, d1, layout1)
+    assert one.mlp == sublayer_terms("mlp", "zero3", d1, layout1)
+
+
+def test_a_zero3_mlps_weight_gathered_ahead_is_alive_from_the_attention_core_to_fc1():
+    """The attention's forward peak holds fc1's full weight (ulysses: it is gathered before the core),
+    which the attention hands on and the MLP's forward starts with: the MLP's forward peak is the same
+    either way, nothing is saved for backward, and the backward does not see it."""
+    p, s = 4, 1024
+    layout = SequenceLayout.build(s, p, causal=True)
+    d = Dims(GQA, p, s, 2, 2)
+    ahead = dataclasses.replace(d, mlp_weight_ahead=True)
+    w1 = 1024 * 256 * 2
+    attn, attn_ahead = (sublayer_memory("attention", "ulysses", dims, layout) for dims in (d, ahead))
+    assert attn_ahead.fwd_peak == attn.fwd_peak + w1
+    assert (attn_ahead.handed_on, attn.handed_on) == (w1, 0.0)
+    assert (attn_ahead.saved, attn_ahead.bwd_peak) == (attn.saved, attn.bwd_peak)
+    mlp, mlp_ahead = (sublayer_memory("mlp", "zero3", dims, layout) for dims in (d, ahead))
+    assert (mlp_ahead.fwd_peak, mlp_ahead.saved, mlp_ahead.bwd_peak) == (mlp.fwd_peak, mlp.saved, mlp.bwd_peak)
 
 
 def test_zero3_mlp_peaks_match_hand_counts():

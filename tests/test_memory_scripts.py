@@ -11,6 +11,8 @@ compares them with the scripts for its rank, to the byte:
   packed GQA (its sizes are bf16's), and two samples per micro-batch on packed MHA: saved bytes, the
   forward's and the backward's high-water marks;
 - MLP: ``tp_sp``, ``zero3``, ``lean`` x GELU / SwiGLU x fp32 / bf16 / fp16 x with and without biases;
+- the MLP's first weight gathered during the attention (``ulysses``, ``ring`` then ``zero3``): each
+  sublayer on its own in every dtype, the weight the attention hands on counted too;
 - the whole layer (norms, residuals, recompute): every option, in fp32, bf16 and fp16 in turn, GQA,
   packed documents;
 - Megatron's layer as training runs it (``megatron_paradyse.spec``: LayerNorm or RMSNorm, RoPE, no
@@ -35,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_paradyse.attention import get_kernel
+from megatron_paradyse.core.comm import Zero3Gathers
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.memory import _StorageTracker, collective_buffers_freed_promptly, recurring_least
 from megatron_paradyse.core.multiprocess import run_on_ranks
@@ -42,7 +45,14 @@ from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.allocations import Dims, sublayer_memory
 from megatron_paradyse.cost.measure import make_layer_params, measure_layer
 from megatron_paradyse.cost.terms import layer_terms
-from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape, run_attention, run_mlp
+from megatron_paradyse.strategies import (
+    AttentionContext,
+    MLPContext,
+    ModelShape,
+    get_strategy,
+    run_attention,
+    run_mlp,
+)
 from megatron_paradyse.strategies.megatron_linears import gather_buffer_scope
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -103,6 +113,9 @@ class Cell:
     norm: str = "LayerNorm"
     batch: int = 1
     qk_norm: bool = False
+    mlp_ahead: bool = False
+    """The layer gathers the MLP's first weight during the attention (``Dims.mlp_weight_ahead``): the
+    attention starts that gather and hands the weight on, the MLP starts with it."""
 
 
 def cells(p: int) -> list[Cell]:
@@ -119,6 +132,10 @@ def cells(p: int) -> list[Cell]:
         for name in ("tp_sp", "zero3", "lean"):
             out.append(Cell("mlp", name, shape, "one", True, dtype, bias))
     out += [Cell("mlp", "zero3", "wide", "one", True, dtype, bias=dtype == "fp32") for dtype in DTYPES]
+    for i, (name, dtype) in enumerate(itertools.product(("ulysses", "ring"), DTYPES)):
+        shape, docs = ("wide", "mha")[i % 2], ("one", "packed")[i // 3]
+        out.append(Cell("attention", name, shape, docs, i % 2 == 0, dtype, bias=i % 3 == 0, mlp_ahead=True))
+    out += [Cell("mlp", "zero3", "wide", "one", True, dtype, bias=dtype != "fp32", mlp_ahead=True) for dtype in DTYPES]
     for i, option in enumerate(OPTIONS):
         dtype = ("fp32", "bf16", "fp16")[i % 3]
         out.append(Cell("layer", option, "gqa", "packed", True, dtype, bias=option.startswith(("tp_sp", "ring"))))
@@ -145,39 +162,58 @@ def _least_recurring(measure) -> tuple[int, ...]:
 
 
 @gather_buffer_scope()  # the linears' gather buffer gone before a Megatron cell sets up its parallel state
-def _measure_sublayer(cell: Cell, rank: int, p: int) -> tuple[int, int, int]:
-    """(saved, forward peak, backward peak above its start) of one sublayer, as the scripts count them:
-    the input allocated in the window and dropped by the caller after the call, the output's
-    gradient counted at the backward's start."""
+def _measure_sublayer(cell: Cell, rank: int, p: int) -> tuple[int, int, int, int]:
+    """(saved, forward peak, backward peak above its start, handed on) of one sublayer, as the scripts
+    count them: the input allocated in the window and dropped by the caller after the call, the
+    output's gradient counted at the backward's start. ``cell.mlp_ahead``: the MLP's weight gathers
+    handed to both sublayers; the attention's forward leaves the weight it gathered ahead (taken and
+    dropped before the backward: what it hands on), the MLP's starts with its first weight gathered."""
     shape, dtype = model_shape(cell.shape, p), DTYPES[cell.dtype]
     layout = layout_of(cell.docs, p, cell.causal)
     params = make_layer_params(shape, p, rank, bias=cell.bias, dtype=dtype)
     group = dist.group.WORLD
+
+    def gathers() -> Zero3Gathers | None:
+        return get_strategy("mlp", "zero3").weight_gathers(params.mlp, group) if cell.mlp_ahead else None
+
     if cell.kind == "attention":
         ctx = AttentionContext(
             group=group, layout=layout, shape=shape, kernel=get_kernel("torch", "cpu", dtype), softmax_scale=0.125
         )
 
-        def run(x):
-            return run_attention(cell.name, x, params.attention, ctx)
+        def run(x, mlp_gathers):
+            return run_attention(cell.name, x, params.attention, dataclasses.replace(ctx, mlp_gathers=mlp_gathers))
     else:
         ctx = MLPContext(group=group, shape=shape, activation=F.silu if shape.gated_mlp else F.gelu)
 
-        def run(x):
-            return run_mlp(cell.name, x, params.mlp, ctx)
+        def run(x, mlp_gathers):
+            return run_mlp(cell.name, x, params.mlp, dataclasses.replace(ctx, gathers=mlp_gathers))
+
+    def started(mlp_gathers: Zero3Gathers | None) -> Zero3Gathers | None:
+        if mlp_gathers is not None and cell.kind == "mlp":
+            mlp_gathers.start(0)  # as the attention before it does
+        return mlp_gathers
 
     x0 = torch.randn(layout.local_len, cell.batch, shape.hidden_size).to(dtype).requires_grad_()
-    run(x0).sum().backward()  # warm: the layout's index tensors, kernels' first calls
+    run(x0, started(gathers())).sum().backward()  # warm: the layout's index tensors, kernels' first calls
     x0.grad = None
 
-    def measure() -> tuple[int, int, int]:
+    def measure() -> tuple[int, int, int, int]:
         with _StorageTracker() as tracker:
             x = x0.clone()
+            mlp_gathers = started(gathers())
+            _settle(tracker)
             tracker.peak = tracker.live
-            y = run(x)
+            y = run(x, mlp_gathers)
             del x
             _settle(tracker)
             y_bytes = y.numel() * y.element_size()
+            live = tracker.live
+            if mlp_gathers is not None and cell.kind == "attention":
+                mlp_gathers.take(0)  # the weight handed on, waited for and dropped
+            del mlp_gathers
+            _settle(tracker)
+            handed_on = live - tracker.live
             saved, fwd_peak = tracker.live - y_bytes, tracker.peak
             dy = torch.ones_like(y)
             tracker.peak = tracker.live
@@ -185,11 +221,11 @@ def _measure_sublayer(cell: Cell, rank: int, p: int) -> tuple[int, int, int]:
             bwd_peak = tracker.peak - 2 * y_bytes  # above the output and its gradient, as saved below
             del y, dy
             x0.grad = None
-        return saved, fwd_peak, bwd_peak
+        return saved, fwd_peak, bwd_peak, handed_on
 
-    saved, fwd_peak, bwd_peak = _least_recurring(measure)
+    saved, fwd_peak, bwd_peak, handed_on = _least_recurring(measure)
     # above what was saved (the smallest count: a buffer gloo's thread had not dropped yet does not shift it)
-    return saved, fwd_peak, bwd_peak - saved
+    return saved, fwd_peak, bwd_peak - saved, handed_on
 
 
 def _settle(tracker: _StorageTracker) -> None:
@@ -243,10 +279,10 @@ def predicted(cell: Cell, rank: int, p: int) -> tuple[float, ...]:
     if cell.kind == "megatron":
         d = Dims(shape, p, layout.padded_len, 1, e, shape.kv_channels, bias=cell.bias, normalization=cell.norm)
     else:
-        d = Dims(shape, p, layout.padded_len, cell.batch, e, bias=cell.bias)
+        d = Dims(shape, p, layout.padded_len, cell.batch, e, bias=cell.bias, mlp_weight_ahead=cell.mlp_ahead)
     if cell.kind in ("attention", "mlp"):
         memory = sublayer_memory(cell.kind, cell.name, d, layout, rank)
-        return memory.saved_bytes, memory.fwd_peak, memory.bwd_peak
+        return memory.saved_bytes, memory.fwd_peak, memory.bwd_peak, memory.handed_on
     terms = layer_terms(LayerOption.parse(cell.name), d, layout, rank)
     return terms.saved_bytes, terms.peak_bytes
 
@@ -288,13 +324,14 @@ def _describe(cell: Cell) -> str:
     norms = f"{cell.norm}{', q/k norms' if cell.qk_norm else ''}"
     what = {"attention": "attention", "mlp": "MLP", "layer": "layer", "megatron": f"Megatron layer ({norms})"}
     mask = "causal" if cell.causal else "bidirectional"
-    where = f"{cell.shape}, {cell.docs} {mask}, {cell.dtype}, bias={cell.bias}, b={cell.batch}"
+    ahead = ", MLP weight gathered ahead" if cell.mlp_ahead else ""
+    where = f"{cell.shape}, {cell.docs} {mask}, {cell.dtype}, bias={cell.bias}, b={cell.batch}{ahead}"
     return f"{what[cell.kind]} {cell.name}, {where}"
 
 
 def test_every_rank_allocates_what_the_scripts_say(measured):
     p, per_rank = measured
-    figures = {"attention": ("saved", "forward peak", "backward peak")}
+    figures = {"attention": ("saved", "forward peak", "backward peak", "handed on")}
     figures["mlp"] = figures["attention"]
     figures["layer"] = figures["megatron"] = ("saved", "peak")
     wrong = []

@@ -160,18 +160,18 @@ def linear_over_rows(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
 
 
 class Zero3Gathers:
-    """The ZeRO-3 weights of linears that run one after another, as ``(shard, dim)`` in forward order,
-    and when each weight's gather starts. ``chained`` (an MLP's fc1, then fc2): each linear's forward
-    starts gathering the next one's weight before its own GEMM. Otherwise the caller starts a gather
-    where it has compute to hide it behind (:meth:`start`: attention's projection while the attention
-    core runs; in backward, :meth:`start_when_gradient_reaches`: the QKV projection's while the core's
-    backward runs). Either way the gather runs behind compute (on CUDA, on NCCL's stream) rather than
-    before its GEMM; in backward, a weight not gathered ahead is gathered behind its own weight
-    gradient's GEMM (:class:`_Zero3Linear`). A weight gathered ahead exists from its gather's start
-    until its linear's GEMM is done. (The MLP does not gather fc1's weight during fc2's backward: fc1's
-    own weight-gradient GEMM hides that gather, and started earlier the weight would sit beside fc2's
-    weight gradient at the backward's peak.) One object per run of the linears (a recomputed forward
-    makes its own)."""
+    """The ZeRO-3 weights of linears that run one after another, as ``(shard, dim)`` in forward order, and when
+    each weight's gather starts. ``chained`` (an MLP's fc1, then fc2): each linear's forward starts
+    gathering the next one's weight before its own GEMM. Otherwise the caller starts a gather where it
+    has compute to hide it behind (:meth:`start`: attention's projection while the attention core runs,
+    and there too the MLP's fc1, the MLP's object handed to the attention; in backward,
+    :meth:`start_when_gradient_reaches`: the QKV projection's while the core's backward runs). Either
+    way the gather runs behind compute (on CUDA, on NCCL's stream) rather than before its GEMM; in
+    backward, a weight not gathered ahead is gathered behind its own weight gradient's GEMM
+    (:class:`_Zero3Linear`). A weight gathered ahead exists from its gather's start until its linear's
+    GEMM is done. (The MLP does not gather fc1's weight during fc2's backward: fc1's own weight-gradient
+    GEMM hides that gather, and started earlier the weight would sit beside fc2's weight gradient at the
+    backward's peak.) One object per run of the linears (a recomputed forward makes its own)."""
 
     def __init__(self, shards: Sequence[tuple[Tensor, int]], group: ProcessGroup, *, chained: bool = True) -> None:
         self.shards = tuple(shards)

@@ -70,6 +70,10 @@ class Dims:
     grads_before: tuple[float, ...] = ()
     """Weight gradients autograd holds from the weights' earlier uses when the backward starts, in the
     order the backward hands its own over (each is added to its weight's)."""
+    mlp_weight_ahead: bool = False
+    """The layer gathers its MLP's first weight during the attention
+    (:func:`~megatron_paradyse.strategies.gathers_mlp_weight_ahead`): the attention starts that gather
+    after its projection's and hands the weight on, the MLP's forward starts with it."""
 
     @property
     def acc(self) -> int:
@@ -289,18 +293,24 @@ class SublayerMemory:
     with recompute, the layer is rebuilt on top of them."""
     grads_handed: tuple[float, ...] = ()
     """The weight (and bias) gradients the backward hands to autograd, in order (bytes)."""
+    handed_on: float = 0.0
+    """Bytes the forward leaves alive for the next sublayer beside its output: the MLP's first weight,
+    gathered ahead (:attr:`Dims.mlp_weight_ahead`); the next sublayer's forward peak counts them."""
 
     @property
     def saved_bytes(self) -> float:
         return float(sum(nbytes for _, nbytes in self.saved))
 
 
-def _sublayer(fwd_peak: float, bwd: _Memory, saved: dict[str, float], prelude: float = 0.0) -> SublayerMemory:
+def _sublayer(
+    fwd_peak: float, bwd: _Memory, saved: dict[str, float], prelude: float = 0.0, handed_on: float = 0.0
+) -> SublayerMemory:
     """A sublayer's memory from its forward's high-water mark and its backward, which must release
     everything saved and leave the input's gradient."""
     if {name for name in bwd.sizes if not name.startswith("held:")} != {"dy_local", "dx_local"}:
         raise AssertionError(f"memory script: backward ends with {sorted(bwd.sizes)} alive")
-    return SublayerMemory(tuple(saved.items()), fwd_peak, bwd.peak - sum(saved.values()), prelude, tuple(bwd.handed))
+    backward_peak = bwd.peak - sum(saved.values())
+    return SublayerMemory(tuple(saved.items()), fwd_peak, backward_peak, prelude, tuple(bwd.handed), handed_on)
 
 
 # -- building blocks: one per function of the strategies' code ---------------------------------------
@@ -342,6 +352,22 @@ def _gather_ahead(m: _Memory, d: Dims, name: str, nbytes: float) -> None:
     of its GEMM, alive from now on (nothing at ``p = 1``)."""
     if d.p > 1:
         m.alloc(**{f"{name}_w": nbytes})
+
+
+def _gather_mlp_weight_ahead(m: _Memory, d: Dims) -> None:
+    """:meth:`~megatron_paradyse.strategies.AttentionContext.start_mlp_gather`: the MLP's fc1 weight,
+    where the layer gathers it during the attention."""
+    if d.mlp_weight_ahead:
+        _gather_ahead(m, d, "fc1", d.f1 * d.h * d.e)
+
+
+def _mlp_weight_handed_on(m: _Memory, d: Dims) -> float:
+    """The attention's forward is done: the MLP's weight gathered ahead lives on into the MLP (bytes)."""
+    if not d.mlp_weight_ahead:
+        return 0.0
+    nbytes = m.sizes["fc1_w"]
+    m.free("fc1_w")
+    return nbytes
 
 
 def _zero3_forward(
@@ -964,6 +990,7 @@ def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMe
         fwd.free("a2a_send")
         qkv_full = "qkv_full"
     _gather_ahead(fwd, d, "proj", w_proj)  # while the attention core runs
+    _gather_mlp_weight_ahead(fwd, d)
     kept, qk, core = _full_attention_forward(fwd, d, layout, qkv_full, heads, kv_heads)
     if p > 1:  # heads -> sequence: the receive (the output is contiguous as laid out), then permuted
         fwd.alloc(a2a_recv=core_local, core_local=core_local)
@@ -971,6 +998,7 @@ def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMe
         core = "core_local"
     _zero3_forward(fwd, d, "proj", "proj_out", d.x, w_proj, row=True, gathered=True)
     _add_bias(fwd, d, "proj_out")
+    handed_on = _mlp_weight_handed_on(fwd, d)
     saved = fwd.returns("y_local", "x_local", *dict.fromkeys((*kept, *qk.saved, core)))
 
     bwd = _Memory(dy_local=0.0, **saved)
@@ -989,7 +1017,7 @@ def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMe
         d_qkv = "d_qkv_local"
     release = (d_qkv, "x_local")
     _zero3_backward(bwd, d, "qkv", "dx_local", d.x, w_qkv, bias=qkv_bias, release=release, gathered=True)
-    return _sublayer(fwd.peak, bwd, saved)
+    return _sublayer(fwd.peak, bwd, saved, handed_on=handed_on)
 
 
 def _ring_forward(d: Dims, blocks: tuple[_Block, ...], heads: int, kv_heads: int) -> _Call:
@@ -1091,10 +1119,12 @@ def _ring_attention_memory(d: Dims, ring_forward: _Call, ring_backward: _Call) -
     _zero3_forward(fwd, d, "qkv", "qkv_local", qkv_local, w_qkv, bias=qkv_bias)
     qk = _qk_forward(fwd, d, d.t, d.nq, d.ng, "qkv_local")
     _gather_ahead(fwd, d, "proj", w_proj)  # while the ring runs
+    _gather_mlp_weight_ahead(fwd, d)
     fwd.call(ring_forward)
     fwd.alloc(core=core_local)  # [s/p, b, nq hn]: the output permuted
     _zero3_forward(fwd, d, "proj", "proj_out", d.x, w_proj, row=True, gathered=True)
     _add_bias(fwd, d, "proj_out")
+    handed_on = _mlp_weight_handed_on(fwd, d)
     # v (and q, k untransformed) are views of the projection
     saved = fwd.returns("y_local", "x_local", "qkv_local", *qk.transformed, *qk.kept, "out", "lse", "core")
 
@@ -1113,7 +1143,7 @@ def _ring_attention_memory(d: Dims, ring_forward: _Call, ring_backward: _Call) -
     bwd.free(*grads)
     release = ("d_qkv_local", "x_local")
     _zero3_backward(bwd, d, "qkv", "dx_local", d.x, w_qkv, bias=qkv_bias, release=release, gathered=True)
-    return _sublayer(fwd.peak, bwd, saved)
+    return _sublayer(fwd.peak, bwd, saved, handed_on=handed_on)
 
 
 def _add_matmul(m: _Memory, d: Dims, nbytes: float) -> None:
@@ -1251,9 +1281,10 @@ def _zero3_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
     t, b, e = d.t, d.b, d.e
     w1, w2, b1 = d.f1 * d.h * e, d.h * d.f * e, d.f1 * e if d.bias else 0.0
 
-    fwd = _Memory(x_local=d.x)
-    # fc2's weight gathered during fc1's GEMM (Zero3Gathers)
-    _zero3_forward(fwd, d, "fc1", "fc1_out", t * b * d.f1 * e, w1, bias=b1, ahead=("fc2", w2))
+    # fc1's weight gathered during the attention (where the layer does), fc2's during fc1's GEMM (Zero3Gathers)
+    fwd = _Memory(x_local=d.x, **({"fc1_w": w1} if d.mlp_weight_ahead else {}))
+    ahead = d.mlp_weight_ahead
+    _zero3_forward(fwd, d, "fc1", "fc1_out", t * b * d.f1 * e, w1, bias=b1, gathered=ahead, ahead=("fc2", w2))
     act = _activation_forward(fwd, d, t, d.f)
     _zero3_forward(fwd, d, "fc2", "fc2_out", d.x, w2, row=True, gathered=True)
     _add_bias(fwd, d, "fc2_out")
@@ -1515,10 +1546,11 @@ def layer_memory(attn: SublayerMemory, mlp: SublayerMemory, d: Dims) -> LayerMem
     x = d.x
 
     def forward(m: _Memory, sub: SublayerMemory, prefix: str) -> None:
-        """On ``{prefix}x_local``: the high-water mark (the input in it), then what it keeps and its
-        output."""
-        m.free(f"{prefix}x_local")
-        m.call(_Call(sub.fwd_peak, (("saved", sub.saved_bytes), ("y_local", x))), prefix)
+        """On ``{prefix}x_local`` (and what the sublayer before handed on): the high-water mark (the input
+        in it), then what it keeps, its output and what it hands on."""
+        m.free(f"{prefix}x_local", *(name for name in m.sizes if name.endswith("handed_on")))
+        handed_on = (("handed_on", sub.handed_on),) if sub.handed_on else ()
+        m.call(_Call(sub.fwd_peak, (("saved", sub.saved_bytes), ("y_local", x), *handed_on)), prefix)
 
     def backward(m: _Memory, sub: SublayerMemory, prefix: str) -> None:
         m.peak = max(m.peak, m.live + sub.bwd_peak)

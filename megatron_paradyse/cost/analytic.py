@@ -60,7 +60,7 @@ from megatron_paradyse.cost.allocations import (
 from megatron_paradyse.cost.base import WHOLE_LOSS, LayerCost, StageOptions, stage_layer_bytes
 from megatron_paradyse.cost.profile import load_profile
 from megatron_paradyse.cost.terms import AttentionCall, Collective, Gemm, RingStage, SublayerTerms, sublayer_terms
-from megatron_paradyse.strategies import ModelShape
+from megatron_paradyse.strategies import ModelShape, gathers_mlp_weight_ahead
 
 __all__ = ["AnalyticCostModel", "TimeBreakdown"]
 
@@ -399,14 +399,15 @@ class AnalyticCostModel:
         steps see different blocks)."""
         memo = self._memo(layout, micro_batch_size)
         ranks = range(self.p) if option.attention in RANK_DEPENDENT else (0,)
+        ahead = gathers_mlp_weight_ahead(option, self.p)
         mlp = (  # the same on every rank
             self._tiled_mlp(memo, layout, option.mlp, option.mlp_tile_tokens)
             if option.mlp_tile_tokens
-            else self._sublayer(memo, layout, "mlp", option.mlp, 0)
+            else self._sublayer(memo, layout, "mlp", option.mlp, 0, ahead)
         )
         per_rank = []
         for rank in ranks:
-            attn = self._sublayer(memo, layout, "attention", option.attention, rank)
+            attn = self._sublayer(memo, layout, "attention", option.attention, rank, ahead)
             key = (attn.memory_key, mlp.memory_key)
             if key not in memo.layer_memory:
                 memo.layer_memory[key] = layer_memory(attn.memory, mlp.memory, memo.dims)
@@ -440,15 +441,19 @@ class AnalyticCostModel:
             prices.call_times.clear()
         return memo
 
-    def _sublayer(self, memo: _LayoutMemo, layout: SequenceLayout, sublayer: str, name: str, rank: int) -> _Sublayer:
-        """A sublayer's terms on ``rank`` and its priced forward and backward, memoised."""
-        key = (sublayer, name, rank)
+    def _sublayer(
+        self, memo: _LayoutMemo, layout: SequenceLayout, sublayer: str, name: str, rank: int, mlp_weight_ahead: bool
+    ) -> _Sublayer:
+        """A sublayer's terms on ``rank`` and its priced forward and backward (the MLP's first weight gathered
+        during the attention or not: :attr:`Dims.mlp_weight_ahead`), memoised."""
+        key = (sublayer, name, rank, mlp_weight_ahead)
         entry = memo.sublayers.get(key)
         if entry is None:
-            sub = sublayer_terms(sublayer, name, memo.dims, layout, rank)
-            memory = sublayer_memory(sublayer, name, memo.dims, layout, rank)
+            dims = dataclasses.replace(memo.dims, mlp_weight_ahead=mlp_weight_ahead)
+            sub = sublayer_terms(sublayer, name, dims, layout, rank)
+            memory = sublayer_memory(sublayer, name, dims, layout, rank)
             # all layer_memory reads of a sublayer
-            memory_key = (memory.saved_bytes, memory.fwd_peak, memory.bwd_peak)
+            memory_key = (memory.saved_bytes, memory.fwd_peak, memory.bwd_peak, memory.bwd_prelude, memory.handed_on)
             entry = _Sublayer(self._pass(sub, backward=False), self._pass(sub, backward=True), memory, memory_key)
             memo.sublayers[key] = entry
         return entry
@@ -471,7 +476,7 @@ class AnalyticCostModel:
                     forward = forward + tile_forward * tiles
                     backward = backward + (tile_forward + tile_backward) * tiles
             memory = tiled_mlp_memory(name, d, layout, tile_tokens)
-            memory_key = (memory.saved_bytes, memory.fwd_peak, memory.bwd_peak)
+            memory_key = (memory.saved_bytes, memory.fwd_peak, memory.bwd_peak, memory.bwd_prelude, memory.handed_on)
             entry = memo.sublayers[key] = _Sublayer(forward, backward, memory, memory_key)
         return entry
 

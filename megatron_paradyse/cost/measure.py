@@ -46,6 +46,7 @@ from megatron_paradyse.strategies import (
     MLPContext,
     MLPWeights,
     ModelShape,
+    mlp_gathers_ahead,
     run_attention,
     run_mlp,
 )
@@ -123,12 +124,13 @@ def run_layer(
     h = x_local.shape[-1]
     ln1_w, ln1_b, ln2_w, ln2_b = params.norms
 
-    def mlp(x: Tensor) -> Tensor:
-        return run_mlp(option.mlp, x, params.mlp, mctx)
-
     def layer(x: Tensor) -> Tensor:
-        x = x + run_attention(option.attention, F.layer_norm(x, (h,), ln1_w, ln1_b), params.attention, actx)
+        gathers = mlp_gathers_ahead(option, params.mlp, mctx.group)  # this run's (a rerun makes its own)
+        attention_ctx = dataclasses.replace(actx, mlp_gathers=gathers)
+        x = x + run_attention(option.attention, F.layer_norm(x, (h,), ln1_w, ln1_b), params.attention, attention_ctx)
         mlp_input = F.layer_norm(x, (h,), ln2_w, ln2_b)
+        mlp_ctx = dataclasses.replace(mctx, gathers=gathers)
+        mlp = lambda tile: run_mlp(option.mlp, tile, params.mlp, mlp_ctx)  # noqa: E731
         if not option.mlp_tile_tokens:
             return x + mlp(mlp_input)
         return x + over_row_tiles(mlp, mlp_input, option.mlp_tile_tokens, mctx.group.size())

@@ -40,6 +40,7 @@ from megatron_paradyse.cost.allocations import (
     sublayer_memory,
     tiled_mlp_memory,
 )
+from megatron_paradyse.strategies import gathers_mlp_weight_ahead
 
 __all__ = [
     "AttentionCall",
@@ -179,6 +180,12 @@ def _ring_stage(layout: SequenceLayout, rank: int, d: Dims, heads: int, kv_heads
     return RingStage(steps, Collective("send_recv", kv_block * d.e), Collective("send_recv", kv_block * d.acc))
 
 
+def _mlp_weight_gathered_ahead(d: Dims) -> tuple[Collective, ...]:
+    """The MLP's fc1 weight, where the layer gathers it during the attention (:attr:`Dims.mlp_weight_ahead`):
+    streamed beside the attention's forward, where the attention's terms count it."""
+    return (Collective("all_gather", d.f1 * d.h * d.e),) if d.mlp_weight_ahead else ()
+
+
 def _gathered(w: int, d: Dims) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
     """``zero3_linear`` of a weight of ``w`` bytes: (forward, backward) collectives. The weight is
     gathered for the forward and again for the backward, whose gradient is reduce-scattered in the
@@ -214,10 +221,10 @@ def _tp_sp_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerm
 
 
 def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
-    """The output projection's weight gathered while the attention core runs (``Zero3Gathers``), the
-    QKV projection's while the core's backward runs: those gathers stream beside their pass, as the
-    projections' backward collectives do; the all-to-alls and the QKV projection's forward gather are
-    waited for."""
+    """The output projection's weight (and the MLP's first, where the layer gathers it ahead) gathered
+    while the attention core runs (``Zero3Gathers``), the QKV projection's while the core's backward
+    runs: those gathers stream beside their pass, as the projections' backward collectives do; the
+    all-to-alls and the QKV projection's forward gather are waited for."""
     t, b, e = d.t, d.b, d.e
     qkv_local, core_local = t * b * d.qkv * e, t * b * d.a * e  # = [s, b, qkv/p], [s, b, a/p] on the other side
     qkv_fwd, qkv_bwd = _gathered(d.qkv * d.h * e, d)
@@ -227,7 +234,7 @@ def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTe
         gemms=(Gemm(t * b, d.qkv, d.h), Gemm(t * b, d.h, d.a)),
         attention=attention_calls(layout, b, d.nq // d.p, d.hn),
         fwd_comm=(*qkv_fwd, a2a_qkv, a2a_core),
-        fwd_streamed=proj_fwd,
+        fwd_streamed=(*proj_fwd, *_mlp_weight_gathered_ahead(d)),
         bwd_comm=(a2a_core, a2a_qkv),
         bwd_streamed=(*proj_bwd, *qkv_bwd),
         elementwise_bytes=4 * qkv_local * (2 if layout.causal else 1) + 6 * core_local + _qk_norm_bytes(d),
@@ -235,8 +242,9 @@ def _ulysses_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTe
 
 
 def _ring_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
-    """The output projection's weight gathered while the ring runs, the QKV projection's while the ring's
-    backward runs: streamed beside their pass, as the projections' backward collectives are."""
+    """The output projection's weight (and the MLP's first, where the layer gathers it ahead) gathered
+    while the ring runs, the QKV projection's while the ring's backward runs: streamed beside their
+    pass, as the projections' backward collectives are."""
     t, b, e, p = d.t, d.b, d.e, d.p
     qkv_fwd, qkv_bwd = _gathered(d.qkv * d.h * e, d)
     proj_fwd, proj_bwd = _gathered(d.h * d.a * e, d)
@@ -245,7 +253,7 @@ def _ring_attention(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
         gemms=(Gemm(t * b, d.qkv, d.h), Gemm(t * b, d.h, d.a)),
         rings=(ring,),
         fwd_comm=qkv_fwd,
-        fwd_streamed=proj_fwd,
+        fwd_streamed=(*proj_fwd, *_mlp_weight_gathered_ahead(d)),
         bwd_streamed=(*proj_bwd, *qkv_bwd),
         # per step: the block's partial output and lse merged into the running ones
         elementwise_bytes=p * 8 * t * b * d.a * d.acc + 4 * t * b * d.a * e + 2 * ring.hop.nbytes + _qk_norm_bytes(d),
@@ -298,13 +306,13 @@ def _tp_sp_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
 def _zero3_mlp(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
     """fc2's weight gathered while fc1 computes (``Zero3Gathers``): that gather streams beside the forward
     pass, the backward's gathers and reduce-scatters beside the backward's GEMMs; fc1's forward gather
-    is waited for."""
+    is waited for, unless the attention ran it (:attr:`Dims.mlp_weight_ahead`)."""
     t, b, e = d.t, d.b, d.e
     (fc1_gather,), fc1_bwd = _gathered(d.f1 * d.h * e, d)
     (fc2_gather,), fc2_bwd = _gathered(d.h * d.f * e, d)
     return SublayerTerms(
         gemms=(Gemm(t * b, d.f1, d.h), Gemm(t * b, d.h, d.f)),
-        fwd_comm=(fc1_gather,),
+        fwd_comm=() if d.mlp_weight_ahead else (fc1_gather,),
         fwd_streamed=(fc2_gather,),
         bwd_streamed=(*fc2_bwd, *fc1_bwd),
         elementwise_bytes=3 * t * b * d.f1 * e,
@@ -377,6 +385,7 @@ class LayerTerms:
 
 def layer_terms(option: LayerOption, d: Dims, layout: SequenceLayout, rank: int = 0) -> LayerTerms:
     """Terms and memory (:mod:`cost.allocations`) of one layer on ``rank``."""
+    d = dataclasses.replace(d, mlp_weight_ahead=gathers_mlp_weight_ahead(option, d.p))
     if option.mlp_tile_tokens:
         mlp = tiled_mlp_memory(option.mlp, d, layout, option.mlp_tile_tokens)
     else:

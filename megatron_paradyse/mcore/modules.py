@@ -16,9 +16,10 @@ micro-batch it captured.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,7 @@ from megatron_paradyse.strategies import (
     MLPWeights,
     available_strategies,
     get_strategy,
+    mlp_gathers_ahead,
     run_attention,
     run_mlp,
     unsupported_reason,
@@ -194,12 +196,24 @@ class ParadyseTransformerLayer(TransformerLayer):
         self._check_runnable(option, step)
 
         def run(x: Tensor):
-            with micro_batch_scope(step):  # also what a recompute reruns under
+            with micro_batch_scope(step), self._mlp_gathered_ahead(option):  # also what a recompute reruns
                 return TransformerLayer.forward(self, x, **kwargs)
 
         if not option.recompute:
             return run(hidden_states)
         return recompute(run, hidden_states, offload=step.offload if option.offload else None)
+
+    @contextlib.contextmanager
+    def _mlp_gathered_ahead(self, option: LayerOption) -> Iterator[None]:
+        """One run of the layer's sublayers: the MLP's weight gathers that the attention starts, where the
+        option has them (:func:`~megatron_paradyse.strategies.mlp_gathers_ahead`), handed to both."""
+        weights = MLPWeights.of(self.mlp.linear_fc1, self.mlp.linear_fc2)
+        gathers = mlp_gathers_ahead(option, weights, self.tp_group)
+        self.self_attention.mlp_gathers = self.mlp.gathers_ahead = gathers
+        try:
+            yield
+        finally:
+            self.self_attention.mlp_gathers = self.mlp.gathers_ahead = None
 
     def _check_runnable(self, option: LayerOption, step: MicroBatch) -> None:
         """Raise before any communication if this layer cannot run ``option`` on ``step``."""
@@ -285,6 +299,8 @@ class ParadyseSelfAttention(SelfAttention):
         self.softmax_scale = config.softmax_scale if config.softmax_scale is not None else config.kv_channels**-0.5
         self.plan_index: int | None = None
         """Set by the owning :class:`ParadyseTransformerLayer`."""
+        self.mlp_gathers = None
+        """The MLP's weight gathers during one run of the owning layer (:attr:`AttentionContext.mlp_gathers`)."""
 
     def forward(
         self,
@@ -318,6 +334,7 @@ class ParadyseSelfAttention(SelfAttention):
             kernel=get_kernel(step.attention_kernel, hidden_states.device, hidden_states.dtype),
             softmax_scale=self.softmax_scale,
             qk_transform=self._qk_transform(rotary_pos_emb),
+            mlp_gathers=self.mlp_gathers,
         )
         name = step.plan[self.plan_index].attention
         x_local = _sublayer_input("attention", name, hidden_states, self.linear_qkv, self.linear_proj)
@@ -359,6 +376,9 @@ class ParadyseMLP(MLP):
         self.activation = _mlp_activation(config)
         self.plan_index: int | None = None
         """Set by the owning :class:`ParadyseTransformerLayer`."""
+        self.gathers_ahead = None
+        """Its weight gathers during one run of the owning layer, started by the attention
+        (:attr:`MLPContext.gathers`)."""
 
     def forward(self, hidden_states: Tensor, per_token_scale: Tensor | None = None, **kwargs) -> tuple[Tensor, None]:
         """``hidden_states [s/p, b, h]`` -> ``([s/p, b, h], None)``. ``padding_mask`` (MoE routing) is unused."""
@@ -367,7 +387,7 @@ class ParadyseMLP(MLP):
         if self.plan_index is None:
             raise RuntimeError("ParadyseMLP must be built by ParadyseTransformerLayer (megatron_paradyse.spec)")
         step = current_micro_batch()
-        ctx = MLPContext(group=self.tp_group, shape=self.shape, activation=self.activation)
+        ctx = MLPContext(group=self.tp_group, shape=self.shape, activation=self.activation, gathers=self.gathers_ahead)
         option = step.plan[self.plan_index]
         x_local = _sublayer_input("mlp", option.mlp, hidden_states, self.linear_fc1, self.linear_fc2)
         weights = MLPWeights.of(self.linear_fc1, self.linear_fc2)

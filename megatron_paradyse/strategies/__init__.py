@@ -24,7 +24,9 @@ from megatron_paradyse.strategies.base import (
 )
 from megatron_paradyse.strategies.registry import (
     available_strategies,
+    gathers_mlp_weight_ahead,
     get_strategy,
+    mlp_gathers_ahead,
     register,
     run_attention,
     run_mlp,
@@ -43,7 +45,9 @@ __all__ = [
     "Strategy",
     "Sublayer",
     "available_strategies",
+    "gathers_mlp_weight_ahead",
     "get_strategy",
+    "mlp_gathers_ahead",
     "register",
     "run_attention",
     "run_mlp",

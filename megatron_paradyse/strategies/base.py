@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megatron_paradyse.attention.kernels import AttentionKernel
+from megatron_paradyse.core.comm import Zero3Gathers
 from megatron_paradyse.core.layout import SequenceLayout
 
 __all__ = [
@@ -223,6 +224,15 @@ class AttentionContext:
     kernel: AttentionKernel
     softmax_scale: float
     qk_transform: QKTransform | None = None
+    mlp_gathers: Zero3Gathers | None = None
+    """The MLP's ZeRO-3 weight gathers, where the layer gathers its first weight during the attention
+    (:func:`~megatron_paradyse.strategies.registry.mlp_gathers_ahead`): a strategy that
+    ``starts_mlp_gather`` starts it (:meth:`start_mlp_gather`) where compute follows to hide it."""
+
+    def start_mlp_gather(self) -> None:
+        """Start gathering the MLP's first weight, if the layer gathers it during the attention."""
+        if self.mlp_gathers is not None:
+            self.mlp_gathers.start(0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -233,6 +243,9 @@ class MLPContext:
     shape: ModelShape
     activation: Callable[[Tensor], Tensor]
     """Megatron's ``config.activation_func``; applied to the gate half when ``shape.gated_mlp``."""
+    gathers: Zero3Gathers | None = None
+    """The strategy's own ZeRO-3 weight gathers (its ``weight_gathers``), the first started during the
+    attention (:attr:`AttentionContext.mlp_gathers`); None: it makes its own."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -251,3 +264,11 @@ class Strategy:
     """It calls the weights' Megatron linear modules (``tp_sp``) rather than reading their shards: the
     modules run their own forward pre-hooks and any norm fused into them (Transformer Engine's
     ``linear_qkv``/``linear_fc1``); for the other strategies the layer does both."""
+    starts_mlp_gather: bool = False
+    """An attention strategy that starts the MLP's first ZeRO-3 weight gather
+    (:meth:`AttentionContext.start_mlp_gather`) where its own compute hides it: after its own
+    collectives up to the attention core are issued, so that on NCCL's one stream the gather queues
+    behind them, not they behind it."""
+    weight_gathers: Callable[[MLPWeights, ProcessGroup], Zero3Gathers] | None = None
+    """An MLP strategy whose weights are ZeRO-3 gathered: its :class:`Zero3Gathers`, whose first weight
+    an attention strategy that ``starts_mlp_gather`` gathers ahead."""

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
+from megatron_paradyse.core.comm import Zero3Gathers
+from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.strategies.base import (
     AttentionContext,
     AttentionWeights,
@@ -17,6 +20,8 @@ from megatron_paradyse.strategies.base import (
 __all__ = [
     "available_strategies",
     "get_strategy",
+    "gathers_mlp_weight_ahead",
+    "mlp_gathers_ahead",
     "register",
     "run_attention",
     "run_mlp",
@@ -55,6 +60,24 @@ def unsupported_reason(sublayer: Sublayer, name: str, shape: ModelShape, p: int)
     if problems:
         return "; ".join(problems)
     return strategy.unsupported(shape, p)
+
+
+def gathers_mlp_weight_ahead(option: LayerOption, p: int) -> bool:
+    """Whether a layer under ``option`` on ``p`` ranks gathers its MLP's first ZeRO-3 weight during the
+    attention: the attention strategy ``starts_mlp_gather``, the MLP's weights are gathered
+    (``weight_gathers``), and the MLP runs whole (a tiled MLP gathers its weights for every tile). What
+    the layers run (:func:`mlp_gathers_ahead`) and what the cost model prices."""
+    attention, mlp = get_strategy("attention", option.attention), get_strategy("mlp", option.mlp)
+    return p > 1 and attention.starts_mlp_gather and mlp.weight_gathers is not None and not option.mlp_tile_tokens
+
+
+def mlp_gathers_ahead(option: LayerOption, weights: MLPWeights, group: ProcessGroup) -> Zero3Gathers | None:
+    """For one run of a layer under ``option``: the MLP's weight gathers, which its attention starts
+    (:attr:`AttentionContext.mlp_gathers`, :attr:`MLPContext.gathers`), or None where it does not
+    (:func:`gathers_mlp_weight_ahead`). One per run: a recomputed forward needs its own."""
+    if not gathers_mlp_weight_ahead(option, group.size()):
+        return None
+    return get_strategy("mlp", option.mlp).weight_gathers(weights, group)
 
 
 def available_strategies(sublayer: Sublayer, shape: ModelShape, p: int) -> tuple[list[str], dict[str, str]]:

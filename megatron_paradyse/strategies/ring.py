@@ -9,8 +9,8 @@ Partial results merge by log-sum-exp. The next block is in flight while the curr
 
 Backward walks the ring again: ``dq`` stays home, each block's ``(dk, dv)`` accumulator travels with
 it and, after ``p`` hops, arrives back at its owner complete. The projection's weight is gathered
-while the ring runs, and in backward the QKV projection's. Memory: ``O(s/p)`` activations, two K/V
-blocks and the gathered weights.
+while the ring runs (and a ``zero3`` MLP's first weight), and in backward the QKV projection's.
+Memory: ``O(s/p)`` activations, two K/V blocks and the gathered weights.
 """
 
 from __future__ import annotations
@@ -136,6 +136,7 @@ def attention(x_local: Tensor, w: AttentionWeights, ctx: AttentionContext) -> Te
     if ctx.qk_transform is not None:
         q, k = ctx.qk_transform(q, k, local_positions(ctx, q.device))
     gathers.start(1)  # the projection's weight travels while the ring computes
+    ctx.start_mlp_gather()  # and the MLP's first weight (where the layer gathers it ahead)
     out = ring_attention(heads_first(q), heads_first(k), heads_first(v), layout, group, ctx.kernel, ctx.softmax_scale)
     gathers.start_when_gradient_reaches(out, 0)  # backward: the QKV weight travels while the ring runs
     core = out.permute(2, 0, 1, 3).reshape(s_local, b, -1)  # [s/p, b, np*hn]
@@ -147,6 +148,7 @@ register(
         name="ring",
         sublayer="attention",
         forward=attention,
+        starts_mlp_gather=True,
         summary="ring CP + ZeRO-3: p-1 K/V hops overlapped with compute; all heads on s/p tokens; weights gathered",
     )
 )
