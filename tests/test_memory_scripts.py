@@ -11,8 +11,9 @@ compares them with the scripts for its rank, to the byte:
   packed GQA (its sizes are bf16's), and two samples per micro-batch on packed MHA: saved bytes, the
   forward's and the backward's high-water marks;
 - MLP: ``tp_sp``, ``zero3``, ``lean`` x GELU / SwiGLU x fp32 / bf16 / fp16 x with and without biases;
-- the MLP's first weight gathered during the attention (``ulysses``, ``ring`` then ``zero3``): each
-  sublayer on its own in every dtype, the weight the attention hands on counted too;
+- the MLP's first weight gathered during the attention (``ulysses``, ``ring`` then ``zero3``, p > 1):
+  each sublayer on its own in every dtype, the weight the attention hands on counted too, and two
+  Megatron layers where that weight sets the layer's peak (and the rebuilt one);
 - the whole layer (norms, residuals, recompute): every option, in fp32, bf16 and fp16 in turn, GQA,
   packed documents;
 - Megatron's layer as training runs it (``megatron_paradyse.spec``: LayerNorm or RMSNorm, RoPE, no
@@ -132,10 +133,11 @@ def cells(p: int) -> list[Cell]:
         for name in ("tp_sp", "zero3", "lean"):
             out.append(Cell("mlp", name, shape, "one", True, dtype, bias))
     out += [Cell("mlp", "zero3", "wide", "one", True, dtype, bias=dtype == "fp32") for dtype in DTYPES]
-    for i, (name, dtype) in enumerate(itertools.product(("ulysses", "ring"), DTYPES)):
+    for i, (name, dtype) in enumerate(itertools.product(("ulysses", "ring"), DTYPES) if p > 1 else ()):
         shape, docs = ("wide", "mha")[i % 2], ("one", "packed")[i // 3]
         out.append(Cell("attention", name, shape, docs, i % 2 == 0, dtype, bias=i % 3 == 0, mlp_ahead=True))
-    out += [Cell("mlp", "zero3", "wide", "one", True, dtype, bias=dtype != "fp32", mlp_ahead=True) for dtype in DTYPES]
+    if p > 1:  # one rank gathers nothing
+        out += [Cell("mlp", "zero3", "wide", "one", True, dt, bias=dt != "fp32", mlp_ahead=True) for dt in DTYPES]
     for i, option in enumerate(OPTIONS):
         dtype = ("fp32", "bf16", "fp16")[i % 3]
         out.append(Cell("layer", option, "gqa", "packed", True, dtype, bias=option.startswith(("tp_sp", "ring"))))
@@ -150,6 +152,9 @@ def cells(p: int) -> list[Cell]:
         shape = "gqa" if norm == "RMSNorm" else "mha"
         dtype, docs = ("fp32", "bf16", "fp16")[i % 3], ("one", "packed")[(i + i // 4) % 2]
         out.append(Cell("megatron", option, shape, docs, True, dtype, bias=False, norm=norm, qk_norm=True))
+    # where the MLP's first weight, gathered during the attention, sets the layer's peak (and the rebuilt one)
+    for option, shape, docs in (("ulysses/zero3", "gqa", "packed"), ("ulysses/zero3+rc", "wide", "one")):
+        out.append(Cell("megatron", option, shape, docs, True, "fp32", bias=False, norm="RMSNorm"))
     return out
 
 
