@@ -180,6 +180,8 @@ def test_a_zero3_mlps_weight_gathered_ahead_is_alive_from_the_attention_core_to_
     assert (attn_ahead.saved, attn_ahead.bwd_peak) == (attn.saved, attn.bwd_peak)
     mlp, mlp_ahead = (sublayer_memory("mlp", "zero3", dims, layout) for dims in (d, ahead))
     assert (mlp_ahead.fwd_peak, mlp_ahead.saved, mlp_ahead.bwd_peak) == (mlp.fwd_peak, mlp.saved, mlp.bwd_peak)
+    with pytest.raises(ValueError, match=r"^Dims\(mlp_weight_ahead=True\) needs p > 1: one rank gathers no weight"):
+        Dims(GQA, 1, s, 2, 2, mlp_weight_ahead=True)
 
 
 def test_zero3_mlp_peaks_match_hand_counts():

@@ -75,6 +75,13 @@ class Dims:
     (:func:`~megatron_paradyse.strategies.gathers_mlp_weight_ahead`): the attention starts that gather
     after its projection's and hands the weight on, the MLP's forward starts with it."""
 
+    def __post_init__(self) -> None:
+        if self.mlp_weight_ahead and self.p == 1:
+            raise ValueError(
+                "Dims(mlp_weight_ahead=True) needs p > 1: one rank gathers no weight, ahead or not "
+                "(strategies.gathers_mlp_weight_ahead says where a layer gathers it)"
+            )
+
     @property
     def acc(self) -> int:
         """Bytes per element of the accumulation dtype (log-sum-exp, ring accumulators, weight

@@ -4,8 +4,9 @@ The MLP needs no other token, so each rank runs its own ``s/p`` tokens through t
 all-gathered from the TP shards for each GEMM (again in backward: nothing full is saved); the weight
 gradients are reduce-scattered back. No activation crosses the wire. fc2's weight is gathered while
 fc1's GEMM runs (:class:`~megatron_paradyse.core.comm.Zero3Gathers`), fc1's during the attention where
-the attention strategy starts it (``ulysses``, ``ring``: ``Strategy.starts_mlp_gather``); in backward each weight is
-gathered behind its gradient's GEMM and that gradient reduce-scattered behind the input gradient's.
+the attention strategy starts it (``ulysses``, ``ring``: ``Strategy.starts_mlp_gather``); in backward
+each weight is gathered behind its gradient's GEMM and that gradient reduce-scattered behind the input
+gradient's.
 The transient cost is up to both gathered weights in forward, one and its full gradient in backward.
 """
 
