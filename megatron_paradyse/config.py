@@ -45,10 +45,16 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MemorySection:
     budget_gib: float | None = None
-    """Per-rank memory budget for plans. None: the device's memory times ``1 - margin`` (CUDA only;
-    required on CPU)."""
-    margin: float = 0.1
-    """Fraction of device memory kept out of the budget (allocator fragmentation, NCCL, CUDA context)."""
+    """Per-rank memory budget for plans. None: what the CUDA caching allocator can hold times
+    ``1 - margin`` (CUDA only; required on CPU)."""
+    margin: float = 0.03
+    """Fraction of what the caching allocator can hold kept out of the budget. What it can hold is the
+    device's memory less what is in use outside it, measured at start-up (the CUDA context, cuBLAS and
+    cuDNN, NCCL's communicators; the least over the ranks that plan together); the margin keeps room
+    for the allocator's fragmentation (expandable segments: 1.002x to 1.03x of what it allocated on an
+    H200) and for what starts outside it later (communicators first used by the step, kernels loaded
+    on first use). Planned without a device (``paradyse plan --gpu``), a node's assumed figure stands
+    for the measurement (:attr:`~megatron_paradyse.cost.hardware.NodeSpec.outside_allocator_bytes`)."""
     oom_shrink: float = 0.1
     """After an out-of-memory error the budget shrinks by this fraction (how far the memory model
     under-predicted is unknown); every rank stops, and a relaunch with ``--load`` plans under the smaller
@@ -67,12 +73,13 @@ class MemorySection:
         if self.oom_retries < 0:
             raise ValueError(f"memory.oom_retries must be >= 0, got {self.oom_retries}")
 
-    def budget_bytes(self, device_bytes: float | None) -> float | None:
-        """The per-rank budget plans are made to: ``budget_gib``, else the device's memory (``device_bytes``,
-        None where there is no device to size it by) less ``margin``; None where neither is given."""
+    def budget_bytes(self, allocator_bytes: float | None) -> float | None:
+        """The per-rank budget plans are made to: ``budget_gib``, else what the caching allocator can hold
+        (``allocator_bytes``, None where there is no device to size it by) less ``margin``; None where
+        neither is given."""
         if self.budget_gib is not None:
             return self.budget_gib * 2**30
-        return None if device_bytes is None else device_bytes * (1.0 - self.margin)
+        return None if allocator_bytes is None else allocator_bytes * (1.0 - self.margin)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

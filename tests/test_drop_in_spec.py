@@ -85,7 +85,7 @@ def test_the_drop_in_planner_on_a_cpu_needs_the_configs_budget():
     from megatron_paradyse.mcore import drop_in
 
     with pytest.raises(ValueError) as error:
-        drop_in._budget_bytes(ParadyseConfig(), torch.device("cpu"))
+        drop_in._budget_bytes(ParadyseConfig(), torch.device("cpu"), group=None)
     assert str(error.value) == (
         "the Paradyse layers need a memory budget on a machine without CUDA: set memory.budget_gib in the "
         "paradyse config PARADYSE_CONFIG names"

@@ -8,7 +8,8 @@ them; first run on an H200, docs/gpu.md).
   ``torch.cuda.set_sync_debug_mode("error")`` (a host synchronisation raises), and allocates what the
   memory model (:mod:`megatron_paradyse.cost.allocations`) predicts, MLPs in tiles included;
 - offloaded and tiled layers equal to the plain recomputed one, and the offload's copies on pinned memory;
-- a step of a small GPT model with the Paradyse spec (embedding, layers, loss) under the same mode.
+- a step of a small GPT model with the Paradyse spec (embedding, layers, loss) under the same mode;
+- the memory budget sized by what the caching allocator can hold, which its own tensors leave alone.
 """
 
 from __future__ import annotations
@@ -197,3 +198,20 @@ def test_a_gpt_step_makes_no_host_synchronisation():
                 loss.sum().backward()
         times = [measured.time_s for measured in meter.collect()]
         assert len(times) == 2 and min(times) > 0, times
+
+
+def test_the_budget_counts_what_the_caching_allocator_can_hold_not_what_it_holds():
+    """The budget is sized by the device's memory less what is in use outside the caching allocator (the
+    CUDA context, cuBLAS, cuDNN): tensors the allocator holds, or has cached and released, leave it alone."""
+    from megatron_paradyse.core.memory import allocator_capacity_bytes, device_memory_bytes
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.empty_cache()
+    capacity = allocator_capacity_bytes(device)
+    free, total = torch.cuda.mem_get_info(device)
+    assert total == device_memory_bytes(device) and free <= capacity < total
+    held = torch.ones(2**30, dtype=torch.uint8, device=device)  # 1 GiB through the allocator
+    assert abs(allocator_capacity_bytes(device) - capacity) < 2**24
+    del held
+    torch.cuda.empty_cache()
+    assert abs(allocator_capacity_bytes(device) - capacity) < 2**24

@@ -45,6 +45,9 @@ def test_plan_answers_will_it_fit_for_llama3_8b_on_h100(tmp_path, capsys):
     assert f"budget {answer['budget_gib']:.2f} GiB per rank, of which the weights, gradients and optimizer state " in (
         printed
     )
+    # the budget: what an H100's caching allocator can hold (its 81,559 MiB less the 3 GiB the node's figures
+    # assume in use outside it) less the config's 3% margin
+    assert answer["budget_gib"] == pytest.approx((81559 / 1024 - 3) * 0.97)
     # at the job's world size, the distributed optimizer's master weights and moments are split over its
     # data-parallel ranks: 2 + 4 + 12 / 4 bytes a parameter at 32 ranks
     argv = ["plan", str(CONFIGS / "llama3-8b.yaml"), "--gpu", "h100", "--lengths", "4096", "--json", str(out)]

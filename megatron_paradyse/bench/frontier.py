@@ -19,7 +19,8 @@ column lets the planner run MLPs over sequence tiles (the config's ``planner.mlp
 
 Assumptions: as the paper's setting (:mod:`megatron_paradyse.bench.simulate`): bf16 weights, fp32 main
 gradients, fp32 master weights and Adam moments on the GPUs, not sharded (18 bytes per parameter, no data
-parallelism), 10% of each GPU's memory kept out of the budget; host copies as
+parallelism); the budget as a job on such a node sizes it, by the config's ``memory.margin`` (3%) of what
+each GPU's caching allocator can hold, with the node's assumed memory in use outside it; host copies as
 :mod:`megatron_paradyse.cost.hardware` states them.
 """
 
@@ -99,7 +100,7 @@ def frontier(gpu: NodeSpec, configs: Path) -> FrontierResult:
     if p != gpu.p:
         raise ValueError(f"llama3-8b.yaml runs TP={p}, the {gpu.name} node has {gpu.p} GPUs")
     vocab = padded_vocab(LLAMA3_VOCAB, p)
-    budget = gpu.memory_bytes * (1 - config.memory.margin)
+    budget = config.memory.budget_bytes(gpu.allocator_bytes)
     host_gib = config.planner.host_memory_gib
     if host_gib * 2**30 * p > gpu.host_memory_bytes:
         raise ValueError(

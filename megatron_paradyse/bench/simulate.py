@@ -20,8 +20,9 @@ one PNG per GPU kind in the layout of the paper's Figure 2 under ``--out-dir``.
 
 Assumptions (the paper states none of them): bf16 weights with fp32 gradients, fp32 master weights and
 two fp32 Adam moments, 18 bytes per parameter, not sharded (no data parallelism); only the transformer
-layers on the node, no embedding or output layer (``--head`` adds them); memory budget = the GPU's
-memory minus the presets' margin (10%); ``--sequences`` sequences per dataset (the paper does not say
+layers on the node, no embedding or output layer (``--head`` adds them); memory budget = what the
+caching allocator can hold (the GPU's memory less the node's assumed memory outside it) less the presets'
+margin (10%), as a job sizes it; ``--sequences`` sequences per dataset (the paper does not say
 how many, so cumulative times scale with this choice; lengths and orderings do not).
 """
 
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from megatron_paradyse.bench.frontier import frontier, print_frontier
+from megatron_paradyse.config import MemorySection
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.analytic import AnalyticCostModel
@@ -100,8 +102,8 @@ class ModelSpec:
     causal: bool
     planner: PlannerConfig
     """The adaptive planner of the paper's setting (its pairs, no recompute, gamma)."""
-    margin: float
-    """Fraction of GPU memory kept out of the plans' budget."""
+    memory: MemorySection
+    """The preset's memory section: its margin sizes the budget."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -306,7 +308,7 @@ def load_paper_model(name: str, configs: Path = CONFIGS) -> ModelSpec:
         num_layers=args.num_layers,
         causal=config.attention_mask == "causal",
         planner=config.planner,
-        margin=config.memory.margin,
+        memory=config.memory,
     )
 
 
@@ -343,7 +345,7 @@ def simulate_setting(
         bias=False,  # the paper's models have no linear biases
     )
     cost = MemoCostModel(analytic)
-    budget = gpu.memory_bytes * (1 - model.margin)
+    budget = model.memory.budget_bytes(gpu.allocator_bytes)
     ordered = np.sort(lengths)
 
     def curve(run: Run) -> Curve:
@@ -456,8 +458,9 @@ def print_setting(setting: Setting) -> list[tuple[str, bool, str]]:
         f"max {ds.max_len:,} ==",
     )
     print(
-        f"budget {setting.budget_bytes / _GIB:.1f} GiB per GPU ({gpu.memory_bytes / _GIB:.1f} GiB - "
-        f"{model.margin:.0%}); static {setting.static_bytes / _GIB:.1f} GiB (weights, grads, Adam: "
+        f"budget {setting.budget_bytes / _GIB:.1f} GiB per GPU ({gpu.memory_bytes / _GIB:.1f} GiB less "
+        f"{gpu.outside_allocator_bytes / _GIB:.1f} outside the caching allocator, less {model.memory.margin:.0%}); "
+        f"static {setting.static_bytes / _GIB:.1f} GiB (weights, grads, Adam: "
         f"{BYTES_PER_PARAM} B/param)",
     )
     head = ["strategy", "paper", "max len", "reached", "total s"] + [f"cum@{c // _K}K s" for c in _CHECKPOINTS]
@@ -472,7 +475,7 @@ def print_setting(setting: Setting) -> list[tuple[str, bool, str]]:
             mix = "; ".join(f"{plan}: {n}" for plan, n in sorted(c.plans.items(), key=lambda kv: -kv[1])[:4])
             print(f"  {c.run.name}, sequences per plan (most used): {mix}")
     print(
-        f"  memory rule: under the authors' threshold (GPU memory - 512 MiB) instead of a {model.margin:.0%} "
+        f"  memory rule: under the authors' threshold (GPU memory - 512 MiB) instead of a {model.memory.margin:.0%} "
         f"margin, ParaDySe's longest would be {_fmt_len(setting.paper_threshold_max) or 'beyond the dataset'}",
     )
     key = (model.name, setting.dataset_key)

@@ -3,8 +3,8 @@
 The cost model predicts what tensors allocate: on an H200, within 0.07% of ``max_memory_allocated``
 (``bench allocator``). The device must also hold what the caching allocator reserves around them.
 With its defaults, a run switching plans across 65K, 4K and 16K tokens reserved 1.38x the most it
-allocated: blocks cached at one length's sizes that the next length cannot reuse, more than
-``memory.margin`` (10%) keeps free. With expandable segments it reserved 1.03x. So the entry point turns them
+allocated: blocks cached at one length's sizes that the next length cannot reuse, far more than
+``memory.margin`` (3%) keeps free. With expandable segments it reserved 1.03x. So the entry point turns them
 on unless the job configures the allocator itself, and a job on CUDA whose own settings leave them off is
 told so. Torch reads the variables once, when CUDA initialises; on a CPU they do nothing.
 """

@@ -29,6 +29,7 @@ __all__ = [
     "GradientRoot",
     "MemoryEvent",
     "PeakMemory",
+    "allocator_capacity_bytes",
     "collective_buffers_freed_promptly",
     "device_memory_bytes",
     "host_memory",
@@ -235,6 +236,21 @@ def collective_buffers_freed_promptly() -> Iterator[None]:
 def device_memory_bytes(device: torch.device) -> int | None:
     """A CUDA device's whole memory; None for the CPU, whose memory no plan is sized by."""
     return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def allocator_capacity_bytes(device: torch.device, group: dist.ProcessGroup | None = None) -> int | None:
+    """What PyTorch's caching allocator can hold on a CUDA ``device``: its memory less what is in use
+    outside the allocator now (the CUDA context, cuBLAS and cuDNN handles, loaded kernels, NCCL's
+    communicators, other processes), the least over ``group``'s ranks so that they all plan with one
+    budget; None for the CPU. A collective over ``group``, and one host synchronisation: call it at
+    start-up, on every rank of ``group``."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    capacity = torch.tensor([free + torch.cuda.memory_reserved(device)], dtype=torch.int64, device=device)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(capacity, op=dist.ReduceOp.MIN, group=group)
+    return int(capacity.item())
 
 
 def peak_bytes_of(work: Callable[[], object], device: torch.device | str = "cpu") -> int:

@@ -117,7 +117,16 @@ class NodeSpec:
     allocator_slack: float = 0.05
     """Fraction of the transient working set the CUDA caching allocator adds (rounding,
     fragmentation): the value ``paradyse calibrate`` writes on CUDA."""
+    outside_allocator_bytes: int = 3 * 2**30
+    """*Assumption*: each GPU's memory in use outside PyTorch's caching allocator while training (the CUDA
+    context, cuBLAS and cuDNN, NCCL's communicators), which a job measures at start-up: 2.82 GiB at the
+    end of a one-GPU run on an H200 (docs/gpu.md), rounded up; several GPUs' communicators not measured."""
     sources: tuple[str, ...] = ()
+
+    @property
+    def allocator_bytes(self) -> int:
+        """What the caching allocator can hold on each GPU: what plans are budgeted from."""
+        return self.memory_bytes - self.outside_allocator_bytes
 
 
 def _nvswitch_links(collective_bytes_per_s: float, p2p_bytes_per_s: float, latency_s: float, p2p_latency_s: float):

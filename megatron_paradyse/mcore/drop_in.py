@@ -7,10 +7,10 @@ over the tensor-parallel ranks by sequence parallelism, packed documents (if any
 A Paradyse layer that finds no scope builds the micro-batch from what Megatron passes
 (:func:`implicit_micro_batch`): the layout (the sequence length, the packed documents, the contiguous
 order) and the plan of a planner made on first use from the paradyse config ``PARADYSE_CONFIG`` names
-(or the defaults: the device's memory minus ``memory.margin``; on a machine without CUDA the config must
-give ``memory.budget_gib``), priced by its ``cost.profile`` or a quick profile the tensor-parallel group
-calibrates on itself once and caches in ``data.cache_dir``. Every layer of a forward gets the same
-micro-batch; a new plan is printed once.
+(or the defaults: what the CUDA caching allocator can hold, less ``memory.margin``; on a machine without
+CUDA the config must give ``memory.budget_gib``), priced by its ``cost.profile`` or a quick profile the
+tensor-parallel group calibrates on itself once and caches in ``data.cache_dir``. Every layer of a
+forward gets the same micro-batch; a new plan is printed once.
 
 The helpers that turn a Megatron job's arguments into the planner's inputs (:func:`stage_footprints`,
 :func:`stage_cost_models`) serve the entry point (:mod:`megatron_paradyse.pretrain_gpt`) too.
@@ -31,7 +31,7 @@ import torch
 from megatron_paradyse.config import DataSection, ParadyseConfig, load_config
 from megatron_paradyse.core.allocator import expandable_segments_off
 from megatron_paradyse.core.layout import SequenceLayout
-from megatron_paradyse.core.memory import device_memory_bytes
+from megatron_paradyse.core.memory import allocator_capacity_bytes
 from megatron_paradyse.core.micro_batch import MicroBatch
 
 __all__ = ["CONFIG_ENV", "implicit_micro_batch", "stage_cost_models", "stage_footprints", "stage_planner"]
@@ -291,7 +291,9 @@ class _Stage:
         pp_rank = get_pg_rank(layer.pg_collection.pp)
         footprints = stage_footprints(args, transformer, device.type)
         cost = stage_cost_models(args, transformer, profile, footprints)[pp_rank]
-        budget = step_stage_budgets(_budget_bytes(config, device), footprints, args, transformer)[pp_rank]
+        budget = step_stage_budgets(_budget_bytes(config, device, layer.tp_group), footprints, args, transformer)[
+            pp_rank
+        ]
         # Megatron's own forward step computes the loss: whole, never in chunks
         planner_config = dataclasses.replace(config.planner, loss_chunk_tokens=0)
         if p == 1:
@@ -370,8 +372,10 @@ def _data_parallel_rank() -> int:
     return parallel_state.get_data_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
 
 
-def _budget_bytes(config: ParadyseConfig, device: torch.device) -> float:
-    budget = config.memory.budget_bytes(device_memory_bytes(device))
+def _budget_bytes(config: ParadyseConfig, device: torch.device, group) -> float:
+    """The config's budget; on CUDA sized by what the caching allocator can hold, the least over ``group``
+    (the ranks that plan together; a collective over them)."""
+    budget = config.memory.budget_bytes(allocator_capacity_bytes(device, group))
     if budget is None:
         raise ValueError(
             f"the Paradyse layers need a memory budget on a machine without CUDA: set memory.budget_gib in the "

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from megatron_paradyse.config import ParadyseConfig
-from megatron_paradyse.core.memory import device_memory_bytes
+from megatron_paradyse.core.memory import allocator_capacity_bytes, device_memory_bytes
 from megatron_paradyse.run.fault import STATE_FILE, BudgetState, read_state
 
 __all__ = ["Job", "add_paradyse_args", "job_arguments", "dataset_tokenizer", "entry_defaults"]
@@ -96,7 +96,9 @@ class Job:
     profile: dict | None
     """The cost profile read from ``cost.profile``; None: calibrated at start-up."""
     budget_bytes: float
-    """The budget plans must fit: the configured one, or the smaller one saved after an out-of-memory error."""
+    """The budget plans must fit: the configured one, or the smaller one saved after an out-of-memory error.
+    On CUDA, sized by the device's whole memory until start-up measures what the caching allocator can
+    hold (:meth:`measure_budget`): an upper bound, enough to refuse at once what could never fit."""
     device: torch.device
     pad_id: int
     """Token id of padding (never attended to, never in the loss)."""
@@ -121,17 +123,15 @@ class Job:
         model_config.transformer_layer_spec = functools.partial(get_paradyse_layer_spec, attn_mask_type=mask)
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         pad_id = dataset_tokenizer(config)[1]
-        budget_bytes = config.memory.budget_bytes(device_memory_bytes(device))  # set on the CPU (config_problems)
         budget_state = read_state(args.load)
         if budget_state is not None:
             budget_state.check_retries(config.memory.oom_retries, Path(args.load) / STATE_FILE)
-            budget_bytes = min(budget_bytes, budget_state.budget_bytes)
         job = cls(
             config=config,
             args=args,
             model_config=model_config,
             profile=_read_profile(config, args),
-            budget_bytes=budget_bytes,
+            budget_bytes=_budget_bytes(config, budget_state, device_memory_bytes(device)),
             device=device,
             pad_id=_megatron_pad_id() if pad_id is None else pad_id,
             budget_state=budget_state,
@@ -193,6 +193,17 @@ class Job:
                 f"optimizer over data-parallel ranks (--use-distributed-optimizer), Transformer Engine or apex "
                 f"installed (a fused optimizer step needs no working set), or a larger memory.budget_gib"
             )
+
+    def measure_budget(self) -> float | None:
+        """Size the budget by what the CUDA caching allocator can hold now, the least over every rank (so
+        every rank plans with one budget), and check the static memory against it again; returns that
+        capacity (None on the CPU, where ``memory.budget_gib`` is the budget). At start-up, on every rank,
+        once the model, its optimizer and the start-up calibration hold what they hold."""
+        capacity = allocator_capacity_bytes(self.device, torch.distributed.group.WORLD)
+        if capacity is not None:
+            self.budget_bytes = _budget_bytes(self.config, self.budget_state, capacity)
+            self.check_static_memory()
+        return capacity
 
     def cost_models(self, profile: dict | None = None):
         """One cost model per pipeline stage (``profile``: instead of the configured one)."""
@@ -366,6 +377,13 @@ def _assertion(e: AssertionError) -> str:
         return str(e)
     frame = traceback.extract_tb(e.__traceback__)[-1]
     return f"{frame.line} ({Path(frame.filename).name}:{frame.lineno})"
+
+
+def _budget_bytes(config: ParadyseConfig, state: BudgetState | None, allocator_bytes: float | None) -> float:
+    """The configured budget (``memory.budget_gib``, else ``allocator_bytes`` less ``memory.margin``; one of
+    them is set where there is no CUDA: ``config_problems``), or the smaller one a run shrank to."""
+    budget = config.memory.budget_bytes(allocator_bytes)
+    return budget if state is None else min(budget, state.budget_bytes)
 
 
 def _read_profile(config: ParadyseConfig, args: argparse.Namespace) -> dict | None:

@@ -134,7 +134,7 @@ class _Job:
         # distributed optimizer's state unsharded, the global batch's micro-batches all on one (conservative)
         args, model_config = job_arguments(config, megatron_flags, world_size=world_size)
         tp = args.tensor_model_parallel_size
-        budget = config.memory.budget_bytes(None if gpu is None else HARDWARE[gpu].memory_bytes)
+        budget = config.memory.budget_bytes(None if gpu is None else HARDWARE[gpu].allocator_bytes)
         if budget is None:
             raise ValueError("set memory.budget_gib, or pass --gpu for a GPU's memory")
         if gpu is not None:

@@ -34,6 +34,7 @@ import torch
 
 from megatron_paradyse.config import ParadyseConfig
 from megatron_paradyse.core.allocator import expandable_segments_off
+from megatron_paradyse.core.memory import device_memory_bytes
 from megatron_paradyse.mcore.chunked_loss import output_processor
 from megatron_paradyse.mcore.step_buffers import release_step_buffers
 from megatron_paradyse.run.fault import STATE_FILE, FaultWatch
@@ -234,6 +235,7 @@ class TrainingRun:
         profile = job.profile if job.profile is not None else _calibrate_once(job)
         self.cost_models = job.cost_models(profile)
         self.footprints = job.footprints()
+        allocator_bytes = job.measure_budget()
         inputs = {
             "config": job.config,
             "model": model_shape(job.model_config.transformer),
@@ -249,6 +251,15 @@ class TrainingRun:
                 f"paradyse: documents: {counts['train']} for training, {counts['valid']} for validation, "
                 f"{counts['test']} for test ({_split_source(job.args)}); validation micro-batches are planned "
                 f"for forward-only passes and kept out of the table",
+                flush=True,
+            )
+        if self.is_logging_rank and allocator_bytes is not None and job.config.memory.budget_gib is None:
+            device_bytes = device_memory_bytes(job.device)
+            print(
+                f"paradyse: the CUDA caching allocator can hold {allocator_bytes / _GIB:.4g} GiB per rank (the least "
+                f"over the ranks; {(device_bytes - allocator_bytes) / _GIB:.3g} GiB of the device's "
+                f"{device_bytes / _GIB:.4g} in use outside it now); memory.margin keeps {job.config.memory.margin:.0%} "
+                f"of it out of the budget",
                 flush=True,
             )
         state = job.budget_state
