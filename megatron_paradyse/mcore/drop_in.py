@@ -291,9 +291,8 @@ class _Stage:
         pp_rank = get_pg_rank(layer.pg_collection.pp)
         footprints = stage_footprints(args, transformer, device.type)
         cost = stage_cost_models(args, transformer, profile, footprints)[pp_rank]
-        budget = step_stage_budgets(_budget_bytes(config, device, layer.tp_group), footprints, args, transformer)[
-            pp_rank
-        ]
+        budget = _budget_bytes(config, device, layer.tp_group)
+        budget = step_stage_budgets(budget, footprints, args, transformer)[pp_rank]
         # Megatron's own forward step computes the loss: whole, never in chunks
         planner_config = dataclasses.replace(config.planner, loss_chunk_tokens=0)
         if p == 1:

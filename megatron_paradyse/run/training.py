@@ -228,6 +228,7 @@ class TrainingRun:
 
         from megatron_paradyse.mcore.model_shape import model_shape
         from megatron_paradyse.run.agreement import check_ranks_agree
+        from megatron_paradyse.run.startup import agree
 
         job = self.job
         self._prepared = True
@@ -235,7 +236,8 @@ class TrainingRun:
         profile = job.profile if job.profile is not None else _calibrate_once(job)
         self.cost_models = job.cost_models(profile)
         self.footprints = job.footprints()
-        allocator_bytes = job.measure_budget()
+        allocator_bytes, problem = _attempt(job.measure_budget)  # the same on every rank: agreed capacity
+        agree(problem)
         inputs = {
             "config": job.config,
             "model": model_shape(job.model_config.transformer),
