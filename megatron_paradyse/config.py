@@ -50,10 +50,11 @@ class MemorySection:
     margin: float = 0.03
     """Fraction of what the caching allocator can hold kept out of the budget. What it can hold is the
     device's memory less what is in use outside it, measured at start-up (the CUDA context, cuBLAS and
-    cuDNN, NCCL's communicators; the least over the ranks that plan together); the margin keeps room
-    for the allocator's fragmentation (expandable segments: 1.002x to 1.03x of what it allocated on an
-    H200) and for what starts outside it later (communicators first used by the step, kernels loaded
-    on first use). Planned without a device (``paradyse plan --gpu``), a node's assumed figure stands
+    cuDNN, NCCL's communicators, which the entry point first connects for every group its steps use;
+    the least over the ranks that plan together); the margin keeps room for the allocator's
+    fragmentation (expandable segments: 1.002x to 1.03x of what it allocated on an H200) and for what
+    starts outside it later (kernels loaded on first use; in the drop-in spec, the communicators of
+    groups other than the tensor-parallel one). Planned without a device (``paradyse plan --gpu``), a node's assumed figure stands
     for the measurement (:attr:`~megatron_paradyse.cost.hardware.NodeSpec.outside_allocator_bytes`)."""
     oom_shrink: float = 0.1
     """After an out-of-memory error the budget shrinks by this fraction (how far the memory model

@@ -12,10 +12,12 @@ import torch.distributed as dist
 
 from megatron_paradyse.core.comm import (
     RingComm,
+    StepGroup,
     all_gather_seq,
     all_to_all_heads_to_seq,
     all_to_all_seq_to_heads,
     reduce_scatter_seq,
+    warm_communicators,
     zero3_linear,
 )
 from megatron_paradyse.core.multiprocess import run_on_ranks
@@ -119,6 +121,14 @@ def _collective_cases(rank: int, p: int) -> dict[str, bool]:
         results["ring_refuses_wait_without_transfer"] = False
     except RuntimeError as e:
         results["ring_refuses_wait_without_transfer"] = "no transfer in flight" in str(e)
+
+    # warm_communicators: each group's transfers once (point-to-point to the next and previous rank, or to all),
+    # matched on every rank (a transfer left unmatched hangs, one of the wrong size raises), a group met twice once
+    other = dist.new_group(list(ranks))
+    warm_communicators([StepGroup(group, "neighbours"), StepGroup(other, "all"), StepGroup(group, "none")], x.device)
+    count = torch.ones(1)
+    dist.all_reduce(count, group=group)
+    results["warm_communicators_completes_on_every_rank"] = count.item() == p
     return results
 
 
@@ -139,6 +149,7 @@ def collective_results(request):
         "ring_receives_from_previous",
         "ring_refuses_second_transfer",
         "ring_refuses_wait_without_transfer",
+        "warm_communicators_completes_on_every_rank",
     ],
 )
 def test_collective_forward_and_adjoint(collective_results, name):

@@ -109,19 +109,27 @@ def test_the_budget_is_the_configs_else_what_the_caching_allocator_can_hold_less
 def test_start_up_sizes_the_budget_by_what_the_allocator_can_hold_and_keeps_a_shrunk_one(monkeypatch):
     """The entry point plans from the device's whole memory until start-up measures what the caching
     allocator can hold (the least over the ranks); then the budget is that less the margin, or the
-    smaller one a run shrank to after an out-of-memory error, and the static memory is checked again."""
+    smaller one a run shrank to after an out-of-memory error, and the static memory is checked again. The
+    step's communicators are warmed before the measurement, so that it sees what NCCL holds."""
     from megatron_paradyse.config import MemorySection, ParadyseConfig
+    from megatron_paradyse.mcore import step_groups
     from megatron_paradyse.run import job as job_module
     from megatron_paradyse.run.fault import BudgetState
 
     gib = 2**30
-    monkeypatch.setattr(job_module, "allocator_capacity_bytes", lambda device, group: 100 * gib)
+    events = []
+    monkeypatch.setattr(step_groups, "step_groups", lambda args: ["the step's groups"])
+    monkeypatch.setattr(job_module, "warm_communicators", lambda groups, device: events.append(("warmed", groups)))
+    monkeypatch.setattr(
+        job_module, "allocator_capacity_bytes", lambda device, group: events.append("measured") or 100 * gib
+    )
     checked = []
     monkeypatch.setattr(job_module.Job, "check_static_memory", lambda self: checked.append(self.budget_bytes))
     config = ParadyseConfig(memory=MemorySection(margin=0.03))
     fields = dict(config=config, args=None, model_config=None, profile=None, device=None, pad_id=0)
     job = job_module.Job(budget_bytes=0.97 * 120 * gib, **fields)
     assert (job.measure_budget(), job.budget_bytes, checked) == (100 * gib, 97 * gib, [97 * gib])
+    assert events == [("warmed", ["the step's groups"]), "measured"]
     shrunk = job_module.Job(budget_bytes=90 * gib, budget_state=BudgetState(budget_bytes=90 * gib), **fields)
     assert (shrunk.measure_budget(), shrunk.budget_bytes) == (100 * gib, 90 * gib)
     configured = job_module.Job(

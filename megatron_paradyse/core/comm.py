@@ -11,6 +11,8 @@ collectives under the name this torch release has (every call in the project goe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,7 @@ from megatron_paradyse.core.precision import accumulation_dtype
 
 __all__ = [
     "RingComm",
+    "StepGroup",
     "Zero3Gathers",
     "all_gather_seq",
     "all_gather_single",
@@ -28,6 +31,7 @@ __all__ = [
     "all_to_all_seq_to_heads",
     "reduce_scatter_seq",
     "reduce_scatter_single",
+    "warm_communicators",
     "zero3_linear",
 ]
 
@@ -320,3 +324,53 @@ class RingComm:
         for request in self._in_flight[0]:
             request.wait()
         self._in_flight = None
+
+
+@dataclass(frozen=True)
+class StepGroup:
+    """A process group a training step communicates on: collectives, and point-to-point transfers to no
+    peer, to the group's ``"neighbours"`` (the next and previous rank) or to ``"all"`` its ranks."""
+
+    group: ProcessGroup
+    peers: Literal["none", "neighbours", "all"]
+
+
+# Elements of the warming message: NCCL picks the algorithm by message size (trees and low-latency
+# protocols for small ones, rings and NVLink SHARP for large ones), so a small and a large one.
+_WARM_ELEMENTS = {"cuda": (1, 4 * 2**20), "cpu": (1, 1024)}
+
+
+def warm_communicators(groups: Sequence[StepGroup], device: torch.device) -> None:
+    """Run each kind of transfer ``groups`` carry once, in order, on every rank of each (every rank calls
+    it with its own groups of the same kinds, in the same order). NCCL creates a group's communicator at
+    its first collective and connects each algorithm's buffers, and each peer's point-to-point buffers,
+    at their first use: device memory outside PyTorch's caching allocator, taken before the memory the
+    allocator can hold is measured instead of in the middle of the first step. Groups of one rank are
+    skipped; so is a group met twice."""
+    seen: set[int] = set()
+    for step_group in groups:
+        group = step_group.group
+        if group is None or id(group) in seen or dist.get_world_size(group) < 2:
+            continue
+        seen.add(id(group))
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        for elements in _WARM_ELEMENTS[device.type]:
+            message = torch.zeros(elements * size, dtype=torch.float32, device=device)
+            dist.all_reduce(message, group=group)
+            all_gather_single(message, message.chunk(size)[rank].clone(), group=group)
+            reduce_scatter_single(message.chunk(size)[rank], message.clone(), group=group)
+            if step_group.peers == "all":
+                dist.all_to_all_single(message.clone(), message, group=group)
+            elif step_group.peers == "neighbours":
+                sent = [message.chunk(size)[0].clone() for _ in range(2)]
+                received = [torch.empty_like(sent[0]) for _ in range(2)]
+                next_rank = dist.get_global_rank(group, (rank + 1) % size)
+                prev_rank = dist.get_global_rank(group, (rank - 1) % size)
+                ops = [
+                    dist.P2POp(dist.isend, sent[0], next_rank, group),
+                    dist.P2POp(dist.irecv, received[0], prev_rank, group),
+                    dist.P2POp(dist.isend, sent[1], prev_rank, group),
+                    dist.P2POp(dist.irecv, received[1], next_rank, group),
+                ]
+                for request in dist.batch_isend_irecv(ops):
+                    request.wait()

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from megatron_paradyse.config import ParadyseConfig
+from megatron_paradyse.core.comm import warm_communicators
 from megatron_paradyse.core.memory import allocator_capacity_bytes, device_memory_bytes
 from megatron_paradyse.run.fault import STATE_FILE, BudgetState, read_state
 
@@ -198,7 +199,11 @@ class Job:
         """Size the budget by what the CUDA caching allocator can hold now, the least over every rank (so
         every rank plans with one budget), and check the static memory against it again; returns that
         capacity (None on the CPU, where ``memory.budget_gib`` is the budget). At start-up, on every rank,
-        once the model, its optimizer and the start-up calibration hold what they hold."""
+        once the model, its optimizer and the start-up calibration hold what they hold, and the step's
+        communicators theirs (warmed here: else the first step's collectives would take it, at its peak)."""
+        from megatron_paradyse.mcore.step_groups import step_groups
+
+        warm_communicators(step_groups(self.args), self.device)
         capacity = allocator_capacity_bytes(self.device, torch.distributed.group.WORLD)
         if capacity is not None:
             self.budget_bytes = _budget_bytes(self.config, self.budget_state, capacity)
