@@ -54,8 +54,9 @@ class MemorySection:
     the least over the ranks that plan together); the margin keeps room for the allocator's
     fragmentation (expandable segments: 1.002x to 1.03x of what it allocated on an H200) and for what
     starts outside it later (kernels loaded on first use; in the drop-in spec, the communicators of
-    groups other than the tensor-parallel one). Planned without a device (``paradyse plan --gpu``), a node's assumed figure stands
-    for the measurement (:attr:`~megatron_paradyse.cost.hardware.NodeSpec.outside_allocator_bytes`)."""
+    groups other than the tensor-parallel one). Planned without a device (``paradyse plan --gpu``), a
+    node's assumed figure stands for the measurement
+    (:attr:`~megatron_paradyse.cost.hardware.NodeSpec.outside_allocator_bytes`)."""
     oom_shrink: float = 0.1
     """After an out-of-memory error the budget shrinks by this fraction (how far the memory model
     under-predicted is unknown); every rank stops, and a relaunch with ``--load`` plans under the smaller
