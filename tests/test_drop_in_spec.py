@@ -92,6 +92,23 @@ def test_the_drop_in_planner_on_a_cpu_needs_the_configs_budget():
     )
 
 
+def test_the_drop_in_planner_connects_its_tensor_parallel_group_before_it_measures(monkeypatch):
+    """Every transfer the strategies make on the tensor-parallel group (collectives, and point-to-point to
+    every rank of it) runs once before the budget is measured, so NCCL's buffers for them count in it."""
+    import torch
+
+    from megatron_paradyse.config import MemorySection, ParadyseConfig
+    from megatron_paradyse.core.comm import StepGroup
+    from megatron_paradyse.mcore import drop_in
+
+    events = []
+    monkeypatch.setattr(drop_in, "warm_communicators", lambda groups, device: events.append(("warmed", groups)))
+    monkeypatch.setattr(drop_in, "allocator_capacity_bytes", lambda device, group: events.append("measured") or 2**30)
+    config = ParadyseConfig(memory=MemorySection(margin=0.5))
+    assert drop_in._budget_bytes(config, torch.device("cpu"), group="tp") == 2**29
+    assert events == [("warmed", [StepGroup("tp", "all")]), "measured"]
+
+
 def test_a_fused_cross_entropy_is_refused_by_the_drop_in_planner():
     """The cost model counts Megatron's unfused cross-entropy: a job with the fused one gets no planner
     that would count the wrong working set."""

@@ -30,6 +30,7 @@ import torch
 
 from megatron_paradyse.config import DataSection, ParadyseConfig, load_config
 from megatron_paradyse.core.allocator import expandable_segments_off
+from megatron_paradyse.core.comm import StepGroup, warm_communicators
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.memory import allocator_capacity_bytes
 from megatron_paradyse.core.micro_batch import MicroBatch
@@ -373,7 +374,10 @@ def _data_parallel_rank() -> int:
 
 def _budget_bytes(config: ParadyseConfig, device: torch.device, group) -> float:
     """The config's budget; on CUDA sized by what the caching allocator can hold, the least over ``group``
-    (the ranks that plan together; a collective over them)."""
+    (the ranks that plan together; collectives over them), once the group's communicator is connected for
+    every transfer the strategies make. The other groups of Megatron's step are left to the margin: this
+    runs inside Megatron's schedule, where a collective over them could cross a pipeline transfer."""
+    warm_communicators([StepGroup(group, "all")], device)
     budget = config.memory.budget_bytes(allocator_capacity_bytes(device, group))
     if budget is None:
         raise ValueError(
