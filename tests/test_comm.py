@@ -123,7 +123,7 @@ def _collective_cases(rank: int, p: int) -> dict[str, bool]:
         results["ring_refuses_wait_without_transfer"] = "no transfer in flight" in str(e)
 
     # warm_communicators: each group's transfers once (point-to-point to the next and previous rank, or to all),
-    # matched on every rank (a transfer left unmatched hangs, one of the wrong size raises); which groups and
+    # matched on every rank (a transfer left unmatched hangs until the launch times out); which groups and
     # peers a step needs warmed is tests/test_communicators.py's
     other = dist.new_group(list(ranks))
     warm_communicators([StepGroup(group, "neighbours"), StepGroup(other, "all"), StepGroup(group, "none")], x.device)
