@@ -2,7 +2,7 @@
 
 Sections: ``planner`` (:class:`~megatron_paradyse.planner.PlannerConfig`), ``memory``, ``cost``,
 ``data`` and ``log``, plus ``megatron_args``: Megatron command-line flags a preset carries (the model,
-the parallel layout); flags given on the command line win. ``configs/README.md`` documents every key;
+the parallel layout); flags given on the command line win. ``docs/configs.md`` documents every key;
 ``paradyse check-config FILE --print-config`` shows the resolved config.
 
 Loading reports every problem at once: unknown keys (with the nearest known name), wrong types,

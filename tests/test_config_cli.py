@@ -1,4 +1,4 @@
-"""``paradyse check-config`` and configs/README.md: the documented schema and messages are the real ones."""
+"""``paradyse check-config`` and docs/configs.md: the documented schema and messages are the real ones."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from megatron_paradyse.config import ConfigError, ParadyseConfig, load_config
 from megatron_paradyse.run.config_cli import calibration_argv, calibration_target, format_config
 from megatron_paradyse.strategies import ModelShape
 
-README = Path(__file__).resolve().parent.parent / "configs" / "README.md"
+README = Path(__file__).resolve().parent.parent / "docs" / "configs.md"
 
 
 def _readme_rows() -> dict[str, list[str]]:
@@ -38,7 +38,7 @@ def _fields(cls: type = ParadyseConfig, prefix: str = ""):
 def test_the_readme_documents_every_key_with_its_default():
     rows = _readme_rows()
     keys = dict(_fields())
-    assert sorted(rows) == sorted(keys), "configs/README.md's schema tables and the config dataclasses differ"
+    assert sorted(rows) == sorted(keys), "docs/configs.md's schema tables and the config dataclasses differ"
     for key, default in keys.items():
         type_, shown, meaning = rows[key]
         assert type_ and meaning, key

@@ -75,7 +75,7 @@ def test_help_lists_megatrons_flags_and_ours(tmp_path):
         )
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.startswith("usage: pretrain_gpt ")
-        assert "paradyse:\n  megatron-paradyse (see configs/README.md)\n\n  --paradyse-config FILE" in result.stdout
+        assert "paradyse:\n  megatron-paradyse (see docs/configs.md)\n\n  --paradyse-config FILE" in result.stdout
         # Megatron's own, the one whose help text has a bare "%" among them
         assert "--tensor-model-parallel-size" in result.stdout
         assert "(e.g. 1.10 = 10%)" in " ".join(result.stdout.split())

@@ -335,7 +335,7 @@ def test_the_memory_section_checks_the_out_of_memory_settings(tmp_path):
 
 def test_the_torchrun_job_restarts_through_the_c10d_rendezvous_with_a_store_per_attempt(tmp_path):
     """scripts/slurm/env.sh with MAX_RESTARTS: the static rendezvous and torchrun's shared store keep the
-    first attempt's keys, and a restart fails to connect (measured: configs/README.md, "Out of memory")."""
+    first attempt's keys, and a restart fails to connect (docs/configs.md, "Out of memory")."""
     shared = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
     (tmp_path / "torchrun").write_text(f'#!/bin/bash\necho "{shared}=${shared}"\nprintf "%s\\n" "$@"\n')
     (tmp_path / "torchrun").chmod(0o755)

@@ -74,7 +74,7 @@ def test_a_config_error_is_a_message_and_exit_code_2(tmp_path, capsys):
     )
 
     assert pretrain_gpt.main(["--num-layers", "2"]) == 2
-    assert capsys.readouterr().err == "paradyse: error: --paradyse-config FILE is required (see configs/README.md)\n"
+    assert capsys.readouterr().err == "paradyse: error: --paradyse-config FILE is required (see docs/configs.md)\n"
 
 
 def _single_rank(config: Path, *flags: str) -> subprocess.CompletedProcess:

@@ -29,7 +29,7 @@ _GIB = 2**30
 
 
 def add_paradyse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    group = parser.add_argument_group("paradyse", "megatron-paradyse (see configs/README.md)")
+    group = parser.add_argument_group("paradyse", "megatron-paradyse (see docs/configs.md)")
     group.add_argument("--paradyse-config", metavar="FILE", help="paradyse YAML config (planner, memory, cost, data)")
     return parser
 
@@ -343,7 +343,7 @@ def _argument_problems(args: argparse.Namespace, config: ParadyseConfig, flags: 
         problems.append(
             "--inprocess-restart: Megatron's in-process restart is not wired into this entry point; an out-of-memory "
             "error stops every rank with the shrunk budget saved, and torchrun --max-restarts with --load restarts "
-            "the run from the last checkpoint (configs/README.md); leave it out"
+            "the run from the last checkpoint (docs/configs.md); leave it out"
         )
     if not cuda and config.memory.budget_gib is None:
         problems.append("memory.budget_gib is required on a machine without CUDA (the config's memory section)")

@@ -32,7 +32,7 @@
 #                       times, when one exits non-zero (optional; default: never). An out-of-memory
 #                       error exits every rank with the memory budget shrunk and saved in the --save
 #                       directory: give --save and --load the same directory, and the restart re-runs
-#                       the failed step from the last checkpoint (configs/README.md, "Out of memory")
+#                       the failed step from the last checkpoint (docs/configs.md, "Out of memory")
 
 paradyse_first_host() {
   local list=${1:?paradyse_first_host needs a SLURM hostlist}
