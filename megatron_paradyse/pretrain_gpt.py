@@ -137,18 +137,14 @@ def _paradyse_config(argv: list[str]) -> ParadyseConfig:
     add_paradyse_args(parser)
     known, _ = parser.parse_known_args(argv)
     if known.paradyse_config is None:
-        raise ValueError("--paradyse-config FILE is required (see configs/README.md)")
+        raise ValueError("--paradyse-config FILE is required (see docs/configs.md)")
     return load_config(known.paradyse_config)
 
 
 def _print_help() -> int:
     """Megatron's flags and ours, as Megatron's parser describes them."""
-    import warnings
-
     compat.install()
-    with warnings.catch_warnings():  # Megatron's "TE/apex not installed": nothing to do with its flags
-        warnings.simplefilter("ignore")
-        from megatron.training.arguments import add_megatron_arguments
+    from megatron.training.arguments import add_megatron_arguments
 
     parser = argparse.ArgumentParser(
         prog="pretrain_gpt", description="Megatron-LM arguments, and megatron-paradyse's", allow_abbrev=False

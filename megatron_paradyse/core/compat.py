@@ -19,6 +19,11 @@ device; :func:`cuda_to_cpu` runs such calls on the CPU, inside its ``with`` bloc
 Call :func:`install` before the first ``import megatron.core``; it is idempotent. Every patch is
 skipped when ``torch.cuda.is_available()``, so the same code runs unpatched on GPUs.
 
+On any machine, :func:`install` also filters the warnings megatron-core's modules give at import, one
+per module, that Transformer Engine or apex is missing and torch's implementations run instead (nine
+for ``paradyse plan``, which runs no model); :func:`missing_fused_libraries` says it in one line, which
+the training entry point prints.
+
 On any machine, GPUs included, :func:`drop_unavailable_gradient_accumulation_fusion` turns off the one
 fusion Megatron's defaults ask for that needs apex, where apex's kernel is missing.
 """
@@ -32,21 +37,49 @@ import logging
 import sys
 import types
 import typing
+import warnings
 from collections.abc import Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["cuda_to_cpu", "drop_unavailable_gradient_accumulation_fusion", "install", "megatron_training_on_cpu"]
+__all__ = [
+    "cuda_to_cpu",
+    "drop_unavailable_gradient_accumulation_fusion",
+    "install",
+    "megatron_training_on_cpu",
+    "missing_fused_libraries",
+]
 
 logger = logging.getLogger(__name__)
 
+_FALLBACK_WARNINGS = (
+    r"(Transformer Engine and Apex are|Apex is) not installed"
+    r"|Only transformer-engine>=\S+ supports MoE experts"
+)
+"""megatron-core 0.19's import-time warnings that a fused library is missing (``UserWarning``)."""
+
+_FUSED_LIBRARIES = {"Transformer Engine": "transformer_engine", "apex": "apex"}
+
 
 def install() -> None:
-    """Apply the CPU patches (once); do nothing when CUDA is available."""
+    """Filter megatron-core's missing-library warnings; without CUDA, apply the CPU patches (once)."""
+    warnings.filterwarnings("ignore", message=_FALLBACK_WARNINGS, category=UserWarning)
     if torch.cuda.is_available():
         return
     _install_once()
+
+
+def missing_fused_libraries() -> str | None:
+    """One line for what :func:`install` keeps megatron-core from warning about module by module, or
+    None where Transformer Engine and apex are both installed."""
+    missing = [name for name, module in _FUSED_LIBRARIES.items() if importlib.util.find_spec(module) is None]
+    if not missing:
+        return None
+    return (
+        f"megatron-core runs without {' and '.join(missing)}: torch's optimizers, norms and multi-tensor "
+        f"kernels in their place"
+    )
 
 
 @functools.cache

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -111,10 +110,8 @@ def parse_megatron_args(flags: Sequence[str]) -> argparse.Namespace:
     """
     from megatron_paradyse.core import compat
 
-    with warnings.catch_warnings():  # Megatron's "TE/apex not installed": irrelevant to parsing flags
-        warnings.simplefilter("ignore")
-        compat.install()  # importing megatron.training needs it on CPU; a no-op with CUDA
-        from megatron.training.arguments import add_megatron_arguments
+    compat.install()  # before importing megatron
+    from megatron.training.arguments import add_megatron_arguments
 
     return add_megatron_arguments(_RaisingParser(allow_abbrev=False)).parse_args(list(flags))
 

@@ -33,6 +33,7 @@ from typing import NoReturn
 import torch
 
 from megatron_paradyse.config import ParadyseConfig
+from megatron_paradyse.core import compat
 from megatron_paradyse.core.allocator import expandable_segments_off
 from megatron_paradyse.core.memory import device_memory_bytes
 from megatron_paradyse.mcore.chunked_loss import output_processor
@@ -212,6 +213,9 @@ class TrainingRun:
             )
         if not self.iterators and torch.distributed.get_rank() == 0:  # once
             _say_how_forwards_in_flight_are_budgeted(args, job.model_config.transformer, planner_config.on_infeasible)
+            missing = compat.missing_fused_libraries()
+            if missing:
+                print(f"paradyse: {missing}", flush=True)
             reserving_more = job.device.type == "cuda" and expandable_segments_off()
             if reserving_more:
                 print(f"paradyse: warning: {reserving_more}", flush=True)
