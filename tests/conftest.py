@@ -1,4 +1,5 @@
-"""Test-session setup shared by every test module."""
+"""Fixtures every test module may use, and the layers: each folder under tests/ is a layer and gives its
+tests the marker of its name (``pytest -m "unit or ranks"``: the fast lane; docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,17 @@ import os
 from pathlib import Path
 
 import pytest
+
+LAYERS = ("unit", "ranks", "megatron", "e2e", "gpu")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    root = Path(__file__).resolve().parent
+    for item in items:
+        layer = Path(item.fspath).resolve().relative_to(root).parts[0]
+        if layer not in LAYERS:
+            raise pytest.UsageError(f"{item.nodeid}: a test belongs in one of the layers {', '.join(LAYERS)}")
+        item.add_marker(layer)
 
 
 @pytest.fixture(scope="module")

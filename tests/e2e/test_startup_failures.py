@@ -1,0 +1,214 @@
+"""Bad input is refused early and clearly: a start-up failure on any rank stops every rank within seconds,
+with one message (rank 0's) naming the rank and the cause.
+
+The ranks are started as ``srun`` starts them, one plain process each (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT`` from the environment), with nobody to kill the others when one exits:
+torchrun would end them itself and hide a rank left waiting for the distributed timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from megatron_paradyse.data import write_documents
+
+from helpers import entry_point
+from helpers.paths import ROOT
+
+PROFILE = os.environ.get("PARADYSE_TEST_PROFILE")
+SMALL_GPT = [
+    *entry_point.SMALL_GPT,
+    "--tensor-model-parallel-size",
+    "2",
+    "--global-batch-size",
+    "1",
+    "--train-iters",
+    "2",
+]
+SPREAD_S = 5.0
+"""How far apart the ranks' exits may be: the others must not outlive the failing rank by more than this."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(nproc: int, args: Callable[[int], list[str]], timeout: float = 180) -> list[dict]:
+    """Run rank ``r`` as ``python -m megatron_paradyse.pretrain_gpt *args(r)``; per rank: exit code,
+    stdout, stderr and when it exited."""
+    port = _free_port()
+    procs = []
+    for rank in range(nproc):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        command = [sys.executable, "-m", "megatron_paradyse.pretrain_gpt", *args(rank)]
+        procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    exited: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(exited) < nproc and time.monotonic() < deadline:
+            for rank, proc in enumerate(procs):
+                if rank not in exited and proc.poll() is not None:
+                    exited[rank] = time.monotonic()
+            time.sleep(0.05)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    results = []
+    for rank, proc in enumerate(procs):
+        out, err = proc.communicate()
+        results.append({"code": proc.returncode, "out": out.decode(), "err": err.decode(), "at": exited.get(rank)})
+    assert len(exited) == nproc, f"ranks {sorted(set(range(nproc)) - set(exited))} were still running after {timeout} s"
+    return results
+
+
+def _assert_every_rank_stops(results: list[dict], message: str) -> None:
+    """Every rank exits with status 2 within ``SPREAD_S`` of the first; rank 0 alone prints ``message``."""
+    for rank, result in enumerate(results):
+        assert result["code"] == 2, f"rank {rank}: exit {result['code']}\n{result['err'][-3000:]}"
+        assert "Traceback" not in result["err"], f"rank {rank}:\n{result['err'][-3000:]}"
+    assert results[0]["err"].endswith(f"paradyse: error: {message}\n"), results[0]["err"][-3000:]
+    assert all("paradyse: error" not in r["err"] for r in results[1:]), [r["err"][-500:] for r in results[1:]]
+    times = [r["at"] for r in results]
+    assert max(times) - min(times) < SPREAD_S, f"exits spread over {max(times) - min(times):.1f} s"
+
+
+def _config(folder: Path, **sections) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {"memory": {"budget_gib": 1.0}, "data": {"dataset": "code", "cache_dir": str(folder / "cache")}}
+    data.update(sections)
+    path = folder / "cfg.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory) -> Path:
+    """A valid cost profile for p=2 (calibrated once; ``PARADYSE_TEST_PROFILE`` names one to reuse)."""
+    if PROFILE:
+        return Path(PROFILE)
+    from megatron_paradyse.cost.calibrate import calibrate
+    from megatron_paradyse.cost.profile import save_profile
+
+    path = tmp_path_factory.mktemp("profile") / "p2.json"
+    save_profile(calibrate([2], grid="quick", show_progress=False), path)
+    return path
+
+
+def test_a_profile_that_is_not_json_on_one_rank_of_four_stops_every_rank(tmp_path, profile):
+    configs = []
+    for rank in range(4):
+        folder = tmp_path / f"rank{rank}"
+        folder.mkdir()
+        shutil.copy(profile, folder / "profile.json")
+        configs.append(_config(folder, cost={"profile": "profile.json", "check_machine": False}))
+    broken = tmp_path / "rank2" / "profile.json"
+    broken.write_text(profile.read_text()[:-40])
+    with pytest.raises(json.JSONDecodeError) as why:
+        json.loads(broken.read_text())
+    flags = [*SMALL_GPT, "--global-batch-size", "2"]  # TP=2 x DP=2
+    results = _launch(4, lambda rank: ["--paradyse-config", str(configs[rank]), *flags])
+    _assert_every_rank_stops(
+        results,
+        f"rank 2: cost profile {broken} is not valid JSON ({why.value}); recalibrate with `paradyse calibrate` "
+        "(every rank of 4 stops)",
+    )
+
+
+def test_a_config_one_rank_cannot_read_and_a_bad_profile_value_stop_every_rank(tmp_path, profile):
+    config = _config(tmp_path / "ok", cost={"profile": str(profile), "check_machine": False})
+    missing = tmp_path / "missing" / "cfg.yaml"
+    results = _launch(2, lambda rank: ["--paradyse-config", str(config if rank == 0 else missing), *SMALL_GPT])
+    _assert_every_rank_stops(
+        results,
+        f"rank 1: cannot read the paradyse config {missing}: No such file or directory (every rank of 2 stops)",
+    )
+
+    data = json.loads(profile.read_text())
+    data["attention"]["forward"]["causal"]["per_call_s"] = "fast"
+    data["collectives"]["2"]["all_gather"]["per_byte_s"] = float("nan")
+    bad = tmp_path / "bad-profile.json"
+    bad.write_text(json.dumps(data))
+    config = _config(tmp_path / "bad", cost={"profile": str(bad), "check_machine": False})
+    results = _launch(2, lambda rank: ["--paradyse-config", str(config), *SMALL_GPT])
+    _assert_every_rank_stops(
+        results,
+        f"cost profile {bad} has values a cost model cannot use: attention.forward.causal.per_call_s must be a "
+        "number, got 'fast'; collectives.2.all_gather.per_byte_s must be finite, got nan; recalibrate with "
+        "`paradyse calibrate`",
+    )
+
+
+def test_token_ids_outside_the_vocabulary_stop_every_rank(tmp_path, profile):
+    prefix = tmp_path / "data" / "bytes"
+    rng = np.random.default_rng(0)
+    documents = [rng.integers(0, 100, size=n) for n in (300, 500, 700)]
+    documents[1][123] = 130  # one id past the vocabulary of 100 the manifest gives
+    write_documents(prefix, documents, vocab_size=256)
+    manifest = {"tokenizer": "byte", "vocab_size": 100, "eod_id": 99, "pad_id": 98}
+    Path(f"{prefix}.json").write_text(json.dumps(manifest))
+    config = _config(tmp_path, cost={"profile": str(profile), "check_machine": False})
+    config.write_text(config.read_text().replace("dataset: code", f"dataset: {prefix}"))
+    results = _launch(2, lambda rank: ["--paradyse-config", str(config), *SMALL_GPT])
+    _assert_every_rank_stops(
+        results,
+        f"dataset {prefix}: document 1 has token id 130 (at its token 123), outside the tokenizer's vocabulary "
+        "[0, 100); prepare the dataset with the tokenizer the run uses (--tokenizer-type, --vocab-size, or the "
+        "dataset's manifest)",
+    )
+
+
+def test_a_rank_leaves_its_process_groups_when_its_work_ends_without_a_failure():
+    """Destroyed on a return and on Megatron's ``--exit-interval`` exit (status 0); kept after a failure, where
+    destroying a gloo group would wait for a collective the other ranks may never join (one gloo rank)."""
+    import torch.distributed as dist
+
+    from megatron_paradyse.run.startup import leaving_process_groups
+
+    def joined() -> None:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    def work(*, then: BaseException | None) -> None:
+        with leaving_process_groups():
+            if then is not None:
+                raise then
+
+    try:
+        for failure in (RuntimeError("a collective failed"), SystemExit(1), KeyboardInterrupt()):
+            joined()
+            with pytest.raises(type(failure)):
+                work(then=failure)
+            assert dist.is_initialized(), failure
+            dist.destroy_process_group()
+        for end in (None, SystemExit(0), SystemExit(None)):
+            joined()
+            with pytest.raises(SystemExit) if end is not None else contextlib.nullcontext():
+                work(then=end)
+            assert not dist.is_initialized(), end
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,122 @@
+"""``paradyse plan``: the plans, predicted time and peak per length, each static strategy's limit and the
+planner's, from a config and published figures, in seconds, without a device."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import yaml
+
+from megatron_paradyse.cli import main as paradyse
+
+from helpers.paths import CONFIGS
+
+
+def test_plan_answers_will_it_fit_for_llama3_8b_on_h100(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["plan", str(CONFIGS / "llama3-8b.yaml"), "--gpu", "h100", "--lengths", "4096,4112,131072,8000000"]
+    assert paradyse([*argv, "--json", str(out), "--plot", str(tmp_path / "plan.png")]) == 0
+    printed = capsys.readouterr().out
+    answer = json.loads(out.read_text())
+    rows = {row["tokens"]: row["stage0"] for row in answer["lengths"]}
+    assert rows[4096]["plan"] == "32x tp_sp/tp_sp"  # short: Megatron's own TP+SP is fastest
+    # a length's own time, not its bucket's edge (4112 is planned at 4608, a bound for memory)
+    assert rows[4112]["plan"] == rows[4096]["plan"] and 1 < rows[4112]["time_s"] / rows[4096]["time_s"] < 1.01
+    assert rows[131072]["plan"] is not None and rows[131072]["peak_gib"] <= answer["budget_gib"]
+    assert rows[8000000]["plan"] is None and rows[8000000]["leanest_peak_gib"] > answer["budget_gib"]
+    static = answer["static_longest"]
+    assert static["tp_sp/tp_sp"] < 131072 < answer["longest"] < 8000000
+    assert answer["longest"] >= max(static.values())
+    assert re.search(r"^\s+131072\s+0\s+\S.*\d$", printed, re.MULTILINE)
+    assert f"longest sequence the planner fits: {answer['longest']} tokens" in printed
+    assert "Megatron TP+SP (stock)" in printed and "does not fit" in printed
+    assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+    # planned with the job's own arguments: Megatron accumulates bf16 gradients in fp32, so a parameter holds
+    # 18 bytes (its bf16 weight, fp32 gradient, fp32 master weight and two Adam moments); a rank's share of
+    # Llama 3 8B at TP=8: the layers' shards and norms, the embedding and output layer (the code corpus's
+    # byte vocabulary, padded to 128 x 8), the final norm
+    h, heads, groups, kv, ffn = 4096, 32, 8, 128, 14336
+    layer = (h * (heads + 2 * groups) * kv + heads * kv * h + h * 2 * ffn + ffn * h) // 8 + 2 * h
+    parameters = 32 * layer + 2 * (1024 // 8) * h + h
+    assert answer["static_gib"] == [parameters * 18 / 2**30]
+    assert f"budget {answer['budget_gib']:.2f} GiB per rank, of which the weights, gradients and optimizer state " in (
+        printed
+    )
+    # the budget: what an H100's caching allocator can hold (its 81,559 MiB less the 3 GiB the node's figures
+    # assume in use outside it) less the config's 3% margin
+    assert answer["budget_gib"] == pytest.approx((81559 / 1024 - 3) * 0.97)
+    # at the job's world size, the distributed optimizer's master weights and moments are split over its
+    # data-parallel ranks: 2 + 4 + 12 / 4 bytes a parameter at 32 ranks
+    argv = ["plan", str(CONFIGS / "llama3-8b.yaml"), "--gpu", "h100", "--lengths", "4096", "--json", str(out)]
+    assert paradyse([*argv, "--world-size", "32", "--", "--use-distributed-optimizer"]) == 0
+    assert "TP=8 PP=1 DP=4; budget" in capsys.readouterr().out
+    assert json.loads(out.read_text())["static_gib"] == [parameters * 9 / 2**30]
+
+
+@pytest.mark.parametrize(("precision", "bytes_per_parameter"), [("--bf16", 18), ("--fp16", 16), (None, 16)])
+def test_the_static_memory_plan_counts_is_the_jobs_in_every_precision(tmp_path, precision, bytes_per_parameter):
+    """``plan``'s static memory (:meth:`_Job.footprints`) from the job's validated arguments: Megatron
+    accumulates bf16 gradients in fp32 (2 + 4 bytes, then the fp32 master weight and two Adam moments),
+    keeps fp16 ones in fp16 (2 + 2 + 12), and an fp32 model has no master copy (4 + 4 + 8). Llama 3 8B at
+    TP=8: 873,730,048 parameters a rank (counted in the test above)."""
+    from megatron_paradyse.config import load_config
+    from megatron_paradyse.run.plan_cli import _Job
+
+    config = yaml.safe_load((CONFIGS / "llama3-8b.yaml").read_text())
+    config["megatron_args"].remove("--bf16")
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    job = _Job.from_config(
+        load_config(path), [precision] if precision else [], world_size=None, gpu="h100", profile=None
+    )
+    assert [f.static_bytes for f in job.footprints()] == [873_730_048 * bytes_per_parameter]
+
+
+def test_plan_of_an_interleaved_pipeline_says_what_its_stages_hold(tmp_path, capsys):
+    """Llama 3 8B on PP=2 with 4 model chunks a stage and 8 micro-batches a step: stages hold 9 and 7 chunk
+    forwards at once (Megatron's warm-up plus one), each planned by chunk: every chunk of a stage runs the
+    same plan."""
+    config = yaml.safe_load((CONFIGS / "llama3-8b.yaml").read_text())
+    config["cost"]["profile"] = None
+    path = tmp_path / "pp2.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "plan.json"
+    argv = ["plan", str(path), "--gpu", "h100", "--lengths", "131072", "--json", str(out)]
+    # the job's command-line flags, after the config's
+    flags = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "4"]
+    assert paradyse([*argv, "--", *flags, "--global-batch-size", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "pipeline stages 0..1 hold up to 9, 7 forwards at once, each planned to hold what one of --seq-length "
+        "131072 tokens would; peak: one forward's\n"
+    ) in printed
+    answer = json.loads(out.read_text())
+    assert answer["forwards_in_flight"] == [9, 7]
+    for stage in ("stage0", "stage1"):
+        runs = [run.split("x ", 1) for run in answer["lengths"][0][stage]["plan"].split("; ")[0].split(", ")]
+        layers = [option for count, option in runs for _ in range(int(count))]
+        assert len(layers) == 16 and layers == layers[:4] * 4, layers
+
+
+def test_plan_refuses_what_it_cannot_price(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_status:
+        paradyse(["plan", str(CONFIGS / "tiny-cpu.yaml"), "--gpu", "h100", "--lengths", "1024"])
+    assert exit_status.value.code == 2
+    assert "paradyse: error: --gpu h100: the published figures are for TP=8, the config has TP=4" in (
+        capsys.readouterr().err
+    )
+
+
+def test_plan_without_a_budget_or_a_gpu_says_which_to_give(tmp_path, capsys):
+    config = yaml.safe_load((CONFIGS / "llama3-8b.yaml").read_text())
+    assert config["memory"].get("budget_gib") is None  # sized by the GPU's memory
+    path = tmp_path / "no-gpu.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exit_status:  # before any profile is read: this one does not exist
+        paradyse(["plan", str(path), "--profile", str(tmp_path / "none.json"), "--lengths", "4096"])
+    assert exit_status.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "paradyse: error: set memory.budget_gib, or pass --gpu for a GPU's memory\n"
+    )
