@@ -133,6 +133,11 @@ class PlannerConfig:
         if not (isinstance(self.learn_prior, (int, float)) and 0 < self.learn_prior < math.inf):
             raise ValueError(f"planner.learn_prior must be a positive number (micro-batches), got {self.learn_prior!r}")
 
+    def forward_only(self) -> PlannerConfig:
+        """This plan space for passes without a backward (validation, test): nothing is recomputed, so
+        nothing is offloaded either."""
+        return dataclasses.replace(self, recompute=False, host_memory_gib=0.0)
+
     def _named_strategies(self) -> list[tuple[str, str, str]]:
         """(field, sublayer, name) of every strategy the config names."""
         named = [("attention", "attention", n) for n in self.attention or ()]

@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import logging
 import os
@@ -170,8 +169,8 @@ class TrainingRun:
             dp_size=dp_size,
         )
         planner_config = job.planner_config
-        if evaluation:  # nothing to recompute without a backward
-            planner_config = dataclasses.replace(planner_config, recompute=False)
+        if evaluation:
+            planner_config = planner_config.forward_only()
         learning = self.time_corrections is not None and not evaluation
         cost_models = self.cost_models
         if evaluation:

@@ -11,6 +11,7 @@ import re
 import pytest
 
 from megatron_paradyse.bench import planner as planner_bench
+from megatron_paradyse.config import load_config
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.base import LayerCost
@@ -25,6 +26,7 @@ from megatron_paradyse.planner import (
 from megatron_paradyse.planner.buckets import LengthBuckets
 from megatron_paradyse.strategies import ModelShape, registry, strategy_names
 
+from helpers.paths import CONFIGS
 from helpers.planner_cost_models import (
     FunctionCostModel,
     llama3_8b_head_planner,
@@ -76,6 +78,17 @@ def test_paired_and_restricted_plan_spaces():
     assert paired == (LayerOption("tp_sp", "tp_sp"), LayerOption("ulysses", "zero3"))
     subset, _ = layer_options(PlannerConfig(attention=["ring"], mlp=("zero3",)), SHAPE, 4)
     assert subset == (LayerOption("ring", "zero3"), LayerOption("ring", "zero3", True))
+
+
+def test_forward_only_plans_recompute_and_offload_nothing_where_training_offloads():
+    """Validation runs without a backward: its plan space drops recompute and, with it, offload, which a
+    config that offloads in training (``host_memory_gib``) would otherwise refuse as offload without
+    recompute."""
+    training = load_config(CONFIGS / "llama3-8b.yaml").planner
+    assert training.host_memory_gib > 0 and training.mlp_tile_tokens > 0
+    options, _ = layer_options(training.forward_only(), SHAPE, 4)
+    assert not any(option.recompute or option.offload for option in options)
+    assert {option.mlp_tile_tokens for option in options} == {0, training.mlp_tile_tokens}
 
 
 def test_unknown_strategy_is_an_error_naming_the_known_ones():
