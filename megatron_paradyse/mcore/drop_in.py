@@ -346,6 +346,12 @@ def _paradyse_config() -> ParadyseConfig:
             f"measured); set planner.learn_time: false, or train with "
             f"`python -m megatron_paradyse.pretrain_gpt --paradyse-config {path}`"
         )
+    if config.planner.on_infeasible == "skip":
+        raise ValueError(
+            f"{path}: planner.on_infeasible: skip: the drop-in spec cannot skip a micro-batch (Megatron's own "
+            f"loop runs every one it is given); set planner.on_infeasible: stop, or train with "
+            f"`python -m megatron_paradyse.pretrain_gpt --paradyse-config {path}`, which skips"
+        )
     return config
 
 

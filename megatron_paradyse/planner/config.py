@@ -58,7 +58,7 @@ class PlannerConfig:
     learn_time: bool = False
     """Correct the predicted time of each option and length bucket from the measured micro-batches of
     the run (:mod:`megatron_paradyse.cost.correction`); the ranks agree on the corrections at each
-    iteration's end. Needs the per-micro-batch measurement (no pipeline parallelism)."""
+    iteration's end. The entry point only (the drop-in spec has no iteration boundary to agree at)."""
     learn_prior: float = 1.0
     """Weight, in micro-batches, of the current correction against the new measurements."""
     explore_share: float = 0.05

@@ -79,6 +79,23 @@ def test_a_config_that_asks_the_drop_in_spec_to_learn_the_time_model_is_refused(
     assert drop_in._paradyse_config().memory.budget_gib == 1.0
 
 
+def test_a_config_that_asks_the_drop_in_spec_to_skip_micro_batches_is_refused(tmp_path, monkeypatch):
+    """Megatron's loop cannot leave a micro-batch out: ``on_infeasible: skip`` is refused when the config is
+    read, instead of the layers failing on the missing plan at the first sequence no plan fits."""
+    from megatron_paradyse.mcore import drop_in
+
+    config = tmp_path / "paradyse.yaml"
+    config.write_text(yaml.safe_dump({"memory": {"budget_gib": 1.0}, "planner": {"on_infeasible": "skip"}}))
+    monkeypatch.setenv(drop_in.CONFIG_ENV, str(config))
+    with pytest.raises(ValueError) as error:
+        drop_in._paradyse_config()
+    assert str(error.value) == (
+        f"{config}: planner.on_infeasible: skip: the drop-in spec cannot skip a micro-batch (Megatron's own loop "
+        "runs every one it is given); set planner.on_infeasible: stop, or train with "
+        f"`python -m megatron_paradyse.pretrain_gpt --paradyse-config {config}`, which skips"
+    )
+
+
 def test_the_drop_in_planner_on_a_cpu_needs_the_configs_budget():
     """No device memory to size the budget by: the layers' first build says which setting to give."""
     import torch
