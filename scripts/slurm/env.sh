@@ -170,9 +170,12 @@ paradyse_job_setup() {
   # so a communication kernel issued before a GEMM is not held back behind it
   export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
   # plans that switch with the sequence length leave the caching allocator's cache fragmented: on an
-  # H200 (bench allocator, docs/gpu.md) it reserved 1.38x the most it allocated with its defaults and
-  # 1.03x with expandable segments, which the memory budget's margin covers
-  export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+  # H200 (benchmarks/results/allocator_h200_20261126_5acd810.md) it reserved 1.38x the most it allocated
+  # with its defaults and 1.03x with expandable segments, which the memory budget's margin covers. A job
+  # that configures the allocator itself (either of torch's names) keeps its own settings.
+  if [[ -z ${PYTORCH_ALLOC_CONF:-} ]]; then
+    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+  fi
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
   # Cluster-specific NCCL settings (uncomment what your cluster's documentation asks for):
   # export NCCL_DEBUG=WARN                   # INFO to see the rings, trees and transports chosen

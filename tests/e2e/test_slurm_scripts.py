@@ -128,6 +128,8 @@ def test_train_srun_starts_each_rank_with_its_environment(tmp_path):
     ]
     own = _bash(f"bash {SLURM / 'train_srun.sbatch'}", {**env, "PYTORCH_CUDA_ALLOC_CONF": "backend:native"})
     assert f"{RANK_9_ENV} CUDA_DEVICE_MAX_CONNECTIONS=1 PYTORCH_CUDA_ALLOC_CONF=backend:native" in own.stdout
+    torchs_name = _bash(f"bash {SLURM / 'train_srun.sbatch'}", {**env, "PYTORCH_ALLOC_CONF": "backend:native"})
+    assert f"{RANK_9_ENV} CUDA_DEVICE_MAX_CONNECTIONS=1 PYTORCH_CUDA_ALLOC_CONF=\n" in torchs_name.stdout
     dry = _bash(f"bash {SLURM / 'train_srun.sbatch'}", {**env, "PARADYSE_DRY_RUN": "1"})
     assert shlex.split(dry.stdout)[:3] == ["srun", "--kill-on-bad-exit=1", "--cpus-per-task=8"]
     assert shlex.split(dry.stdout)[-len(TRAIN_ARGS) :] == TRAIN_ARGS
