@@ -267,7 +267,10 @@ def megatron_training_on_cpu() -> Iterator[None]:
       CPU has no CUDA connections to limit, so it answers as a GPU without that limit (10);
     - ``initialize_megatron`` asserts CUDA, and creates the model-parallel groups and RNG states only
       if ``torch.cuda.device_count() > 0``: it runs with ``allow_no_cuda=True`` and sees one device,
-      whose selection does nothing (the groups are gloo groups).
+      whose selection does nothing (the groups are gloo groups);
+    - ``pretrain()`` warms Megatron's fused bias-GELU, bias-SwiGLU and bias-dropout-add kernels up with
+      ``torch.compile``, which on a CPU builds C++ for each (about 13 s a rank, before the first step):
+      the warm-up is skipped. The entry point runs without those fusions on a CPU (``--no-bias-*-fusion``).
     """
     if torch.cuda.is_available():
         yield
@@ -284,11 +287,12 @@ def megatron_training_on_cpu() -> Iterator[None]:
         finally:
             torch.cuda.device_count, torch.cuda.set_device = saved
 
-    saved = arguments.get_device_arch_version, training.initialize_megatron
+    saved = arguments.get_device_arch_version, training.initialize_megatron, training.set_jit_fusion_options
     arguments.get_device_arch_version = lambda: 10
     training.initialize_megatron = initialize_megatron_on_cpu
+    training.set_jit_fusion_options = lambda tp_size=None: None
     try:
         with cuda_to_cpu():
             yield
     finally:
-        arguments.get_device_arch_version, training.initialize_megatron = saved
+        arguments.get_device_arch_version, training.initialize_megatron, training.set_jit_fusion_options = saved

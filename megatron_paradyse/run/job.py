@@ -61,10 +61,14 @@ def entry_defaults(config: ParadyseConfig, *, cuda: bool) -> list[str]:
         # megatron-core 0.19's NullTokenizer(n) has ids 0..n-1: the dataset's whole vocabulary.
         flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab_size)]
     if not cuda:
+        # Megatron's bias fusions are torch.compile'd: on a CPU, C++ built at every new length
         flags += [
             "--distributed-backend", "gloo",
             "--use-cpu-initialization",
             "--no-gradient-accumulation-fusion",
+            "--no-bias-dropout-fusion",
+            "--no-bias-gelu-fusion",
+            "--no-bias-swiglu-fusion",
         ]  # fmt: skip
     return flags
 
