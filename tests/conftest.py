@@ -3,10 +3,16 @@ tests the marker of its name (``pytest -m "unit or ranks"``: the fast lane; docs
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from pathlib import Path
 
 import pytest
+
+# Rank processes are forked from a server that imported these once (megatron_paradyse.core.multiprocess).
+# The server finds them on PYTHONPATH: Python 3.11's fork server does not take the caller's sys.path.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+multiprocessing.set_forkserver_preload(["helpers.rank_imports"])
 
 LAYERS = ("unit", "ranks", "megatron", "e2e", "gpu")
 

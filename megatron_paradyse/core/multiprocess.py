@@ -3,6 +3,11 @@
 Used by the tests and the CPU benchmarks. The first failure is re-raised with its rank and
 traceback; a rank that dies without reporting, or a run that outlives ``timeout_s``, kills every
 process instead of leaving the caller waiting in a collective.
+
+Ranks are forked from multiprocessing's fork server, a fresh process that imports what
+``multiprocessing.set_forkserver_preload`` names once, before the first launch: a caller that launches
+often (the tests preload torch, megatron-core and this package) pays for a fork per rank, not for a
+Python start and its imports (4 ranks importing megatron-core took 24 s on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 import torch
@@ -41,14 +48,15 @@ def run_on_ranks(
     collective_timeout_s: float = 120.0,
     threads_per_rank: int = 1,
 ) -> list[Any]:
-    """Call ``fn(rank, world_size, *args)`` on each of ``world_size`` spawned processes.
+    """Call ``fn(rank, world_size, *args)`` on each of ``world_size`` processes; their stdout and stderr
+    are the caller's.
 
     ``fn`` must be importable (a module-level function) and return something ``torch.save`` can
     write. Returns the results in rank order.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
     results: dict[int, Any] = {}
     with tempfile.TemporaryDirectory(prefix="paradyse-ranks-") as tmp:
         reports = ctx.Queue()
@@ -65,6 +73,7 @@ def run_on_ranks(
                     collective_timeout_s,
                     threads_per_rank,
                     reports,
+                    _CallersOutput(),
                 ),
                 # Not daemonic: a rank may start processes of its own (Megatron's checkpoint writer,
                 # data-loader workers), which it shuts down when it exits; see the joins below.
@@ -117,7 +126,28 @@ def _drained(reports, results: dict[int, Any]) -> bool:
         arrived = True
 
 
-def _worker(fn, rank, world_size, args, store_path, backend, collective_timeout_s, threads, reports) -> None:
+class _CallersOutput:
+    """The caller's stdout and stderr as they are when it launches (a terminal, a file, a test's capture),
+    for a rank forked from the fork server, which would otherwise write to the server's own."""
+
+    def __reduce__(self):
+        return _CallersOutput._rebuild, (reduction.DupFd(1), reduction.DupFd(2))
+
+    @staticmethod
+    def _rebuild(out, err) -> _CallersOutput:
+        adopted = _CallersOutput()
+        adopted.fds = (out.detach(), err.detach())
+        return adopted
+
+    def adopt(self) -> None:
+        for stream, fd, target in ((sys.stdout, self.fds[0], 1), (sys.stderr, self.fds[1], 2)):
+            stream.flush()
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def _worker(fn, rank, world_size, args, store_path, backend, collective_timeout_s, threads, reports, output) -> None:
+    output.adopt()
     torch.set_num_threads(threads)
     try:
         dist.init_process_group(
