@@ -1,6 +1,6 @@
 """scripts/install.sh: its arguments and the commands each recipe runs (``--dry-run``: nothing installed).
 
-CI runs the CPU recipe for real; the CUDA recipe has run on no GPU machine yet (docs/gpu.md), so its
+CI runs the CPU recipe for real; the CUDA recipe runs only where a GPU is lent (docs/gpu.md), so its
 commands are checked here: the installed torch is never a requirement pip may replace, and nothing
 outside ``--wheels`` is needed offline.
 """

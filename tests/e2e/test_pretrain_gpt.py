@@ -328,7 +328,7 @@ def test_demo_trains_switches_plans_and_skips_what_no_plan_fits(tmp_path, cache,
 def test_every_schedule_the_entry_point_runs_leaves_its_chunks_no_input(monkeypatch):
     """Megatron's training and evaluation get their schedule from ``get_forward_backward_func``; under the
     entry point each run of it then drops the input every model chunk keeps of the step's last micro-batch,
-    so that a step leaves nothing to the next (``tests/test_step_memory.py`` measures it), and the hook goes
+    so that a step leaves nothing to the next (``tests/megatron/test_step_memory.py`` measures it), and the hook goes
     when ``pretrain`` returns."""
     from megatron_paradyse.core import compat
 

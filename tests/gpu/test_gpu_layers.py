@@ -1,5 +1,5 @@
 """The GPU checks of the layers (``pytest -m gpu``, skipped without CUDA; ``scripts/gpu_check.sh`` runs
-them; first run on an H200, docs/gpu.md).
+them; docs/gpu.md).
 
 - every strategy pair on one GPU (TP=1), bf16 with the ``auto`` attention kernel, against the same
   layer in fp32 with the ``math`` kernel: output, input gradient and every weight gradient;

@@ -59,3 +59,7 @@ TINY_GRID = calibration.Grid(
     correction_lengths=(64, 128),
 )
 """A calibration grid for tests: two GEMM sizes, two attention blocks, two message sizes, two repeats."""
+CALIBRATED_LAYER = ModelShape(
+    hidden_size=128, num_attention_heads=8, num_query_groups=8, kv_channels=16, ffn_hidden_size=256
+)
+"""A model's layer that calibration measures in seconds (its own GEMMs and attention, its correction)."""

@@ -32,6 +32,8 @@ from megatron_paradyse.core.plan import Plan  # noqa: E402
 from megatron_paradyse.mcore.chunked_loss import output_processor  # noqa: E402
 from megatron_paradyse.mcore.stock_spec import stock_block_spec as stock_block_spec  # noqa: E402 - re-exported for the tests
 
+from helpers.numerics import rel_err as rel_err  # noqa: E402 - re-exported for the tests
+
 
 def freeze_what_lives_now() -> None:
     """Moves every object alive now (after the imports: torch's and megatron-core's modules, 430K objects)
@@ -224,11 +226,6 @@ def sharded_state_dict_from_full(model: torch.nn.Module, full: dict[str, torch.T
     """A TP=1 state dict cut into ``model``'s TP shards."""
     params = dict(model.named_parameters())
     return {k: shard_of(v, params[k], rank, p) if k in params else v for k, v in full.items()}
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected|."""
-    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
 
 
 def compare(run: Run, reference: Run, model: torch.nn.Module, rank: int, cut_p: int, what: str) -> dict[str, float]:

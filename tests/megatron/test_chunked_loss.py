@@ -6,7 +6,7 @@ Megatron GPT models (GPT-style, tied output layer; LLaMA-style, untied) with the
 (an uneven tail) and in one chunk; loss and every gradient must equal Megatron's stock TP=1 model
 (fp32, 1e-5). Forward leaves the weights untouched. In bf16 the chunked loss and gradients equal the
 unchunked ones within bf16 round-off. TP=2 and TP=4 run the chunked loss with mixed plans in
-``tests/test_megatron_spec.py``.
+``tests/megatron/test_megatron_spec.py``.
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ def _collective_cases(rank: int, p: int) -> dict[str, bool]:
 
     # warm_communicators: each group's transfers once (point-to-point to the next and previous rank, or to all),
     # matched on every rank (a transfer left unmatched hangs until the launch times out); which groups and
-    # peers a step needs warmed is tests/test_communicators.py's
+    # peers a step needs warmed is tests/e2e/test_communicators.py's
     other = dist.new_group(list(ranks))
     warm_communicators([StepGroup(group, "neighbours"), StepGroup(other, "all"), StepGroup(group, "none")], x.device)
     count = torch.ones(1)

@@ -3,7 +3,7 @@ real gloo ranks never exceeds what :class:`~megatron_paradyse.planner.planner.Fo
 for it, in fp32, bf16 and fp16, and forward-only plans are at most as heavy as training's.
 
 The whole evaluation path (held-out documents, Megatron's validation loop, restarts) runs in
-``tests/test_pretrain_gpt.py``.
+``tests/e2e/test_pretrain_gpt.py``.
 """
 
 from __future__ import annotations

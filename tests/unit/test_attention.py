@@ -360,7 +360,7 @@ def test_torch_cuda_kernel_calls_match_the_ops_schemas_and_shapes(monkeypatch, d
     against each op's schema, and the shapes it hands back: cuDNN (bf16 on Hopper, queries and keys
     equally many, more than one), FlashAttention (bf16: rectangles, head sizes padded to a multiple of 8, Ampere),
     memory-efficient attention (fp32, whose log-sum-exp rows come padded to a multiple of 32), GQA,
-    dense and variable-length. The numbers are checked on a GPU (tests/test_attention_gpu.py)."""
+    dense and variable-length. The numbers are checked on a GPU (tests/gpu/test_attention_gpu.py)."""
     monkeypatch.setattr(kernels, "_capability", lambda device: capability)
     called = []
     for name in (

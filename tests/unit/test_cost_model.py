@@ -390,7 +390,7 @@ def test_the_stage_time_moves_activations_in_the_model_dtype_and_the_loss_statis
 
 
 def test_peak_bytes_adds_static_saved_and_the_larger_working_set():
-    """The whole step's terms written out by hand for one shape (``tests/test_step_memory.py`` measures
+    """The whole step's terms written out by hand for one shape (``tests/megatron/test_step_memory.py`` measures
     them on gloo ranks); p=4, s=1024, b=2, h=256, V=32000, LayerNorm on the CPU."""
     profile = synthetic_profile()
     profile["allocator_slack"] = 0.1

@@ -1,28 +1,7 @@
-"""The analytic cost model's predictions, pinned, so that a faster model must predict exactly what
-the plain one did. Memory: the allocation scripts as checked against the strategies' code (every
-rank's allocations traced, ``tests/test_memory_scripts.py``); time: the terms since commit eb71d91,
-with weight gradients reduced in fp32; a layer's output gradient dying into the residual's summed
-gradient since 2026-11-24 (two ``ring/lean`` working sets one activation smaller); the gated
-activation's halves taken with one ``unbind`` since 5f48f84 (its backward stacks their gradients: no
-sum; the 30 ``lean`` MLP working sets 1.2% to 13% smaller, the others' peaks elsewhere); ``zero3``'s fc2
-gathered while fc1 computes since 2026-11-27 (its gather streamed beside the forward: the 40 ``*/zero3``
-times 0.4% to 4.4% lower, their memory the same); ``ulysses``' and ``ring``'s output projection gathered
-while the attention core runs since 2026-11-27 (the 60 ``ulysses/*`` and ``ring/*`` times 0.2% to 1.9%
-lower, their memory the same), and their QKV projection while the core's backward runs (0.3% to 1.8%
-lower again; the same working sets but two: ``ring/lean`` and ``ring/lean+rc`` on the CPU profile's
-packed documents, 5.0% and 2.6% larger); a causal document and its padding attended in one call over the
-whole sequence since 2026-11-28 (the 12 ``tp_sp/*`` and ``ulysses/*`` times at 37,000 tokens 0.017% to
-0.020% higher: the call covers the padding's rows too); q, k, v handed to the kernel dense since
-2026-11-28 (where the order is natural, the bidirectional cases: v and the untransformed q, k copied,
-the projection's output no longer kept; the 24 ``tp_sp/*`` and ``ulysses/*`` saved bytes 5.4% to 15.7%
-smaller, their recomputed working sets 1.5% to 7.1%); ``zero3_linear``'s backward gather behind its
-weight gradient's GEMM, and that gradient's reduce-scatter behind the input gradient's, since 2026-11-28
-(both streamed beside the backward: the 80 ``*/zero3`` and ``ulysses/*``, ``ring/*`` times 0.8% to 24.5%
-lower, the largest on the H100 figures' short documents; the weight and its full gradient alive together:
-the 32 ``*/zero3`` working sets of the H100 figures and of the CPU profile's bidirectional case 2.4% to
-35.5% larger); the ``zero3`` MLP's fc1 weight gathered while ``ulysses``' or ``ring``'s attention core
-runs since 2026-11-28 (streamed beside the attention's forward: the 20 ``ulysses/zero3`` and
-``ring/zero3`` times 0.8% to 9.8% lower, their memory the same: the backward sets the peak).
+"""The analytic cost model's predictions, pinned, so that a faster model must predict exactly what the
+plain one did, and a change to the model shows every prediction it moves (git history keeps why each
+pinned value last changed). Memory: the allocation scripts as checked against the strategies' code
+(every rank's allocations traced, ``tests/ranks/test_memory_scripts.py``); time: the terms.
 
 Two models: an H100 node's published figures with the benchmark's LLaMA-3-8B-sized layer (p=8, bf16,
 RoPE, no biases, on CUDA), and the unit tests' synthetic CPU profile with a correction (p=4, fp32,

@@ -5,7 +5,7 @@ Every strategy pair, with and without recompute, runs Megatron's layer built fro
 process group, with ``meta`` tensors standing in for a GPU's: the host is the CPU, the device is not.
 :class:`~megatron_paradyse.core.host_sync.HostSyncs` watches the layer's operators only; the layout's index
 tensors reach the device before the layer runs, as the entry point puts them there. The same check on
-a GPU, under ``torch.cuda.set_sync_debug_mode("error")``, is in ``tests/test_gpu_layers.py``.
+a GPU, under ``torch.cuda.set_sync_debug_mode("error")``, is in ``tests/gpu/test_gpu_layers.py``.
 """
 
 from __future__ import annotations
