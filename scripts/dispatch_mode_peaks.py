@@ -12,7 +12,8 @@ allocator's own peak (the profiler's memory events: every allocation, no mode) w
 pass-through mode around the step: the difference is what the mode alone changes. The allocator also
 counts what kernels allocate inside themselves, which the tracker cannot see (a case far above its
 neighbours in both columns is worth a look: that is how 316d33a's per-token GEMM was found). The
-last line is ``mode_changed=<cases> cases=<n> mode_over_plain_max=<percent>``; docs/gpu.md has its runs.
+last line is ``mode_changed=<cases> cases=<n> mode_over_plain_max=<percent>``; its runs are in benchmarks/results/
+(``dispatch-mode-peaks_*``).
 """
 
 from __future__ import annotations

@@ -50,9 +50,9 @@ most micro-batches); with it, where q, k, v and the output are dense ``[b, s, n,
 ``strategies.common.attend_full_sequence`` hands them over), the graphs are keyed by lengths rounded up
 to a power of two and the true lengths passed at run time: on an H100 no build at a new length, the
 same output, steady attention 3% to 7% slower in one run each (two runs without it differed by up to
-8%; docs/gpu.md). Not on by default: PyTorch calls it
+8%; benchmarks/results/cudnn-recompile_h100_20261128_b90c39f.md). Not on by default: PyTorch calls it
 experimental, its ragged backward's gradients have not been checked here on a GPU yet
-(``tests/test_attention_gpu.py`` does), and a ragged cuDNN backward has returned zero gradients without
+(``tests/gpu/test_attention_gpu.py`` does), and a ragged cuDNN backward has returned zero gradients without
 an error in some cuDNN releases (cudnn-frontend pull request 462)."""
 
 
@@ -213,7 +213,7 @@ def _pad_head(t: Tensor, d: int) -> Tensor:
 
 class TorchCudaKernel:
     """PyTorch's own CUDA attention: no package beyond torch. CI has no GPU: ``pytest -m gpu`` runs it
-    (first on an H200, docs/gpu.md).
+    (docs/gpu.md).
 
     fp16/bf16 on Hopper or newer, a block whose queries and keys are equally many (more than one), head
     sizes up to 128 and a multiple of 8: cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention`` and

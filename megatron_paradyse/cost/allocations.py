@@ -7,7 +7,7 @@ weight gradients summed over ranks) in the accumulation element size ``acc`` (fp
 precision). A script gives what stays for backward (``saved``) and the high-water marks, which
 :func:`layer_memory` composes with the layer's own tensors (norms, residuals) and recompute.
 
-The scripts are checked, not trusted: ``tests/test_memory_scripts.py`` runs every strategy's real code
+The scripts are checked, not trusted: ``tests/ranks/test_memory_scripts.py`` runs every strategy's real code
 on gloo ranks over the matrix of dtypes, group sizes, masks, packings, head layouts and MLPs, and
 compares every rank's allocations with these scripts (saved bytes exactly, peaks exactly); a script
 that drifts from its strategy's code fails there.

@@ -530,7 +530,7 @@ class AnalyticCostModel:
         known = self._prices.call_times.get(key)
         if known is None:
             fit = self.profile["gemm"][direction]
-            measured = fit.get("by_shape", {}).get(f"{gemm.n}x{gemm.k}")  # profiles before 2026-11-27 have none
+            measured = fit.get("by_shape", {}).get(f"{gemm.n}x{gemm.k}")  # optional in a profile
             if measured is not None:  # its rate interpolated in log m, flat beyond the measured ones
                 rate = np.interp(math.log(gemm.m), np.log(measured["m"]), measured["per_flop_s"])
                 known = float(rate) * gemm.flops

@@ -120,7 +120,8 @@ class NodeSpec:
     outside_allocator_bytes: int = 3 * 2**30
     """*Assumption*: each GPU's memory in use outside PyTorch's caching allocator while training (the CUDA
     context, cuBLAS and cuDNN, NCCL's communicators), which a job measures at start-up: 2.82 GiB at the
-    end of a one-GPU run on an H200 (docs/gpu.md), rounded up; several GPUs' communicators not measured."""
+    end of a one-GPU run on an H200 (benchmarks/results/train-peaks_h200_20261126_a63fbdb-2.md), rounded
+    up; several GPUs' communicators not measured."""
     sources: tuple[str, ...] = ()
 
     @property

@@ -11,8 +11,8 @@ gradient buffers (the plan-independent static part):
   (the output gone, its gradient made inside the backward and freed once used);
 - ``transient_bytes = peak_bytes - saved_bytes``.
 
-A stage of ``L`` alike layers then peaks at ``static + L * saved + transient`` (the last layer's
-backward runs on top of every layer's saved activations), which is how :mod:`cost.base` composes them.
+A stage composes them in the order its layers run (:func:`cost.base.stage_layer_bytes`): each layer's
+working set on top of the saved activations of the layers before it.
 Used by the benchmark, by ``paradyse calibrate`` (its optional fitted correction) and by the tests.
 """
 

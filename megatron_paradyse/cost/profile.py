@@ -19,7 +19,7 @@ all times in seconds, sizes in bytes::
       "ring_overlap": float,                          # fraction of the shorter of comm/compute hidden
       "host_link": {"latency_s": a, "per_byte_s": b,  # optional: one device<->host copy (offload),
                     "overlap": float},                # and the fraction of it compute hides
-      "allocator_slack": float,                       # fraction of the transient (0 on the CPU tracker)
+      "allocator_slack": float,                       # fraction of the transient added to a peak
       "correction": null | {"compute": k, "comm": k, "per_sync_s": c, "per_layer_s": c,
                             "fitted_on": ["tp_sp/tp_sp@512", ...],
                             "metered": bool},         # optional: its layers timed under the memory meter
@@ -30,7 +30,7 @@ all times in seconds, sizes in bytes::
 
 with ``GEMM = {"coef": [c0, c1, c2], "by_shape": {"<n>x<k>": {"m": [m...], "per_flop_s": [r...]}}}``
 (a measured ``(n, k)``: time = r(m) * FLOPs, ``r`` interpolated in log m; any other: time = c0 + c1 *
-FLOPs + c2 * bytes; ``by_shape`` is optional, profiles before 2026-11-27 have none), ``RATE =
+FLOPs + c2 * bytes; ``by_shape`` is optional), ``RATE =
 {"per_call_s": c0, "by_head_dim": {"<hn>": {"lengths": [L...], "per_unit_s": [r...]}}}`` (time = c0 +
 r(L) * pairs * hn * heads * b at the nearest calibrated head dim, ``r`` interpolated in log length;
 ``L`` = sq causal, sqrt(sq sk) full) and

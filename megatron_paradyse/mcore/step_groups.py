@@ -4,7 +4,7 @@ checkpoints and validation included).
 NCCL holds device memory outside PyTorch's caching allocator for each communicator and connects each
 algorithm's and each peer's buffers at first use. The memory budget is sized by what the allocator can
 hold once all of that is taken (:func:`megatron_paradyse.core.comm.warm_communicators`), so the list
-must hold every group the step uses (``tests/test_communicators.py`` records a step's collectives and
+must hold every group the step uses (``tests/e2e/test_communicators.py`` records a step's collectives and
 checks that none runs on a group, or to a peer, not warmed first) and no other: a group warmed but never
 used holds its buffers for nothing.
 """

@@ -646,7 +646,7 @@ class ForwardOnlyCost:
     runs, or the last layer's output while the output layer runs) and the working set of one layer.
     That working set is priced as the layer's whole training high-water mark, forward and backward
     (its saved plus transient bytes), an upper bound of its forward alone, which the cost models do
-    not price apart (``tests/test_evaluation.py`` measures every option's no-grad forward against
+    not price apart (``tests/ranks/test_evaluation.py`` measures every option's no-grad forward against
     it). Times stay the training pass's (forward and backward): they rank the plans, they do not
     predict an evaluation step.
 

@@ -90,7 +90,8 @@ loaded and tuned, communicators set up on first use, the allocator's first reque
 ALLOCATOR_GREW = "allocator grew"
 """On CUDA, the caching allocator reserved more device memory while the micro-batch ran. Mapping it costs
 time the steady state does not pay: on an H200, 1.4 to 3.4 s for such micro-batches of 4K to 8K tokens,
-0.15 to 0.36 s for the next ones (docs/gpu.md); a run whose lengths only grow pays it at each new high.
+0.15 to 0.36 s for the next ones (benchmarks/results/train-peaks_h200_20261126_c9d5eef.md); a run whose
+lengths only grow pays it at each new high.
 Each rank tells its own allocator's. The ranks of a tensor-parallel group hold alike shards of one
 micro-batch and grow alike; one that did not grow while another did still waited for it in their
 collectives, and its time, learned from, holds that wait (the agreement merges what every rank learned)."""

@@ -5,9 +5,9 @@
 TRACE is the Chrome trace Megatron's own profiler writes (``--profile --use-pytorch-profiler
 --profile-step-start N --profile-step-end N+1 --tensorboard-dir DIR`` among a config's ``megatron_args``:
 ``DIR/../torch_profile/rank-<r>.json.gz``). On one H200 a training micro-batch took about 20% more than
-its layers' own work (docs/gpu.md, "The third run"); this says whether that time is kernels (which kind)
-or the device waiting for the host. Kernels are sorted into kinds by name; "idle" is the time inside the
-profiled span on no stream. The last line:
+its layers' own work (benchmarks/results/train-peaks_h200_20261127_d44f729.md); this says whether that
+time is kernels (which kind) or the device waiting for the host. Kernels are sorted into kinds by name;
+"idle" is the time inside the profiled span on no stream. The last line:
 
     span_ms=<s> busy_ms=<b> idle_ms=<i> gemm_ms=<g> attention_ms=<a> communication_ms=<c> copy_ms=<m> other_ms=<o>
 """

@@ -6,8 +6,8 @@ The per-micro-batch meter (``log.measure: true``) resets the allocator's peak st
 micro-batch; this script keeps the largest values seen before every reset, so that its last line gives
 the run's: the most allocated and reserved, what the device had in use at the end (the CUDA context
 and libraries' workspaces outside the caching allocator included), the device's size, and whether the
-allocator's segments are expandable (the entry point turns them on: ``core/allocator.py``). docs/gpu.md
-records its runs on one H200.
+allocator's segments are expandable (the entry point turns them on: ``core/allocator.py``). Its runs are in
+benchmarks/results/ (``train-peaks_*``).
 """
 
 from __future__ import annotations
