@@ -1,7 +1,15 @@
 """What the tests' rank processes import before they are forked (``tests/conftest.py`` preloads it into
-multiprocessing's fork server): torch, megatron-core on the CPU, and the package's layers."""
+multiprocessing's fork server): megatron-core on the CPU, torch, and the package's layers.
 
-from megatron_paradyse import cost, planner, strategies  # noqa: F401
-from megatron_paradyse.mcore import modules  # noqa: F401
+The fork server swallows an import error here and forks ranks that import everything again, so
+``tests/ranks/test_rank_launch.py`` checks that a rank starts with this module loaded.
+"""
 
-from helpers import megatron_harness  # noqa: F401 - compat.install(), then megatron-core
+from megatron_paradyse.core import compat
+
+compat.install()  # before anything below imports megatron.core
+
+from megatron_paradyse import cost, planner, strategies  # noqa: E402, F401
+from megatron_paradyse.mcore import modules  # noqa: E402, F401
+
+from helpers import megatron_harness  # noqa: E402, F401
