@@ -105,6 +105,15 @@ def _p_list(text: str) -> list[int]:
     return values
 
 
+def _cmd_strategies(args: argparse.Namespace) -> int:
+    from megatron_paradyse.strategies import get_strategy, strategy_names
+
+    for sublayer in ("attention", "mlp"):
+        for name in strategy_names(sublayer):
+            print(f"{sublayer:<9} {name:<8} {get_strategy(sublayer, name).summary}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paradyse", description="megatron-paradyse tools")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -153,6 +162,8 @@ def _parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="will it fit? the plans, time and peak per length, before launching")
     plan_cli.add_plan_arguments(plan)
     plan.set_defaults(run=plan_cli.run_plan)
+    listing = commands.add_parser("strategies", help="the strategy library: each strategy and what it does")
+    listing.set_defaults(run=_cmd_strategies)
     # Listed for --help; main() hands "demo ..." to the demo, which parses its own options.
     commands.add_parser("demo", help="the CPU demo: train a small GPT on 4 gloo ranks, switching plans")
     return parser

@@ -40,7 +40,7 @@ from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.analytic import AnalyticCostModel
-from megatron_paradyse.cost.calibrate import REFERENCE_SHAPE, calibrate
+from megatron_paradyse.cost.calibrate import REFERENCE_SHAPE, calibrate, correction_layers
 from megatron_paradyse.cost.empirical import EmpiricalCostModel, Sample
 from megatron_paradyse.cost.fitting import mape
 from megatron_paradyse.cost.measure import measure_layer
@@ -48,7 +48,6 @@ from megatron_paradyse.cost.profile import load_profile, save_profile
 
 __all__ = ["RankAgreement", "length_line", "main", "rank_agreement", "summary_line"]
 
-PAIRS = tuple(f"{a}/{m}" for a in ("tp_sp", "ulysses", "ring", "lean") for m in ("tp_sp", "zero3", "lean"))
 MIB = 1 << 20
 
 
@@ -173,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="256,512,1024,2048,4096,8192")
     parser.add_argument("--profile", help="cost profile from `paradyse calibrate` (default: calibrate quickly)")
     parser.add_argument("--repeats", type=int, default=5, help="timed passes over the grid (median)")
-    parser.add_argument("--pairs", default=",".join(PAIRS), help="attention/mlp pairs, each with and without recompute")
+    parser.add_argument(
+        "--pairs",
+        default=",".join(str(option) for option in correction_layers()),
+        help="attention/mlp pairs, each with and without recompute (default: every pair of the library)",
+    )
     parser.add_argument("--json", help="write every measurement and prediction here")
     parser.add_argument("--save-profile", help="without --profile: keep the profile calibrated here (for --profile)")
     args = parser.parse_args(argv)

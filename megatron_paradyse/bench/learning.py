@@ -42,6 +42,7 @@ from megatron_paradyse.core.plan import LayerOption, Plan
 from megatron_paradyse.cost.base import StageOptions
 from megatron_paradyse.cost.correction import CorrectedCostModel, TimeCorrections
 from megatron_paradyse.planner import Planner, PlannerConfig
+from megatron_paradyse.strategies import strategy_names
 
 GIB = 2**30
 P = 8
@@ -53,8 +54,8 @@ class _Machine:
     in length common to every option. Answers ``factor(option, bucket)`` as learned corrections do."""
 
     def __init__(self, rng: np.random.Generator, model_error: float) -> None:
-        self._attention = {a: math.exp(rng.normal(0, model_error)) for a in ("tp_sp", "ulysses", "ring", "lean")}
-        self._mlp = {m: math.exp(rng.normal(0, model_error)) for m in ("tp_sp", "zero3", "lean")}
+        self._attention = {a: math.exp(rng.normal(0, model_error)) for a in strategy_names("attention")}
+        self._mlp = {m: math.exp(rng.normal(0, model_error)) for m in strategy_names("mlp")}
         self._trend = rng.normal(0, 0.1)  # factor (bucket / 8192) ** trend: the model's error in length
 
     def factor(self, option: LayerOption | str, bucket: int) -> float:

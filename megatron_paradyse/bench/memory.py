@@ -52,10 +52,10 @@ from megatron_paradyse.core.memory import PeakMemory
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.measure import LayerParams, make_layer_params, run_layer
-from megatron_paradyse.cost.terms import RANK_DEPENDENT, layer_terms
+from megatron_paradyse.cost.terms import layer_terms
 from megatron_paradyse.mcore.trace import LAYER_KINDS, LayerKind, LayerModel, LayerTrace, fake_world, trace_rank
 from megatron_paradyse.planner.config import PlannerConfig, layer_options
-from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape, unsupported_reason
+from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape, get_strategy, unsupported_reason
 
 PAIRINGS = ("tp_sp/tp_sp", "ulysses/zero3", "ring/zero3", "lean/lean")
 """Each attention strategy with its natural MLP partner; the first is the baseline of the ratios."""
@@ -405,7 +405,7 @@ def trace_cases(cfg: TraceConfig) -> list[TraceCase]:
                     cases += [TraceCase(name, length, option, rank) for rank in range(cfg.p)]
                     continue
                 case = TraceCase(name, length, option, 0)
-                if option.attention in RANK_DEPENDENT:
+                if get_strategy("attention", option.attention).depends_on_rank:
                     peaks = [_predicted(cfg, case, rank).peak_bytes for rank in range(cfg.p)]
                     case = dataclasses.replace(case, rank=peaks.index(max(peaks)))
                 cases.append(case)

@@ -18,7 +18,7 @@ they are issued, so they add up; the ring overlaps its hops with its kernels, ``
 transfers with its compute. ``syncs`` counts collectives and ring hops. The correction (``k = 1``,
 the rest 0 without one) is fitted by ``paradyse calibrate --fit-correction`` on a few measured layers.
 
-Memory is :mod:`cost.allocations`' saved and transient bytes of the layer; the stage peak adds the static
+Memory is :mod:`cost.layer_memory`'s saved and transient bytes of the layer; the stage peak adds the static
 bytes (the same for every plan, given by the caller: see :mod:`megatron_paradyse.mcore.static_memory`), the
 stage's own activations (:meth:`AnalyticCostModel.stage_bytes`), and the larger of
 the largest layer working set and the output layer's (:meth:`AnalyticCostModel.loss_bytes`), with
@@ -47,20 +47,14 @@ import torch
 
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption, Plan, loss_chunk_rows, mlp_tile_rows
-from megatron_paradyse.cost.allocations import (
-    RANK_DEPENDENT,
-    Dims,
-    LayerMemory,
-    SublayerMemory,
-    layer_memory,
-    norm_peak,
-    sublayer_memory,
-    tiled_mlp_memory,
-)
 from megatron_paradyse.cost.base import WHOLE_LOSS, LayerCost, StageOptions, stage_layer_bytes
+from megatron_paradyse.cost.layer_memory import LayerMemory, layer_memory, norm_peak, sublayer_memory, tiled_mlp_memory
 from megatron_paradyse.cost.profile import load_profile
-from megatron_paradyse.cost.terms import AttentionCall, Collective, Gemm, RingStage, SublayerTerms, sublayer_terms
-from megatron_paradyse.strategies import ModelShape, gathers_mlp_weight_ahead
+from megatron_paradyse.cost.terms import sublayer_terms
+from megatron_paradyse.strategies import ModelShape, gathers_mlp_weight_ahead, get_strategy
+from megatron_paradyse.strategies.allocations import SublayerMemory
+from megatron_paradyse.strategies.dims import Dims
+from megatron_paradyse.strategies.terms import AttentionCall, Collective, Gemm, RingStage, SublayerTerms
 
 __all__ = ["AnalyticCostModel", "TimeBreakdown"]
 
@@ -320,7 +314,7 @@ class AnalyticCostModel:
         out-of-range mask, bool, and masked token ids, int64, ``[b, s]``; counted on every stage);
         GPTModel's rotary table ``[s, 1, 1, rotary_dim]`` (fp32); with sequence parallelism, Megatron's
         global all-gather buffer: Megatron's sequence-parallel column linears (``tp_sp``'s, the output
-        layer's) gather their input into it and keep it, so the layers' memory (:mod:`cost.allocations`)
+        layer's) gather their input into it and keep it, so the layers' memory (:mod:`cost.layer_memory`)
         has no gathered input. It holds ``[s, b, h]``; where no layer runs ``tp_sp``
         (``stage.sequence_buffer`` False), what the output layer gathers: ``[s, b, h]``, one chunk of a
         chunked loss, or nothing on a stage without it. The training entry point
@@ -350,7 +344,7 @@ class AnalyticCostModel:
         temporaries (before the per-token loss exists); or, in backward, the logits' gradient beside
         the projection's input gradient ``[s, b, h]``, its reduce-scatter to ``[t, b, h]`` (p > 1) and
         the weight's gradient ``[V/p, h]`` (accumulated into ``.grad``, unfused as
-        :mod:`cost.allocations` counts every linear's), once the per-token loss is gone.
+        :mod:`cost.layer_memory` counts every linear's), once the per-token loss is gone.
 
         With ``chunk_tokens`` (:mod:`megatron_paradyse.mcore.chunked_loss`) and more than one chunk, the
         same working set is one chunk's (``chunk_tokens / p`` rows of every rank). Autograd holds more
@@ -398,7 +392,7 @@ class AnalyticCostModel:
         """(time, saved bytes, transient bytes) of the layer on every rank whose work differs (ring
         steps see different blocks)."""
         memo = self._memo(layout, micro_batch_size)
-        ranks = range(self.p) if option.attention in RANK_DEPENDENT else (0,)
+        ranks = range(self.p) if get_strategy("attention", option.attention).depends_on_rank else (0,)
         ahead = gathers_mlp_weight_ahead(option, self.p)
         mlp = (  # the same on every rank
             self._tiled_mlp(memo, layout, option.mlp, option.mlp_tile_tokens)

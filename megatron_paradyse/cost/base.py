@@ -21,6 +21,7 @@ from typing import Protocol
 
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption, Plan
+from megatron_paradyse.strategies import get_strategy
 
 __all__ = ["WHOLE_LOSS", "CostModel", "LayerCost", "StageOptions", "run_order", "stage_layer_bytes"]
 
@@ -53,8 +54,9 @@ class StageOptions:
 
 
 def _gathers_sequence(option: LayerOption) -> bool:
-    """``tp_sp``'s Megatron linears gather the whole sequence into Megatron's buffer."""
-    return "tp_sp" in (option.attention, option.mlp)
+    """A strategy that calls Megatron's sequence-parallel linears gathers the whole sequence into
+    Megatron's buffer."""
+    return get_strategy("attention", option.attention).calls_linears or get_strategy("mlp", option.mlp).calls_linears
 
 
 WHOLE_LOSS = StageOptions()

@@ -54,11 +54,13 @@ from megatron_paradyse.core.offload import ActivationOffload
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.fitting import fit_nonnegative
 from megatron_paradyse.cost.profile import fingerprint
-from megatron_paradyse.cost.terms import COLLECTIVE_KINDS, AttentionCall, Dims, sublayer_terms, supported_options
-from megatron_paradyse.strategies import ModelShape
+from megatron_paradyse.cost.terms import sublayer_terms
+from megatron_paradyse.strategies import ModelShape, strategy_names
+from megatron_paradyse.strategies.dims import Dims
+from megatron_paradyse.strategies.terms import COLLECTIVE_KINDS, AttentionCall
 
 __all__ = [
-    "CORRECTION_LAYERS",
+    "correction_layers",
     "GRIDS",
     "Grid",
     "REFERENCE_SHAPE",
@@ -146,12 +148,11 @@ def model_grid(grid: Grid, shape: ModelShape, p: int, longest: int, device: str)
     s = 2 * p * 64  # any length: the GEMMs' (n, k) do not depend on it
     dims = Dims(shape, p, s, 1, 2)
     layout = SequenceLayout.build(s, p, causal=True)
-    attention, mlp = supported_options()
     nk = sorted(
         {
             (g.n, g.k)
-            for kind, names in (("attention", attention), ("mlp", mlp))
-            for name in names
+            for kind in ("attention", "mlp")
+            for name in strategy_names(kind)
             for terms in [sublayer_terms(kind, name, dims, layout)]
             for g in (*terms.gemms, *terms.recompute_gemms)
         }
@@ -162,7 +163,7 @@ def model_grid(grid: Grid, shape: ModelShape, p: int, longest: int, device: str)
         fitting = [m for m in tokens if 2 * m * n * k <= cap] or tokens[:1]
         gemms += [(m, n, k) for m in fitting]
     hn = shape.kv_channels
-    most_heads = 1 if device == "cpu" else _most_heads_per_call(shape, dims, layout, attention)
+    most_heads = 1 if device == "cpu" else _most_heads_per_call(shape, dims, layout, strategy_names("attention"))
     calls = []
     for length in sorted({*(128 * 4**i for i in range(32) if 128 * 4**i < longest), longest}):
         for causal in (True, False):
@@ -200,12 +201,14 @@ REFERENCE_SHAPE = ModelShape(
     hidden_size=256, num_attention_heads=8, num_query_groups=8, kv_channels=32, ffn_hidden_size=1024
 )
 """The layer the correction is fitted on (the benchmark's layer)."""
-# every pair, lean included: its many streamed hops must weigh in the per-synchronisation cost
-CORRECTION_LAYERS = tuple(
-    LayerOption(a, m) for a in ("tp_sp", "ulysses", "ring", "lean") for m in ("tp_sp", "zero3", "lean")
-)
-"""Options the correction is fitted on (no recompute); the benchmark's held-out MAPE excludes these at
-the grid's ``correction_lengths``."""
+
+
+def correction_layers() -> tuple[LayerOption, ...]:
+    """Options the correction is fitted on (no recompute): every pair of the library, lean's included (its
+    many streamed hops must weigh in the per-synchronisation cost); the benchmark's held-out MAPE excludes
+    these at the grid's ``correction_lengths``."""
+    return tuple(LayerOption(a, m) for a in strategy_names("attention") for m in strategy_names("mlp"))
+
 
 MIN_SCALE = 0.5
 """Smallest correction scale of the compute and communication terms."""
@@ -767,7 +770,7 @@ def _correction_layers(
     out = []
     for s in lengths:
         layout = SequenceLayout.build(s, p, causal=True)
-        for option in CORRECTION_LAYERS:
+        for option in correction_layers():
             m = measure_layer(option, layout, shape, group, dtype=dtype, device=device, memory_runs=0, metered=metered)
             out.append((str(option), s, m.time_s))
     return out

@@ -50,8 +50,8 @@ import dataclasses
 from typing import Any
 
 from megatron_paradyse.cost.profile import PROFILE_SCHEMA, PROFILE_VERSION
-from megatron_paradyse.cost.terms import COLLECTIVE_KINDS
 from megatron_paradyse.strategies import ModelShape
+from megatron_paradyse.strategies.terms import COLLECTIVE_KINDS
 
 __all__ = ["BYTES_PER_PARAM", "HARDWARE", "Link", "NodeSpec", "hardware_profile", "stage_static_bytes"]
 

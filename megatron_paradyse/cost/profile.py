@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from megatron_paradyse.cost.terms import COLLECTIVE_KINDS
+from megatron_paradyse.strategies.terms import COLLECTIVE_KINDS
 
 __all__ = ["PROFILE_SCHEMA", "PROFILE_VERSION", "ProfileError", "fingerprint", "load_profile", "save_profile"]
 

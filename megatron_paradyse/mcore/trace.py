@@ -54,9 +54,9 @@ from megatron_paradyse.core import compat
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.memory import GradientRoot, MemoryEvent, _StorageTracker, collective_buffers_freed_promptly
 from megatron_paradyse.core.plan import LayerOption
-from megatron_paradyse.cost.allocations import Dims
 from megatron_paradyse.cost.measure import make_layer_params, run_layer
 from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape
+from megatron_paradyse.strategies.dims import Dims
 from megatron_paradyse.strategies.megatron_linears import gather_buffer_scope, reserve_gather_buffer
 
 __all__ = [

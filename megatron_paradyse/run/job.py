@@ -358,17 +358,19 @@ def _overlap_problems(args: argparse.Namespace, config: ParadyseConfig, transfor
     """What of Megatron's overlapped gradient reduction the plans would break."""
     from megatron_paradyse.mcore.model_shape import model_shape
     from megatron_paradyse.planner import layer_options
+    from megatron_paradyse.strategies import get_strategy
 
     if not (args.overlap_grad_reduce and transformer.qk_layernorm) or args.tensor_model_parallel_size == 1:
         return []
     options, _ = layer_options(config.planner, model_shape(transformer), args.tensor_model_parallel_size)
-    if not any(option.attention == "lean" for option in options):
-        return []
+    in_parts = {name: get_strategy("attention", name).qk_norm_grads_in_parts for name in {o.attention for o in options}}
     return [
-        "--overlap-grad-reduce with --qk-layernorm and the lean attention strategy in the plans: lean's backward "
-        "adds the q/k norm weights' gradients once per head group, and Megatron's overlapped reduction counts each "
-        "as the weight's gradient being ready; leave out --overlap-grad-reduce (and --overlap-param-gather), or "
-        "keep lean out of the plans (planner.attention or planner.pairs)"
+        f"--overlap-grad-reduce with --qk-layernorm and the {name} attention strategy in the plans: {name}'s backward "
+        f"adds the q/k norm weights' gradients {how}, and Megatron's overlapped reduction counts each as the "
+        "weight's gradient being ready; leave out --overlap-grad-reduce (and --overlap-param-gather), or keep "
+        f"{name} out of the plans (planner.attention or planner.pairs)"
+        for name, how in sorted(in_parts.items())
+        if how
     ]
 
 

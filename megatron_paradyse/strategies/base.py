@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from torch import Tensor
 from torch.distributed import ProcessGroup
@@ -20,6 +20,11 @@ from torch.distributed import ProcessGroup
 from megatron_paradyse.attention.kernels import AttentionKernel
 from megatron_paradyse.core.comm import Zero3Gathers
 from megatron_paradyse.core.layout import SequenceLayout
+
+if TYPE_CHECKING:
+    from megatron_paradyse.strategies.allocations import SublayerMemory
+    from megatron_paradyse.strategies.dims import Dims
+    from megatron_paradyse.strategies.terms import SublayerTerms
 
 __all__ = [
     "AttentionContext",
@@ -250,20 +255,36 @@ class MLPContext:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Strategy:
-    """One entry of the strategy library."""
+    """One entry of the strategy library: what a strategy runs and what that costs, in one record that
+    every list of strategies reads (the planner's options, the cost model, the CLI, config validation)."""
 
     name: str
     sublayer: Sublayer
     forward: Callable[..., Tensor]
     """``(x_local, weights, ctx) -> y_local``."""
+    terms: Callable[[Dims, SequenceLayout, int], SublayerTerms]
+    """``(dims, layout, rank) ->`` what ``forward`` computes and sends on ``rank``
+    (:mod:`~megatron_paradyse.strategies.terms`), which :mod:`~megatron_paradyse.cost.analytic` prices."""
+    memory: Callable[[Dims, SequenceLayout, int], SublayerMemory]
+    """``(dims, layout, rank) ->`` what ``forward`` and its backward keep and allocate on ``rank``
+    (:mod:`~megatron_paradyse.strategies.allocations`), checked to the byte against ``forward`` by
+    ``tests/ranks/test_memory_scripts.py``."""
     summary: str
     """One line: what it communicates and what it keeps in memory."""
     unsupported: Callable[[ModelShape, int], str | None] = lambda shape, p: None
     """Why this strategy cannot run a model on ``p`` ranks beyond the shard layout itself, or None."""
+    depends_on_rank: bool = False
+    """Its terms and memory differ from rank to rank (the ring blocks a rank sees, the shard gradient it
+    keeps): the cost model prices every rank, not rank 0 for all."""
+    qk_norm_grads_in_parts: str | None = None
+    """How often its backward hands the q/k norm weights' gradients to autograd, where more than once
+    (``lean``: ``"once per head group"``): Megatron's overlapped gradient reduction would take the first
+    part as the whole gradient."""
     calls_linears: bool = False
     """It calls the weights' Megatron linear modules (``tp_sp``) rather than reading their shards: the
     modules run their own forward pre-hooks and any norm fused into them (Transformer Engine's
-    ``linear_qkv``/``linear_fc1``); for the other strategies the layer does both."""
+    ``linear_qkv``/``linear_fc1``); for the other strategies the layer does both. Those modules gather
+    the whole sequence into Megatron's buffer, which a pipeline stage must have."""
     starts_mlp_gather: bool = False
     """An attention strategy that starts the MLP's first ZeRO-3 weight gather
     (:meth:`AttentionContext.start_mlp_gather`) where its own compute hides it: after its own

@@ -22,16 +22,50 @@ K/V rings of ``1/p`` of the heads: more, smaller messages than any other strateg
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_paradyse.core.comm import linear_over_rows
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.strategies.allocations import (
+    MEMO_SIZE,
+    Allocations,
+    Call,
+    Iteration,
+    Loop,
+    State,
+    SublayerMemory,
+    sublayer_memory_of,
+)
+from megatron_paradyse.strategies.attention_allocations import (
+    block_of,
+    qk_backward,
+    qk_forward,
+    ring_backward_memory,
+    ring_forward_memory,
+)
 from megatron_paradyse.strategies.base import AttentionContext, AttentionWeights, MLPContext, MLPWeights, Strategy
 from megatron_paradyse.strategies.common import activate, add_bias, heads_first, local_positions, split_qkv
+from megatron_paradyse.strategies.dims import Dims, ring_steps
+from megatron_paradyse.strategies.linear_allocations import (
+    activation_backward,
+    activation_forward,
+    add_bias_memory,
+    bias_grad,
+)
 from megatron_paradyse.strategies.registry import register
 from megatron_paradyse.strategies.ring import ring_attention_backward, ring_attention_forward
 from megatron_paradyse.strategies.streaming import broadcast_shards, ring_shards
+from megatron_paradyse.strategies.terms import (
+    Collective,
+    Gemm,
+    SublayerTerms,
+    qk_norm_bytes,
+    ring_stage,
+)
 
 __all__ = ["attention", "mlp"]
 
@@ -186,11 +220,230 @@ def mlp(x_local: Tensor, w: MLPWeights, ctx: MLPContext) -> Tensor:
     return add_bias(_LeanMLP.apply(x_local, w.fc1, w.fc2, w.fc1_bias, ctx), w.fc2_bias)
 
 
+# -- what it costs: time terms (priced by cost.analytic) and memory (composed by cost.layer_memory) --
+def attention_terms(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
+    """Head group ``j``: its shard broadcast by rank ``j`` (the next one in flight), its q/k/v
+    projected, ring attention, ``y += core_j proj_j^T``; backward broadcasts again, recomputes q/k/v,
+    runs the ring backward and reduces the shard's gradient (accumulation dtype) to its owner while
+    the next group runs."""
+    t, b, e, p = d.t, d.b, d.e, d.p
+    qkv_rows = d.qkv // p
+    shard = (qkv_rows * d.h + d.h * d.a // p + (qkv_rows if d.bias else 0)) * e
+    ring = ring_stage(layout, rank, d, d.nq // p, d.ng // p)
+    # the first shard's broadcast (and the last gradient's reduce) are waited for; the others run
+    # while a group computes
+    broadcast, reduce = Collective("broadcast", shard), Collective("reduce", shard // e * d.acc)
+    return SublayerTerms(
+        gemms=(Gemm(t * b, qkv_rows, d.h), Gemm(t * b, d.h, d.a // p)) * p,
+        recompute_gemms=(Gemm(t * b, qkv_rows, d.h),) * p,
+        rings=(ring,) * p,
+        fwd_comm=(broadcast,) if p > 1 else (),
+        fwd_streamed=(broadcast,) * (p - 1),
+        bwd_comm=(broadcast, reduce) if p > 1 else (),
+        bwd_streamed=(broadcast, reduce) * (p - 1),
+        # per group and step a merge, the output copied to rows, the shard packed
+        elementwise_bytes=p * 8 * t * b * d.a * d.acc + 2 * t * b * d.a * e + 2 * shard + qk_norm_bytes(d),
+    )
+
+
+def mlp_terms(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
+    """The fc1/fc2 shards circulate (at step ``i`` rank ``r`` holds shard ``r - i``, the next one
+    arriving): ``y += act(x fc1_j^T + b1_j) fc2_j^T``; backward circulates them again, recomputes the
+    intermediate, and each shard's gradient accumulator travels with it back to its owner."""
+    t, b, e, p = d.t, d.b, d.e, d.p
+    shard = (d.f1 // p * d.h + d.h * d.f // p + (d.f1 // p if d.bias else 0)) * e
+    hop, grad_hop = Collective("send_recv", shard), Collective("send_recv", shard // e * d.acc)
+    return SublayerTerms(
+        gemms=(Gemm(t * b, d.f1 // p, d.h), Gemm(t * b, d.h, d.f // p)) * p,
+        recompute_gemms=(Gemm(t * b, d.f1 // p, d.h),) * p,
+        fwd_streamed=(hop,) * (p - 1),
+        # the shards' hops and the accumulators' but the last, waited for at the end
+        bwd_comm=(grad_hop,) if p > 1 else (),
+        bwd_streamed=(hop,) * (p - 1) + (grad_hop,) * (p - 1),
+        elementwise_bytes=3 * t * b * d.f1 * e + 2 * shard,
+    )
+
+
+def _add_matmul_memory(m: Allocations, d: Dims, nbytes: float) -> None:
+    """``lean``'s ``_add_matmul_memory`` into a gradient accumulator: in place for full precision; for half
+    precision the product, of ``nbytes`` in the activations' dtype, is made first."""
+    if d.half:
+        m.temporary(product=nbytes)
+
+
+def _attention_sizes(d: Dims) -> tuple[int, int, int]:
+    """``lean`` attention's shard message (qkv rows, proj columns, qkv bias), one group's QKV
+    projection and core output."""
+    heads, qkv_rows = d.nq // d.p, d.qkv // d.p
+    shard = (qkv_rows * d.h + d.h * d.a // d.p + (qkv_rows if d.bias else 0)) * d.e
+    return shard, d.t * d.b * qkv_rows * d.e, d.t * d.b * heads * d.hn * d.e
+
+
+def attention_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
+    """Head group ``j`` (``nq/p`` heads, ``ng/p`` groups): its shard broadcast by rank ``j`` (the next
+    one in flight), its q/k/v projected, ring attention, ``y += core_j proj_j^T``; backward
+    broadcasts again, recomputes q/k/v, runs the ring backward and reduces the shard's gradient (in
+    the accumulation dtype) to its owner while the next group runs."""
+    heads, kv_heads = d.nq // d.p, d.ng // d.p
+    shard = _attention_sizes(d)[0]
+    blocks = tuple(map(block_of, ring_steps(layout, rank)))
+    fwd_peak, kept = _attention_forward_memory(d, ring_forward_memory(d, blocks, heads, kv_heads))
+    saved = dict(kept)
+    ring_backward = ring_backward_memory(d, blocks, heads, kv_heads)
+    start = Allocations(dy_local=0.0, saved=sum(saved.values()))
+    bias_grad(start, d, d.bias)
+    start.alloc(dx_local=d.x, shard=shard)  # dx accumulates group by group
+    loop = Loop(start)
+    for j in range(d.p):
+        loop.step(_attention_backward_group_memory(d, ring_backward, loop.state, last=j + 1 == d.p, own=j == rank))
+    bwd = loop.end()
+    bwd.free("shard_prev", *(("reducing",) if "reducing" in bwd.sizes else ()))
+    if d.half:  # the complete gradient rounded to the shard's dtype
+        bwd.alloc(own_cast=shard)
+        bwd.free("own")
+        bwd.rename(own_cast="own")
+    # the function's backward returns; the shard gradient is accumulated
+    bwd.free("saved", "own")
+    return sublayer_memory_of(fwd_peak, bwd, saved)
+
+
+@functools.lru_cache(maxsize=MEMO_SIZE)
+def _attention_forward_memory(d: Dims, ring_forward: Call) -> tuple[float, State]:
+    """``lean`` attention's forward: its high-water mark and what it saves (each group's ring
+    output and log-sum-exp). It depends on the rank only through ``ring_forward`` (the same for
+    every group), which ranks often share: memoised."""
+    shard, qkv_group, core_group = _attention_sizes(d)
+    p = d.p
+    fwd = Allocations(x_local=d.x)
+    fwd.alloc(y_sum=d.x, shard0=shard)
+    for j in range(p):
+        if j:
+            fwd.free(f"shard{j - 1}")
+        if j + 1 < p:
+            fwd.alloc(**{f"shard{j + 1}": shard})
+        fwd.alloc(qkv=qkv_group)
+        qk = qk_forward(fwd, d, d.t, d.nq // p, d.ng // p, "qkv", grad=False)  # no autograd inside
+        fwd.call(ring_forward, prefix=f"g{j}_")
+        fwd.temporary(core_rows=core_group)  # the output as [t b, heads hn] for y.addmm_
+        fwd.free("qkv", *qk.transformed)
+    fwd.free(f"shard{p - 1}")
+    add_bias_memory(fwd, d, "y_sum")
+    saved = fwd.returns("y_local", "x_local", *(f"g{j}_{name}" for j in range(p) for name, _ in ring_forward.leaves))
+    return fwd.peak, tuple(saved.items())
+
+
+@functools.lru_cache(maxsize=MEMO_SIZE)
+def _attention_backward_group_memory(d: Dims, ring_backward: Call, state: State, *, last: bool, own: bool) -> Iteration:
+    """Head group ``j`` of ``lean`` attention's backward from ``state`` (what the forward saved, as
+    one, the input gradient, the previous group's shard ``shard_prev`` and this one's ``shard``, the
+    gradient still being reduced and the rank's ``own``): the next shard arrives, the group's
+    gradient accumulator is made, the proj gradient added, q/k/v recomputed, the ring backward, the
+    qkv gradients added; the previous gradient's reduce completes (not the rank's own, kept until
+    the end) and this one's begins. ``own``: the group is the rank's."""
+    shard, qkv_group, core_group = _attention_sizes(d)
+    p = d.p
+    qkv_rows = d.qkv // p
+    m = Allocations(**dict(state))
+    if "shard_prev" in m.sizes:
+        m.free("shard_prev")
+    if not last:
+        m.alloc(shard_next=shard)
+    m.alloc(grad=shard // d.e * d.acc)
+    m.alloc(core_rows=core_group)  # for the proj gradient
+    _add_matmul_memory(m, d, d.h * d.a // p * d.e)
+    m.free("core_rows")
+    m.alloc(dout=core_group, qkv=qkv_group)  # dy proj_j, the recomputed projection
+    heads, kv_heads = d.nq // p, d.ng // p
+    qk = qk_forward(m, d, d.t, heads, kv_heads, "qkv")  # recomputed with autograd
+    m.call(ring_backward)
+    # autograd.backward through the transform (the ring's gradients stay the step's)
+    through = qk_backward(m, d, d.t, heads, kv_heads, qk, None, None, caller_holds_qkv=True)
+    m.alloc(d_qkv=qkv_group)  # qkv.grad, through split
+    m.free(*(name for name in through if name))
+    _add_matmul_memory(m, d, qkv_rows * d.h * d.e)
+    if d.bias:
+        m.temporary(bias_sum=qkv_rows * d.acc)
+    m.free("dout", "qkv", *qk.transformed, *(n for n, _ in ring_backward.leaves), "d_qkv")
+    if "reducing" in m.sizes:
+        m.free("reducing")  # its reduce is complete
+    m.rename(grad="own" if own else "reducing", shard="shard_prev")
+    if not last:
+        m.rename(shard_next="shard")
+    return Iteration(m.peak, m.state())
+
+
+def mlp_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
+    """The fc1/fc2 shards circulate (at step ``i`` rank ``r`` holds shard ``r - i``, the next one
+    arriving): ``y += act(x fc1_j^T + b1_j) fc2_j^T``; backward circulates them again, recomputes the
+    intermediate, and each shard's gradient accumulator (accumulation dtype) travels with it back to
+    its owner."""
+    t, b, e, p = d.t, d.b, d.e, d.p
+    units = d.f // p
+    shard = (d.f1 // p * d.h + d.h * units + (d.f1 // p if d.bias else 0)) * e  # fc1 rows, fc2 columns, fc1 bias
+    grad_bytes = shard // e * d.acc
+    pre = t * b * d.f1 // p * e
+
+    fwd = Allocations(x_local=d.x)
+    fwd.alloc(y_sum=d.x, shard0=shard)
+    for step in range(p):
+        if step + 1 < p:
+            fwd.alloc(**{f"shard{step + 1}": shard})
+        fwd.alloc(fc1_out=pre)
+        act = activation_forward(fwd, d, t, units)
+        fwd.free("fc1_out", *act)  # after y.addmm_
+        fwd.free(f"shard{step}")
+    add_bias_memory(fwd, d, "y_sum")
+    saved = fwd.returns("y_local", "x_local")
+
+    bwd = Allocations(d, dy_local=0.0, **saved)
+    bias_grad(bwd, d, d.bias)
+    bwd.alloc(dx_local=d.x, shard0=shard)  # dx accumulates shard by shard
+    arrived = sent = None
+    for step in range(p):
+        if step + 1 < p:
+            bwd.alloc(**{f"shard{step + 1}": shard})
+        grad = f"grad{step}"
+        bwd.alloc(**{grad: grad_bytes, "fc1_out": pre})
+        act = activation_forward(bwd, d, t, units)  # recomputed
+        _add_matmul_memory(bwd, d, d.h * units * e)  # fc2's gradient
+        bwd.alloc(d_act=t * b * units * e)  # dy fc2_j: autograd.grad's argument, alive until it returns
+        gate = act[0] if len(act) > 1 else None
+        d_fc1 = activation_backward(bwd, d, t, units, d_act=None, fc1_out=None, act_gate=gate)
+        bwd.free("d_act", act[-1])
+        _add_matmul_memory(bwd, d, d.f1 // p * d.h * e)  # fc1's gradient
+        if d.bias:
+            bwd.temporary(bias_sum=d.f1 // p * d.acc)
+        bwd.free("fc1_out", d_fc1)  # when the step returns
+        if sent is not None:  # the accumulator sent last step: released once its send completed
+            bwd.free(sent)
+        if p > 1:
+            bwd.alloc(**{f"arrived{step}": grad_bytes})
+            if arrived is not None:
+                bwd.free(arrived)
+            arrived, sent = f"arrived{step}", grad
+            if step + 1 < p:
+                bwd.free(f"shard{step}")
+        else:
+            arrived = grad
+    bwd.free(*((sent,) if sent else ()))
+    if d.half:  # the complete gradient rounded to the shard's dtype
+        bwd.alloc(grad_cast=shard)
+        bwd.free(arrived)
+        arrived = "grad_cast"
+    bwd.free(f"shard{p - 1}", "x_local")
+    bwd.to_autograd(arrived)
+    return sublayer_memory_of(fwd.peak, bwd, saved)
+
+
 register(
     Strategy(
         name="lean",
         sublayer="attention",
         forward=attention,
+        qk_norm_grads_in_parts="once per head group",
+        depends_on_rank=True,
+        terms=attention_terms,
+        memory=attention_memory,
         summary="METP: qkv/proj shards broadcast one head group at a time (2 resident), a K/V ring per group; "
         "keeps input + per-group output/LSE",
     )
@@ -200,6 +453,8 @@ register(
         name="lean",
         sublayer="mlp",
         forward=mlp,
+        terms=mlp_terms,
+        memory=mlp_memory,
         summary="METP: fc1/fc2 shards circulate the ring (2 resident), [s/p,b,ffn/p] at a time; keeps only the input",
     )
 )

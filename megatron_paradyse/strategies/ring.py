@@ -15,6 +15,8 @@ Memory: ``O(s/p)`` activations, two K/V blocks and the gathered weights.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
@@ -27,9 +29,41 @@ from megatron_paradyse.attention import (
 )
 from megatron_paradyse.core.comm import RingComm, Zero3Gathers, zero3_linear
 from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.strategies.allocations import (
+    MEMO_SIZE,
+    Allocations,
+    Call,
+    SublayerMemory,
+    sublayer_memory_of,
+)
+from megatron_paradyse.strategies.attention_allocations import (
+    block_of,
+    qk_backward,
+    qk_forward,
+    ring_backward_memory,
+    ring_forward_memory,
+)
 from megatron_paradyse.strategies.base import AttentionContext, AttentionWeights, Strategy
 from megatron_paradyse.strategies.common import add_bias, heads_first, local_positions, split_qkv
+from megatron_paradyse.strategies.dims import Dims, ring_steps
+from megatron_paradyse.strategies.linear_allocations import (
+    add_bias_memory,
+    bias_grad,
+    gather_ahead,
+    gather_mlp_weight_ahead,
+    mlp_weight_handed_on,
+    zero3_backward,
+    zero3_forward,
+)
 from megatron_paradyse.strategies.registry import register
+from megatron_paradyse.strategies.terms import (
+    Gemm,
+    SublayerTerms,
+    gathered_weight,
+    mlp_weight_gathered_ahead,
+    qk_norm_bytes,
+    ring_stage,
+)
 
 __all__ = ["ring_attention", "ring_attention_backward", "ring_attention_forward"]
 
@@ -143,11 +177,81 @@ def attention(x_local: Tensor, w: AttentionWeights, ctx: AttentionContext) -> Te
     return add_bias(zero3_linear(core, w.proj, None, group, dim=1, gathers=gathers, index=1), w.proj_bias)
 
 
+# -- what it costs: time terms (priced by cost.analytic) and memory (composed by cost.layer_memory) --
+def attention_terms(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
+    """The output projection's weight (and the MLP's first, where the layer gathers it ahead) gathered
+    while the ring runs, the QKV projection's while the ring's backward runs: streamed beside their
+    pass, as the projections' backward collectives are."""
+    t, b, e, p = d.t, d.b, d.e, d.p
+    qkv_fwd, qkv_bwd = gathered_weight(d.qkv * d.h * e, d)
+    proj_fwd, proj_bwd = gathered_weight(d.h * d.a * e, d)
+    ring = ring_stage(layout, rank, d, d.nq, d.ng)
+    return SublayerTerms(
+        gemms=(Gemm(t * b, d.qkv, d.h), Gemm(t * b, d.h, d.a)),
+        rings=(ring,),
+        fwd_comm=qkv_fwd,
+        fwd_streamed=(*proj_fwd, *mlp_weight_gathered_ahead(d)),
+        bwd_streamed=(*proj_bwd, *qkv_bwd),
+        # per step: the block's partial output and lse merged into the running ones
+        elementwise_bytes=p * 8 * t * b * d.a * d.acc + 4 * t * b * d.a * e + 2 * ring.hop.nbytes + qk_norm_bytes(d),
+    )
+
+
+def attention_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
+    blocks = tuple(map(block_of, ring_steps(layout, rank)))
+    return _memory_around_ring(
+        d, ring_forward_memory(d, blocks, d.nq, d.ng), ring_backward_memory(d, blocks, d.nq, d.ng)
+    )
+
+
+@functools.lru_cache(maxsize=MEMO_SIZE)
+def _memory_around_ring(d: Dims, ring_forward: Call, ring_backward: Call) -> SublayerMemory:
+    """``ring`` attention's memory around the rank's ring forward and backward (which ranks often
+    share: memoised): the projections' ZeRO-3 gathers (the output projection's while the ring runs, in
+    backward the QKV projection's), q's copy, RoPE on the local tokens, the output permuted."""
+    e = d.e
+    w_qkv, w_proj, qkv_bias = d.qkv * d.h * e, d.h * d.a * e, d.qkv * e if d.bias else 0.0
+    qkv_local, core_local = d.t * d.b * d.qkv * e, d.t * d.b * d.a * e
+
+    fwd = Allocations(x_local=d.x)
+    zero3_forward(fwd, d, "qkv", "qkv_local", qkv_local, w_qkv, bias=qkv_bias)
+    qk = qk_forward(fwd, d, d.t, d.nq, d.ng, "qkv_local")
+    gather_ahead(fwd, d, "proj", w_proj)  # while the ring runs
+    gather_mlp_weight_ahead(fwd, d)
+    fwd.call(ring_forward)
+    fwd.alloc(core=core_local)  # [s/p, b, nq hn]: the output permuted
+    zero3_forward(fwd, d, "proj", "proj_out", d.x, w_proj, row=True, gathered=True)
+    add_bias_memory(fwd, d, "proj_out")
+    handed_on = mlp_weight_handed_on(fwd, d)
+    # v (and q, k untransformed) are views of the projection
+    saved = fwd.returns("y_local", "x_local", "qkv_local", *qk.transformed, *qk.kept, "out", "lse", "core")
+
+    bwd = Allocations(dy_local=0.0, **saved)
+    bias_grad(bwd, d, d.bias)
+    zero3_backward(bwd, d, "proj", "d_core", core_local, w_proj, row=True, release=("core",))
+    gather_ahead(bwd, d, "qkv", w_qkv)  # once the ring output's gradient (a view of d_core) is there
+    bwd.call(ring_backward)
+    bwd.free("d_core", *(() if qk.norms_keep_qkv else ("qkv_local",)), *qk.transformed, "out", "lse")
+    grads = [name for name, _ in ring_backward.leaves]
+    # for full precision dk is a view of the arrived accumulator
+    dq, dk = qk_backward(bwd, d, d.t, d.nq, d.ng, qk, "dq", "dk" if d.half else None)
+    if d.qk_transformed:  # the ring's dq (and a half-precision dk) died in the transform's backward
+        grads = [name for name in grads if name not in ("dq", "dk")] + [dq, dk]
+    bwd.alloc(d_qkv_local=qkv_local)  # split's backward: one tensor
+    bwd.free(*grads)
+    release = ("d_qkv_local", "x_local")
+    zero3_backward(bwd, d, "qkv", "dx_local", d.x, w_qkv, bias=qkv_bias, release=release, gathered=True)
+    return sublayer_memory_of(fwd.peak, bwd, saved, handed_on=handed_on)
+
+
 register(
     Strategy(
         name="ring",
         sublayer="attention",
         forward=attention,
+        depends_on_rank=True,
+        terms=attention_terms,
+        memory=attention_memory,
         starts_mlp_gather=True,
         summary="ring CP + ZeRO-3: p-1 K/V hops overlapped with compute; all heads on s/p tokens; weights gathered",
     )

@@ -15,6 +15,16 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.strategies.allocations import (
+    Allocations,
+    SublayerMemory,
+    sublayer_memory_of,
+)
+from megatron_paradyse.strategies.attention_allocations import (
+    full_attention_backward,
+    full_attention_forward,
+)
 from megatron_paradyse.strategies.base import (
     AttentionContext,
     AttentionWeights,
@@ -24,7 +34,25 @@ from megatron_paradyse.strategies.base import (
     Strategy,
 )
 from megatron_paradyse.strategies.common import activate, add_bias, attend_full_sequence
+from megatron_paradyse.strategies.dims import Dims
+from megatron_paradyse.strategies.linear_allocations import (
+    activation_backward,
+    activation_forward,
+    bias_grad,
+    column_backward,
+    column_forward,
+    gathered_gradient,
+    row_backward,
+    row_forward,
+)
 from megatron_paradyse.strategies.registry import register
+from megatron_paradyse.strategies.terms import (
+    Collective,
+    Gemm,
+    SublayerTerms,
+    attention_calls,
+    qk_norm_bytes,
+)
 
 
 def _linear(module: ParallelLinear | None, name: str) -> ParallelLinear:
@@ -56,11 +84,91 @@ def mlp(x_local: Tensor, w: MLPWeights, ctx: MLPContext) -> Tensor:
     return _call(linear_fc2, h)  # [s/p, b, h]
 
 
+# -- what it costs: time terms (priced by cost.analytic) and memory (composed by cost.layer_memory) --
+def attention_terms(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
+    s, b, e, p = d.s, d.b, d.e, d.p
+    x_full, core = s * b * d.h * e, s * b * d.nq // p * d.hn * e
+    return SublayerTerms(
+        gemms=(Gemm(s * b, d.qkv // p, d.h), Gemm(s * b, d.h, d.a // p)),
+        attention=attention_calls(layout, b, d.nq // p, d.hn),
+        fwd_comm=(Collective("all_gather", x_full), Collective("reduce_scatter", x_full)),
+        # Megatron's column-parallel linear gathers its input again for the weight gradient (issued beside
+        # the input gradient's GEMM, its reduce-scatter beside the weight gradient's: counted as waited)
+        bwd_comm=(
+            Collective("all_gather", x_full),
+            Collective("reduce_scatter", x_full),
+            Collective("all_gather", x_full),
+        ),
+        elementwise_bytes=2 * (s * b * d.qkv // p * e) * (2 if layout.causal else 1) + 4 * core + qk_norm_bytes(d),
+    )
+
+
+def mlp_terms(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
+    s, b, e, p = d.s, d.b, d.e, d.p
+    x_full = s * b * d.h * e
+    return SublayerTerms(
+        gemms=(Gemm(s * b, d.f1 // p, d.h), Gemm(s * b, d.h, d.f // p)),
+        fwd_comm=(Collective("all_gather", x_full), Collective("reduce_scatter", x_full)),
+        # Megatron's column-parallel linear gathers its input again for the weight gradient (issued beside
+        # the input gradient's GEMM, its reduce-scatter beside the weight gradient's: counted as waited)
+        bwd_comm=(
+            Collective("all_gather", x_full),
+            Collective("reduce_scatter", x_full),
+            Collective("all_gather", x_full),
+        ),
+        elementwise_bytes=3 * s * b * d.f1 // p * e,
+    )
+
+
+def attention_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
+    s, b, e, p = d.s, d.b, d.e, d.p
+    heads, kv_heads = d.nq // p, d.ng // p
+    core = s * b * heads * d.hn * e
+
+    fwd = Allocations(x_local=d.x)
+    column_forward(fwd, d, "qkv_out", s * b * d.qkv // p * e, d.bias)
+    kept, qk, core_name = full_attention_forward(fwd, d, layout, "qkv_out", heads, kv_heads)
+    row_forward(fwd, d, d.bias)
+    proj_input = () if core_name in kept else (core_name,)  # kept by linear_proj
+    saved = fwd.returns("y_local", "x_local", *dict.fromkeys((*kept, *qk.saved)), *proj_input)
+
+    bwd = Allocations(dy_local=0.0, **saved)
+    bias_grad(bwd, d, d.bias)
+    row_backward(bwd, d, "d_core", core, d.h * d.a // p * e, release=proj_input)
+    d_qkv = full_attention_backward(bwd, d, layout, "d_core", kept, qk, heads, kv_heads)
+    column_backward(bwd, d, d_qkv, d.qkv // p * d.h * e, d.qkv // p * e if d.bias else 0.0)
+    return sublayer_memory_of(fwd.peak, bwd, saved, prelude=gathered_gradient(d))
+
+
+def mlp_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
+    s, b, e, p = d.s, d.b, d.e, d.p
+    units = d.f // p
+
+    fwd = Allocations(x_local=d.x)
+    column_forward(fwd, d, "fc1_out", s * b * d.f1 // p * e, d.bias)
+    act = activation_forward(fwd, d, s, units)
+    row_forward(fwd, d, d.bias)
+    saved = fwd.returns("y_local", "x_local", "fc1_out", *act)
+
+    bwd = Allocations(d, dy_local=0.0, **saved)
+    bias_grad(bwd, d, d.bias)
+    row_backward(bwd, d, "d_act", s * b * units * e, d.h * units * e, release=(act[-1],))
+    gate = act[0] if len(act) > 1 else None
+    d_fc1 = activation_backward(bwd, d, s, units, d_act="d_act", fc1_out="fc1_out", act_gate=gate)
+    if d.bias:  # linear_fc1 returns its bias (skip_bias_add): its gradient is the addition's, summed first
+        bwd.alloc(fc1_bias_grad=d.f1 // p * e)
+        bwd.to_autograd("fc1_bias_grad")
+    column_backward(bwd, d, d_fc1, d.f1 // p * d.h * e, 0.0)
+    return sublayer_memory_of(fwd.peak, bwd, saved, prelude=gathered_gradient(d))
+
+
 register(
     Strategy(
         name="tp_sp",
         sublayer="attention",
         forward=attention,
+        terms=attention_terms,
+        memory=attention_memory,
         summary="Megatron TP+SP: AG + RS of [s,b,h]; local heads over the whole sequence; weights in place",
         calls_linears=True,
     )
@@ -70,6 +178,8 @@ register(
         name="tp_sp",
         sublayer="mlp",
         forward=mlp,
+        terms=mlp_terms,
+        memory=mlp_memory,
         summary="Megatron TP+SP: AG + RS of [s,b,h]; local units over the whole sequence; weights in place",
         calls_linears=True,
     )

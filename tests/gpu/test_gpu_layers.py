@@ -6,7 +6,7 @@ them; docs/gpu.md).
 - one rank of TP=8 on the fake process group (collectives move nothing, so the numbers are not
   compared): every strategy pair runs its CUDA kernels at that rank's shard shapes under
   ``torch.cuda.set_sync_debug_mode("error")`` (a host synchronisation raises), and allocates what the
-  memory model (:mod:`megatron_paradyse.cost.allocations`) predicts, MLPs in tiles included;
+  memory model (:mod:`megatron_paradyse.cost.layer_memory`) predicts, MLPs in tiles included;
 - offloaded and tiled layers equal to the plain recomputed one, and the offload's copies on pinned memory;
 - a step of a small GPT model with the Paradyse spec (embedding, layers, loss) under the same mode;
 - the memory budget sized by what the caching allocator can hold, which its own tensors leave alone.

@@ -1,7 +1,7 @@
 """Memory-script cells: a sublayer, a layer or Megatron's layer under one strategy, shape, documents and
 dtype, measured on every rank with the storage tracker (:mod:`megatron_paradyse.core.memory`: every
 storage an operator creates, until it is freed) and compared with the scripts of
-:mod:`megatron_paradyse.cost.allocations` for that rank, to the byte.
+:mod:`megatron_paradyse.cost.layer_memory` for that rank, to the byte.
 
 A finished collective's buffers are released by gloo's worker thread, which needs the GIL: the
 measurements switch threads every microsecond and keep the smallest of a few runs (as
@@ -24,7 +24,7 @@ from megatron_paradyse.core.comm import Zero3Gathers
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.memory import _StorageTracker, collective_buffers_freed_promptly, recurring_least
 from megatron_paradyse.core.plan import LayerOption
-from megatron_paradyse.cost.allocations import Dims, sublayer_memory
+from megatron_paradyse.cost.layer_memory import sublayer_memory
 from megatron_paradyse.cost.measure import make_layer_params, measure_layer
 from megatron_paradyse.cost.terms import layer_terms
 from megatron_paradyse.strategies import (
@@ -35,6 +35,7 @@ from megatron_paradyse.strategies import (
     run_attention,
     run_mlp,
 )
+from megatron_paradyse.strategies.dims import Dims
 from megatron_paradyse.strategies.megatron_linears import gather_buffer_scope
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -107,7 +107,7 @@ def test_a_job_calibrates_on_its_own_tensor_parallel_groups_and_every_rank_plans
     assert {k: v for k, v in saved_metered.items() if k not in written} == json.loads(json.dumps(metered[0]))
     # every timed run of every correction layer at every length, on each rank: a window of the meter
     lengths = calibration.model_grid(TINY_GRID, CALIBRATED_LAYER, 2, 256, "cpu").correction_lengths
-    assert windows == (len(calibration.CORRECTION_LAYERS) * len(lengths) * 3,) * 4
+    assert windows == (len(calibration.correction_layers()) * len(lengths) * 3,) * 4
     assert (measured[0]["correction"]["metered"], metered[0]["correction"]["metered"]) == (False, True)
     profile = measured[0]
     assert (

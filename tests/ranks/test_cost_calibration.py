@@ -20,8 +20,9 @@ from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost import calibrate as calibration
 from megatron_paradyse.cost.analytic import AnalyticCostModel
 from megatron_paradyse.cost.profile import load_profile
-from megatron_paradyse.cost.terms import Dims, layer_terms
+from megatron_paradyse.cost.terms import layer_terms
 from megatron_paradyse.strategies import ModelShape
+from megatron_paradyse.strategies.dims import Dims
 
 from helpers.cost_profiles import CALIBRATED_LAYER, TINY_GRID
 
@@ -265,7 +266,7 @@ def test_one_device_calibrates_the_compute_of_one_rank_of_eight_with_the_links_o
     correction = profile["correction"]  # fitted on compute alone: the fake group's collectives took no time
     assert correction["comm"] == 1.0 and correction["per_sync_s"] == 0.0
     assert correction["compute"] >= calibration.MIN_SCALE
-    layers = [f"{option}@{s}" for s in grid.correction_lengths for option in calibration.CORRECTION_LAYERS]
+    layers = [f"{option}@{s}" for s in grid.correction_lengths for option in calibration.correction_layers()]
     assert grid.correction_lengths == (64, 128, 512) and correction["fitted_on"] == layers
 
 

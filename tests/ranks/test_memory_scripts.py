@@ -1,6 +1,6 @@
 """Every strategy's memory script against its own code, on real gloo ranks, every rank, every dtype.
 
-The cost model's memory (:mod:`megatron_paradyse.cost.allocations`) is written by hand from the
+The cost model's memory (:mod:`megatron_paradyse.cost.layer_memory`) is written by hand from the
 strategies' code; this is the check that fails when the two diverge. One launch per group size
 ``p`` in 1..4; every rank runs every cell for real, counts its own allocations with the storage
 tracker (:mod:`megatron_paradyse.core.memory`: every storage an operator creates, until it is freed) and

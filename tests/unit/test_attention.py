@@ -19,10 +19,11 @@ from megatron_paradyse.attention import (
 )
 from megatron_paradyse.attention.blocks import batch_cu_seqlens
 from megatron_paradyse.core.layout import Segment, SequenceLayout
-from megatron_paradyse.cost.allocations import Dims, sublayer_memory
+from megatron_paradyse.cost.layer_memory import sublayer_memory
 from megatron_paradyse.strategies import ModelShape
 from megatron_paradyse.strategies.base import AttentionContext
 from megatron_paradyse.strategies.common import attend_full_sequence
+from megatron_paradyse.strategies.dims import Dims
 
 from helpers.recording_kernels import DenseLayoutRecorder
 

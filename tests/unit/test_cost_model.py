@@ -16,14 +16,15 @@ import torch
 from megatron_paradyse.cli import main as cli_main
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
-from megatron_paradyse.cost import allocations
-from megatron_paradyse.cost.allocations import Dims, sublayer_memory
 from megatron_paradyse.cost.analytic import AnalyticCostModel
 from megatron_paradyse.cost.base import WHOLE_LOSS, StageOptions
 from megatron_paradyse.cost.empirical import EmpiricalCostModel, HybridRegressor, Sample, aic_polynomial
 from megatron_paradyse.cost.fitting import fit_nonnegative, mape
+from megatron_paradyse.cost.layer_memory import sublayer_memory
 from megatron_paradyse.cost.profile import ProfileError, load_profile, save_profile
 from megatron_paradyse.cost.terms import layer_terms, sublayer_terms
+from megatron_paradyse.strategies import attention_allocations, lean, ring
+from megatron_paradyse.strategies.dims import Dims
 
 from helpers.cost_profiles import GQA, MHA, synthetic_profile
 
@@ -258,7 +259,7 @@ def test_recompute_keeps_the_output_only():
 
 def test_unknown_strategy_is_named():
     d = Dims(MHA, 2, 64, 1, 4)
-    with pytest.raises(ValueError, match=r"no cost terms for attention strategy 'flash'; known: tp_sp, ulysses"):
+    with pytest.raises(ValueError, match=r"unknown attention strategy 'flash'; known: tp_sp, ulysses, ring, lean"):
         sublayer_terms("attention", "flash", d, SequenceLayout.build(64, 2, causal=True))
 
 
@@ -564,7 +565,9 @@ def test_memoised_scripts_give_what_a_cold_evaluation_gives():
         for name in ("ring", "lean")
         for rank in range(4)
     }
-    memos = [f for f in vars(allocations).values() if hasattr(f, "cache_clear")]
+    memos = [
+        f for module in (attention_allocations, ring, lean) for f in vars(module).values() if hasattr(f, "cache_clear")
+    ]
     assert len(memos) >= 5
     for (name, rank), expected in warm.items():
         for memo in memos:

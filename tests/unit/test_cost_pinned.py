@@ -22,7 +22,8 @@ from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.analytic import AnalyticCostModel
 from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
-from megatron_paradyse.cost.terms import Dims, layer_terms
+from megatron_paradyse.cost.terms import layer_terms
+from megatron_paradyse.strategies.dims import Dims
 
 from helpers.cost_profiles import GQA, synthetic_profile
 

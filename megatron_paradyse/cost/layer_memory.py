@@ -1,0 +1,158 @@
+"""A layer's memory on one rank, composed from its sublayers' (each strategy's own ``memory``,
+:mod:`megatron_paradyse.strategies.allocations`) with the layer's norms and residuals, an MLP over tiles,
+and recompute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.core.plan import mlp_tile_rows
+from megatron_paradyse.strategies import Sublayer, get_strategy
+from megatron_paradyse.strategies.allocations import Allocations, Call, SublayerMemory
+from megatron_paradyse.strategies.attention_allocations import norm_backward, norm_forward
+from megatron_paradyse.strategies.dims import Dims
+
+__all__ = ["LayerMemory", "layer_memory", "norm_peak", "sublayer_memory", "tiled_mlp_memory"]
+
+
+def sublayer_memory(sublayer: Sublayer, name: str, d: Dims, layout: SequenceLayout, rank: int = 0) -> SublayerMemory:
+    """The memory of strategy ``name`` running ``sublayer`` on ``rank`` for a micro-batch laid out as
+    ``layout``."""
+    return get_strategy(sublayer, name).memory(d, layout, rank)
+
+
+def tiled_mlp_memory(name: str, d: Dims, layout: SequenceLayout, tile_tokens: int) -> SublayerMemory:
+    """MLP strategy ``name`` over tiles of ``tile_tokens`` gathered tokens
+    (:mod:`megatron_paradyse.strategies.tiling`), from its own script at each tile's size.
+
+    Forward, beside the input (which it keeps: the tiles are views of it): each tile's working set above
+    its input beside the outputs of the tiles before; the outputs joined into the output (both whole for a
+    moment). Backward, from the last tile: each tile rebuilt (what its forward keeps, its input aside) on
+    top of what its backward makes before it reads a saved tensor, and its backward, beside the input
+    gradients of the tiles done and the weight gradients autograd holds for the tiles still to come;
+    the input gradients joined into the input's."""
+    x, t = d.x, d.t
+    rows = mlp_tile_rows(tile_tokens, d.p, t)
+    sizes = [min(rows, t - start) for start in range(0, t, rows)]
+
+    def tile_memory(n: int, **grads) -> SublayerMemory:
+        return sublayer_memory("mlp", name, dataclasses.replace(d, s=n * d.p, **grads), layout)
+
+    forward = backward = 0.0
+    done = 0.0  # the outputs of the tiles so far
+    for n in sizes:
+        forward = max(forward, done + tile_memory(n).fwd_peak - x * n / t)
+        done += x * n / t
+    # the weights serve every tile: autograd holds their gradients from the first tile's backward and
+    # adds each later tile's to them, until the last tile's have come
+    handed = tile_memory(sizes[0]).grads_handed  # the same weights' gradients, whatever the tile
+    done = 0.0  # the input gradients of the tiles so far
+    for i, n in enumerate(reversed(sizes)):
+        before = handed if i > 0 else ()
+        tile, tile_x = tile_memory(n, grads_held=i < len(sizes) - 1, grads_before=before), x * n / t
+        kept = tile.saved_bytes - (tile_x if "x_local" in dict(tile.saved) else 0.0)
+        rebuilt = sum(before) + tile.bwd_prelude + tile.fwd_peak - tile_x  # on what the backward made first
+        backward = max(backward, done + max(rebuilt, kept + tile.bwd_peak))
+        done += tile_x
+    return SublayerMemory((("x_local", x),), max(x + forward, 3 * x), max(backward, 2 * x))
+
+
+def norm_peak(d: Dims) -> float:
+    """High-water mark of one norm of ``[t, b, h]`` run on its own (a stage's final norm, between its
+    last layer and its output layer), above its input: its forward, and its backward from its output's
+    gradient (the output gone, the statistics kept)."""
+    m = Allocations()
+    norm_forward(m, d, "norm")
+    forward = m.peak
+    m.free("norm_out")
+    m.alloc(output_grad=d.x)
+    norm_backward(m, d, "norm", "output_grad")
+    return max(forward, m.peak)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayerMemory:
+    """A layer's memory with and without recompute (:func:`layer_memory`), above its input."""
+
+    activation_bytes: float
+    """One ``[t, b, h]`` activation: all a layer keeps with recompute (its output)."""
+    saved_bytes: float
+    """Kept from the layer's forward to its backward, without recompute (its output included)."""
+    forward_peak_bytes: float
+    """High-water mark of the forward, above the layer's input, without recompute."""
+    backward_peak_bytes: float
+    """High-water mark of the backward, above the layer's input."""
+    rebuilt_peak_bytes: float
+    """High-water mark of recompute's rebuilt forward, in the backward."""
+
+    def saved_and_peak(
+        self, *, recompute: bool, offload: bool = False, backward_held: float = 0.0
+    ) -> tuple[float, float]:
+        """(saved bytes, high-water mark) with or without recompute; ``backward_held``: bytes that exist
+        beside the layer in backward only (a tied output layer's weight gradient).
+
+        ``offload`` (with recompute) keeps the layer's input in host memory: the device holds one
+        activation less from the forward to the backward, counted here as the layer's own saved
+        activation (:func:`~megatron_paradyse.cost.base.stage_layer_bytes`). In the backward its input is
+        back, in place of the layer's output that the count of the layers before stands for (it is gone,
+        its gradient in its place), and beside it the next offloaded layer's input, prefetched: one
+        activation more."""
+        backward = max(self.backward_peak_bytes, self.rebuilt_peak_bytes if recompute else 0.0) + backward_held
+        if offload:
+            return 0.0, backward + self.activation_bytes
+        if recompute:  # the forward keeps nothing, and works no more than the rebuilt forward
+            return self.activation_bytes, backward
+        return self.saved_bytes, max(self.forward_peak_bytes, backward)
+
+
+def layer_memory(attn: SublayerMemory, mlp: SublayerMemory, d: Dims) -> LayerMemory:
+    """A layer's memory from its sublayers' between the layer's own tensors, with and without recompute.
+
+    Forward: norm 1 (output and statistics; it keeps the layer's input), the attention, the residual
+    ``x1``, norm 2 (keeping ``x1``), the MLP, the output. Backward from the output's gradient (the
+    next layer's or the loss's), which takes the output's place (by then the output's consumer has freed
+    it) and dies into the residual's summed gradient: the MLP, norm 2's backward, that sum, the attention,
+    norm 1's. Recompute keeps only the output; its forward keeps nothing,
+    and the backward first reruns the whole layer, then runs as without recompute.
+    """
+    x = d.x
+
+    def forward(m: Allocations, sub: SublayerMemory, prefix: str) -> None:
+        """On ``{prefix}x_local`` (and what the sublayer before handed on): the high-water mark (the input
+        in it), then what it keeps, its output and what it hands on."""
+        m.free(f"{prefix}x_local", *(name for name in m.sizes if name.endswith("handed_on")))
+        handed_on = (("handed_on", sub.handed_on),) if sub.handed_on else ()
+        m.call(Call(sub.fwd_peak, (("saved", sub.saved_bytes), ("y_local", x), *handed_on)), prefix)
+
+    def backward(m: Allocations, sub: SublayerMemory, prefix: str) -> None:
+        m.peak = max(m.peak, m.live + sub.bwd_peak)
+        m.free(f"{prefix}saved")
+        m.alloc(**{f"{prefix}dx_local": x})
+
+    m = Allocations()
+    norm_forward(m, d, "ln1")
+    m.rename(ln1_out="attn.x_local")
+    forward(m, attn, "attn.")
+    m.alloc(x1=x)
+    m.free("attn.y_local")
+    norm_forward(m, d, "ln2")
+    m.rename(ln2_out="mlp.x_local")
+    forward(m, mlp, "mlp.")
+    m.alloc(output=x)
+    m.free("mlp.y_local")
+    saved, forward_peak = m.live, m.peak
+    # recompute reruns this forward to the layer's end (no early stop) once the MLP's backward first
+    # reads a saved tensor: beside the output's gradient and what that backward made before
+    rebuilt_peak = x + mlp.bwd_prelude + forward_peak
+    m.peak = m.live  # the backward's high-water mark from here
+    backward(m, mlp, "mlp.")
+    norm_backward(m, d, "ln2", "mlp.dx_local")
+    m.free("x1")
+    m.alloc(attn_dy=x)  # the output's gradient plus norm 2's
+    m.free("ln2_dx", "output")  # "output" stands for the output's gradient, which dies here
+    backward(m, attn, "attn.")
+    norm_backward(m, d, "ln1", "attn.dx_local")
+    m.alloc(dx=x)
+    return LayerMemory(x, saved, forward_peak, m.peak, rebuilt_peak)

@@ -1,0 +1,106 @@
+"""A strategy is one record: registered from one file, it is run, listed, validated, priced and planned
+without a change anywhere else.
+
+The extra strategy is registered inside the rank processes only (the test process's library stays as
+shipped): ``gathered``, an MLP that all-gathers the sequence, applies this rank's TP shards of fc1 and
+fc2 with ``torch.nn.functional.linear`` and reduce-scatters the result (what ``tp_sp`` does through
+Megatron's modules). It borrows ``tp_sp``'s terms and memory, which describe the same collectives and
+tensors, and refuses gated MLPs to show that its own precondition is honoured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_paradyse.core.comm import all_gather_seq, reduce_scatter_seq
+from megatron_paradyse.core.multiprocess import run_on_ranks
+from megatron_paradyse.core.plan import LayerOption
+
+NAME = "gathered"
+
+
+def _gathered_mlp(x_local, w, ctx):
+    from megatron_paradyse.strategies.common import activate, add_bias
+
+    h = F.linear(all_gather_seq(x_local, ctx.group), w.fc1, w.fc1_bias)  # [s, b, ffn/p]
+    h = activate(h, ctx.shape, ctx.activation, blocks=1)
+    return add_bias(reduce_scatter_seq(F.linear(h, w.fc2), ctx.group), w.fc2_bias)
+
+
+def _register() -> None:
+    from megatron_paradyse.strategies import Strategy, register, tp_sp
+
+    register(
+        Strategy(
+            name=NAME,
+            sublayer="mlp",
+            forward=_gathered_mlp,
+            terms=tp_sp.mlp_terms,
+            memory=tp_sp.mlp_memory,
+            unsupported=lambda shape, p: "a gated MLP's shard is two blocks" if shape.gated_mlp else None,
+            summary="all-gather + reduce-scatter of [s,b,h] around this rank's shards",
+        )
+    )
+
+
+def _extra_strategy_on_rank(rank: int, p: int) -> dict:
+    from megatron_paradyse.cli import main as cli_main
+    from megatron_paradyse.core.layout import SequenceLayout
+    from megatron_paradyse.cost.analytic import AnalyticCostModel
+    from megatron_paradyse.planner import Planner, PlannerConfig, layer_options
+    from megatron_paradyse.strategies import MLPContext, run_mlp, strategy_names
+
+    from helpers.cost_profiles import GQA, MHA, synthetic_profile
+    from helpers.numerics import rel_err
+    from helpers.reference_model import StackConfig, make_params, shard_layer
+    from helpers.strategy_stack import model_shape
+
+    _register()
+    found = {"names": strategy_names("mlp")}
+
+    listing = io.StringIO()
+    with contextlib.redirect_stdout(listing):
+        cli_main(["strategies"])
+    found["listed"] = [line.split()[:2] for line in listing.getvalue().splitlines()]
+
+    shape = model_shape(p, gqa=False)
+    layer = make_params(StackConfig(shape=shape, num_layers=1, causal=True), seed=3)[0]
+    _, weights = shard_layer(layer, shape, p, rank)
+    x = torch.randn(8, 2, shape.hidden_size, generator=torch.Generator().manual_seed(rank))
+    ctx = MLPContext(group=dist.group.WORLD, shape=shape, activation=F.gelu)
+    found["error_vs_zero3"] = rel_err(run_mlp(NAME, x, weights, ctx), run_mlp("zero3", x, weights, ctx))
+
+    with pytest.raises(ValueError) as unknown:
+        PlannerConfig(mlp=["gatherd"])
+    found["unknown"] = str(unknown.value)
+    found["gated_excluded"] = layer_options(PlannerConfig(mlp=[NAME, "zero3"]), GQA, p)[1]
+
+    model = AnalyticCostModel(synthetic_profile(), MHA, p)
+    layout = SequenceLayout.build(4096, p, causal=True)
+    found["priced"] = model.layer_cost(LayerOption("ulysses", NAME), layout, 1) == model.layer_cost(
+        LayerOption("ulysses", "tp_sp"), layout, 1
+    )
+    config = PlannerConfig(attention=["ulysses"], mlp=[NAME])
+    planner = Planner.for_model(config, model, shape=MHA, p=p, num_layers=4, budget_bytes=64 * 2**30)
+    found["planned"] = {str(option) for option in planner.decide(layout).plan}
+    return found
+
+
+def test_a_strategy_registered_from_one_file_is_run_listed_validated_priced_and_planned():
+    from megatron_paradyse.strategies import strategy_names
+
+    for found in run_on_ranks(_extra_strategy_on_rank, 2, timeout_s=300):
+        assert found["names"] == ["tp_sp", "zero3", "lean", NAME]
+        assert ["mlp", NAME] in found["listed"]
+        assert found["error_vs_zero3"] < 1e-6  # the same sums, in another order
+        assert found["unknown"] == ("planner.mlp: unknown mlp strategy 'gatherd'; known: tp_sp, zero3, lean, gathered")
+        assert found["gated_excluded"] == {f"mlp {NAME}": "a gated MLP's shard is two blocks"}
+        assert found["priced"]
+        assert found["planned"] <= {f"ulysses/{NAME}", f"ulysses/{NAME}+rc"}, found["planned"]
+    assert NAME not in strategy_names("mlp")  # registered in the ranks only
