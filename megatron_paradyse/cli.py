@@ -22,7 +22,7 @@ __all__ = ["main"]
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
-    from megatron_paradyse.cost.calibrate import calibrate
+    from megatron_paradyse.calibration.calibrate import calibrate
     from megatron_paradyse.cost.profile import save_profile
 
     folder = os.path.dirname(os.path.abspath(args.output))
@@ -60,7 +60,7 @@ def _calibrate_one_rank_of(p: list[int], links: str | None, device: str, setting
     import torch
     import torch.distributed as dist
 
-    from megatron_paradyse.cost.calibrate import calibrate_on_group
+    from megatron_paradyse.calibration.calibrate import calibrate_on_group
     from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
     from megatron_paradyse.cost.profile import load_profile
     from megatron_paradyse.mcore.trace import fake_world

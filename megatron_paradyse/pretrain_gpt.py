@@ -50,17 +50,15 @@ prints the one message, naming the rank and the cause.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import re
 import sys
-from collections.abc import Callable, Iterator
-from typing import NoReturn
 
 import torch
 
 from megatron_paradyse.config import ParadyseConfig, load_config
-from megatron_paradyse.core import allocator, compat
+from megatron_paradyse.core import allocator
+from megatron_paradyse.mcore import compat
 from megatron_paradyse.run.job import Job, add_paradyse_args
 from megatron_paradyse.run.startup import leaving_process_groups
 
@@ -166,6 +164,7 @@ def run(job: Job) -> None:
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
+    from megatron_paradyse.mcore import training_hooks  # imports megatron.training: after the allocator's settings
     from megatron_paradyse.run.startup import agree, init_distributed
     from megatron_paradyse.run.training import TrainingRun
 
@@ -174,10 +173,10 @@ def run(job: Job) -> None:
     training_run = TrainingRun(job)
     training_run.start_up()
     with (
-        _after_each_iteration(training_run.end_iteration),
-        _around_each_evaluation(training_run.begin_evaluation, training_run.end_evaluation),
-        _around_each_step(training_run.begin_step, training_run.out_of_memory),
-        _each_schedule_leaving_nothing(),
+        training_hooks.after_each_iteration(training_run.end_iteration),
+        training_hooks.around_each_evaluation(training_run.begin_evaluation, training_run.end_evaluation),
+        training_hooks.around_each_step(training_run.begin_step, training_run.out_of_memory),
+        training_hooks.each_schedule_leaving_nothing(),
         training_run.fault_watch,
     ):
         pretrain(
@@ -187,94 +186,6 @@ def run(job: Job) -> None:
             training_run.forward_step,
         )
     training_run.finish()
-
-
-@contextlib.contextmanager
-def _after_each_iteration(callback: Callable[[int, dict], None]) -> Iterator[None]:
-    """Call ``callback(iteration, loss_dict)`` after Megatron's ``training_log`` of each iteration."""
-    from megatron.training import training
-
-    original = training.training_log
-
-    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs):
-        result = original(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs)
-        callback(iteration, loss_dict)
-        return result
-
-    training.training_log = training_log
-    try:
-        yield
-    finally:
-        training.training_log = original
-
-
-@contextlib.contextmanager
-def _around_each_evaluation(begin: Callable[[], None], end: Callable[[str], None]) -> Iterator[None]:
-    """Call ``begin()`` before each of Megatron's evaluations (validation during and after training, test
-    at the end) and ``end(prefix)`` after it has printed its loss (``prefix``: ``iteration N ...``)."""
-    from megatron.training import training
-
-    original = training.evaluate_and_print_results
-
-    def evaluate_and_print_results(prefix, *args, **kwargs):
-        begin()
-        result = original(prefix, *args, **kwargs)
-        end(prefix)
-        return result
-
-    training.evaluate_and_print_results = evaluate_and_print_results
-    try:
-        yield
-    finally:
-        training.evaluate_and_print_results = original
-
-
-@contextlib.contextmanager
-def _each_schedule_leaving_nothing() -> Iterator[None]:
-    """Every pipeline schedule Megatron's training and evaluation run releases what its model chunks keep of
-    the step's last micro-batch when it returns (:func:`~megatron_paradyse.mcore.step_buffers.leaving_nothing`):
-    the planners budget each step for its own micro-batches. Both look ``get_forward_backward_func`` up in
-    their module."""
-    from megatron.training import training
-
-    from megatron_paradyse.mcore.step_buffers import leaving_nothing
-
-    original = training.get_forward_backward_func
-
-    def get_forward_backward_func(*args, **kwargs):
-        return leaving_nothing(original(*args, **kwargs))
-
-    training.get_forward_backward_func = get_forward_backward_func
-    try:
-        yield
-    finally:
-        training.get_forward_backward_func = original
-
-
-@contextlib.contextmanager
-def _around_each_step(
-    begin: Callable[[], None], on_out_of_memory: Callable[[torch.OutOfMemoryError], NoReturn]
-) -> Iterator[None]:
-    """Call ``begin()`` before each training step, and hand an out-of-memory error raised in the step on
-    this rank (any forward, backward, the optimizer step) to ``on_out_of_memory``, which ends the process:
-    unwound, it would leave the other ranks blocked in the step's collectives. ``train()`` looks
-    ``train_step`` up in its module."""
-    from megatron.training import training
-
-    original = training.train_step
-
-    def train_step(*args, **kwargs):
-        begin()
-        try:
-            return original(*args, **kwargs)
-        except torch.OutOfMemoryError as e:
-            on_out_of_memory(e)
-
-    training.train_step = train_step
-    try:
-        yield
-    finally:
-        training.train_step = original
 
 
 if __name__ == "__main__":

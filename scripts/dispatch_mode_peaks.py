@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_paradyse.core import compat
 from megatron_paradyse.core.multiprocess import run_on_ranks
+from megatron_paradyse.mcore import compat
 
 PLANS = ("tp_sp/tp_sp", "tp_sp/tp_sp+rc", "lean/lean", "tp_sp/tp_sp+tile256")
 VARIANTS = {

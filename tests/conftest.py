@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 def cache_p2(tmp_path_factory) -> Path:
     """A folder with the code corpus and a quick cost profile for p=2 (``profile.json``; or the one
     ``PARADYSE_TEST_PROFILE`` names), shared by a module's runs."""
-    from megatron_paradyse.cost.calibrate import calibrate
+    from megatron_paradyse.calibration.calibrate import calibrate
     from megatron_paradyse.cost.profile import save_profile
     from megatron_paradyse.data.corpora import build_code_corpus
 

@@ -66,7 +66,7 @@ LEVERS = {
 
 
 def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
-    from megatron_paradyse.core import compat
+    from megatron_paradyse.mcore import compat
 
     compat.install()
     import torch.distributed as dist

@@ -36,14 +36,14 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from megatron_paradyse.calibration.calibrate import REFERENCE_SHAPE, calibrate, correction_layers
+from megatron_paradyse.calibration.measure import measure_layer
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.analytic import AnalyticCostModel
-from megatron_paradyse.cost.calibrate import REFERENCE_SHAPE, calibrate, correction_layers
 from megatron_paradyse.cost.empirical import EmpiricalCostModel, Sample
 from megatron_paradyse.cost.fitting import mape
-from megatron_paradyse.cost.measure import measure_layer
 from megatron_paradyse.cost.profile import load_profile, save_profile
 
 __all__ = ["RankAgreement", "length_line", "main", "rank_agreement", "summary_line"]

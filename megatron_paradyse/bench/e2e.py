@@ -367,7 +367,7 @@ class Settings:
 
 
 def _bench_on_rank(rank: int, world_size: int, corpora: list[Corpus], settings: Settings) -> list[CorpusResult]:
-    from megatron_paradyse.core import compat
+    from megatron_paradyse.mcore import compat
 
     compat.install()
     from megatron.core import parallel_state
@@ -973,9 +973,9 @@ def _corpus(name: str, args: argparse.Namespace) -> Corpus:
 
 def _profile(args: argparse.Namespace) -> tuple[dict, str]:
     """The ``--profile`` given, or the quick one with its fitted correction, read from or calibrated into
-    ``--cache-dir`` (:func:`~megatron_paradyse.cost.calibrate.cached_quick_profile`)."""
+    ``--cache-dir`` (:func:`~megatron_paradyse.calibration.calibrate.cached_quick_profile`)."""
+    from megatron_paradyse.calibration.calibrate import cached_quick_profile
     from megatron_paradyse.cost import load_profile
-    from megatron_paradyse.cost.calibrate import cached_quick_profile
 
     if args.profile is not None:
         return load_profile(args.profile, p=args.p, check_machine=False), str(args.profile)

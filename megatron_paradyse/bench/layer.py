@@ -52,9 +52,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_paradyse.bench.memory import TRACE_MODELS
-from megatron_paradyse.core import compat
 from megatron_paradyse.core.host_sync import HostSyncs, cuda_sync_debug, wait_for_device
 from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.mcore import compat
 from megatron_paradyse.mcore.trace import LayerModel, fake_world
 from megatron_paradyse.strategies import ModelShape
 

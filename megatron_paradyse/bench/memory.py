@@ -51,8 +51,8 @@ from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.memory import PeakMemory
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.plan import LayerOption
-from megatron_paradyse.cost.measure import LayerParams, make_layer_params, run_layer
 from megatron_paradyse.cost.terms import layer_terms
+from megatron_paradyse.mcore.bare_layer import LayerParams, make_layer_params, run_layer
 from megatron_paradyse.mcore.trace import LAYER_KINDS, LayerKind, LayerModel, LayerTrace, fake_world, trace_rank
 from megatron_paradyse.planner.config import PlannerConfig, layer_options
 from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape, get_strategy, unsupported_reason

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_paradyse.core import compat
+from megatron_paradyse.mcore.indexed import DType, IndexedDataset, IndexedDatasetBuilder
 
 __all__ = ["DocumentDataset", "IndexInfo", "validate", "write_documents"]
 
@@ -128,7 +128,7 @@ class DocumentDataset:
     def __init__(self, path_prefix: str | os.PathLike) -> None:
         self.path_prefix = os.fspath(path_prefix)
         self.info = validate(self.path_prefix)
-        self._megatron = indexed_dataset_module().IndexedDataset(self.path_prefix, mmap=True)
+        self._megatron = IndexedDataset(self.path_prefix, mmap=True)
         doc_idx = self._megatron.document_indices
         seq_starts = np.zeros(self.info.num_sequences + 1, dtype=np.int64)
         np.cumsum(self._megatron.sequence_lengths, out=seq_starts[1:])
@@ -188,14 +188,6 @@ class DocumentDataset:
         return self._megatron.get(int(self._first_sequence[doc]), offset=offset, length=length)
 
 
-def indexed_dataset_module():
-    """megatron-core's ``indexed_dataset`` module (imported on first use, with the CPU patches)."""
-    compat.install()
-    from megatron.core.datasets import indexed_dataset
-
-    return indexed_dataset
-
-
 def write_documents(path_prefix: str | os.PathLike, documents: Iterable[np.ndarray], *, vocab_size: int) -> IndexInfo:
     """Write ``documents`` (1-D integer arrays, one sequence each) as ``{prefix}.bin``/``{prefix}.idx``.
 
@@ -203,12 +195,11 @@ def write_documents(path_prefix: str | os.PathLike, documents: Iterable[np.ndarr
     ``int32``). Both files appear only when complete: they are written under a temporary name and
     renamed, so a reader never sees a half-written pair.
     """
-    mcore = indexed_dataset_module()
-    dtype = np.dtype(mcore.DType.optimal_dtype(vocab_size))
+    dtype = np.dtype(DType.optimal_dtype(vocab_size))
     idx_path, bin_path = _paths(path_prefix)
     idx_path.parent.mkdir(parents=True, exist_ok=True)
     tmp_idx, tmp_bin = _paths(f"{os.fspath(path_prefix)}.tmp{os.getpid()}")
-    builder = mcore.IndexedDatasetBuilder(str(tmp_bin), dtype=dtype.type)
+    builder = IndexedDatasetBuilder(str(tmp_bin), dtype=dtype.type)
     try:
         for i, doc in enumerate(documents):
             doc = np.asarray(doc)

@@ -406,7 +406,7 @@ def _profile(config: ParadyseConfig, p: int, transformer, longest: int, device: 
             check_machine=config.cost.check_machine,
             host_link=config.planner.host_memory_gib > 0,
         )
-    from megatron_paradyse.cost.calibrate import startup_profile
+    from megatron_paradyse.calibration.calibrate import startup_profile
     from megatron_paradyse.mcore.model_shape import model_shape
 
     return startup_profile(

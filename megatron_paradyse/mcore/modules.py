@@ -39,9 +39,9 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megatron_paradyse.attention import get_kernel
-from megatron_paradyse.core.compat import drop_unavailable_gradient_accumulation_fusion
 from megatron_paradyse.core.micro_batch import MicroBatch, active_micro_batch, current_micro_batch, micro_batch_scope
 from megatron_paradyse.core.plan import LayerOption
+from megatron_paradyse.mcore.compat import drop_unavailable_gradient_accumulation_fusion
 from megatron_paradyse.mcore.drop_in import implicit_micro_batch
 from megatron_paradyse.mcore.model_shape import model_shape, stage_chunk_layers
 from megatron_paradyse.mcore.norm import fused_input_norm, sequence_parallel_norm

@@ -8,7 +8,7 @@ and frees (:class:`~megatron_paradyse.core.memory._StorageTracker`). A Llama-3-8
 tokens traces in seconds on a CPU. With ``fake=False`` the same layer runs real tensors on a device:
 on CUDA, the caching allocator's own figures come too (:class:`AllocatorPeaks`).
 
-What a trace counts is what :func:`~megatron_paradyse.cost.measure.measure_layer` measures for real
+What a trace counts is what :func:`~megatron_paradyse.calibration.measure.measure_layer` measures for real
 and :func:`~megatron_paradyse.cost.terms.layer_terms` predicts, above the layer's input, its weights
 and their gradient buffers (allocated before the window, as Megatron's are) and the rotary table
 (GPTModel builds it once per forward, for every layer):
@@ -27,7 +27,7 @@ Two layers can be traced (:data:`LayerKind`):
   ``micro_batch_scope``, on Megatron's parallel state initialised over the process group. It reaches
   up to the Megatron adapter (imported where the layer is built): the subject of the trace is the
   layer training runs, whatever the cost models below it assume.
-- ``"run_layer"``: :func:`cost.measure.run_layer`, the layer the cost models were checked against:
+- ``"run_layer"``: :func:`mcore.bare_layer.run_layer`, the layer the cost models were checked against:
   the strategies between two LayerNorms, no RoPE.
 
 Python's cyclic garbage collector is paused inside the window, so figures do not depend on when it
@@ -50,14 +50,14 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatron_paradyse.attention import get_kernel
-from megatron_paradyse.core import compat
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.memory import GradientRoot, MemoryEvent, _StorageTracker, collective_buffers_freed_promptly
 from megatron_paradyse.core.plan import LayerOption
-from megatron_paradyse.cost.measure import make_layer_params, run_layer
+from megatron_paradyse.mcore import compat
+from megatron_paradyse.mcore.bare_layer import make_layer_params, run_layer
+from megatron_paradyse.mcore.linears import gather_buffer_scope, reserve_gather_buffer
 from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape
 from megatron_paradyse.strategies.dims import Dims
-from megatron_paradyse.strategies.megatron_linears import gather_buffer_scope, reserve_gather_buffer
 
 __all__ = [
     "AllocatorPeaks",

@@ -108,7 +108,7 @@ def parse_megatron_args(flags: Sequence[str]) -> argparse.Namespace:
     Only parsing: Megatron's cross-checks (``validate_args``) need the job's world size and run when
     the job starts. Where a flag repeats, the last one wins, as on a command line.
     """
-    from megatron_paradyse.core import compat
+    from megatron_paradyse.mcore import compat
 
     compat.install()  # before importing megatron
     from megatron.training.arguments import add_megatron_arguments

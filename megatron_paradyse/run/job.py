@@ -237,7 +237,7 @@ def job_arguments(
     import io
     import warnings
 
-    from megatron_paradyse.core import compat
+    from megatron_paradyse.mcore import compat
 
     compat.install()  # importing megatron.training needs it on CPU; a no-op with CUDA
     from megatron.training.arguments import parse_args, validate_args

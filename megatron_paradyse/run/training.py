@@ -32,9 +32,9 @@ from typing import NoReturn
 import torch
 
 from megatron_paradyse.config import ParadyseConfig
-from megatron_paradyse.core import compat
 from megatron_paradyse.core.allocator import expandable_segments_off
 from megatron_paradyse.core.memory import device_memory_bytes
+from megatron_paradyse.mcore import compat
 from megatron_paradyse.mcore.chunked_loss import output_processor
 from megatron_paradyse.mcore.step_buffers import release_step_buffers
 from megatron_paradyse.run.fault import STATE_FILE, FaultWatch
@@ -692,11 +692,11 @@ def _meters_memory(job: Job) -> bool:
 def _calibrate_once(job: Job) -> dict:
     """No ``cost.profile``: the quick profile with its correction fitted on the model's layers, read from
     the data cache or measured by every tensor-parallel group on itself, in the job's own processes
-    (:func:`~megatron_paradyse.cost.calibrate.startup_profile`), its layers timed as the job's meter will
+    (:func:`~megatron_paradyse.calibration.calibrate.startup_profile`), its layers timed as the job's meter will
     time them; every rank plans from rank 0's. A failure on any rank raises on every rank."""
     from megatron.core import parallel_state as mpu
 
-    from megatron_paradyse.cost.calibrate import startup_profile
+    from megatron_paradyse.calibration.calibrate import startup_profile
     from megatron_paradyse.mcore.model_shape import model_shape
 
     transformer = job.model_config.transformer

@@ -96,9 +96,9 @@ def test_bench_layer_prints_the_cost_models_time_beside_the_measured(tmp_path, m
     from a profile of this machine, beside the measured one; the last line adds the least and the largest
     predicted/measured ratio. A profile it cannot read stops it before anything is timed."""
     from megatron_paradyse.bench.layer import MODELS
+    from megatron_paradyse.calibration import calibrate as calibration
     from megatron_paradyse.core.layout import SequenceLayout
     from megatron_paradyse.core.plan import LayerOption
-    from megatron_paradyse.cost import calibrate as calibration
     from megatron_paradyse.cost.analytic import AnalyticCostModel
     from megatron_paradyse.cost.profile import save_profile
 

@@ -26,8 +26,8 @@ import torch
 import yaml
 
 from megatron_paradyse.config import ConfigError, MemorySection, load_config
-from megatron_paradyse.core import compat
 from megatron_paradyse.data.corpora import build_code_corpus
+from megatron_paradyse.mcore import compat
 from megatron_paradyse.run.fault import (
     FAULT_EXIT_CODE,
     STATE_FILE,

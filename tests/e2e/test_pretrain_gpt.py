@@ -330,7 +330,7 @@ def test_every_schedule_the_entry_point_runs_leaves_its_chunks_no_input(monkeypa
     entry point each run of it then drops the input every model chunk keeps of the step's last micro-batch,
     so that a step leaves nothing to the next (``tests/megatron/test_step_memory.py`` measures it), and the hook goes
     when ``pretrain`` returns."""
-    from megatron_paradyse.core import compat
+    from megatron_paradyse.mcore import compat
 
     compat.install()
     from megatron.training import training

@@ -111,7 +111,7 @@ def profile(tmp_path_factory) -> Path:
     """A valid cost profile for p=2 (calibrated once; ``PARADYSE_TEST_PROFILE`` names one to reuse)."""
     if PROFILE:
         return Path(PROFILE)
-    from megatron_paradyse.cost.calibrate import calibrate
+    from megatron_paradyse.calibration.calibrate import calibrate
     from megatron_paradyse.cost.profile import save_profile
 
     path = tmp_path_factory.mktemp("profile") / "p2.json"

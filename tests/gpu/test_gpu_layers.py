@@ -20,13 +20,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from megatron_paradyse.core import compat
 from megatron_paradyse.core.host_sync import cuda_sync_debug
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
 from megatron_paradyse.core.offload import ActivationOffload
 from megatron_paradyse.core.plan import LayerOption, Plan
 from megatron_paradyse.cost.terms import layer_terms
+from megatron_paradyse.mcore import compat
 from megatron_paradyse.mcore.trace import LayerModel, RankTracer, fake_world
 from megatron_paradyse.run.log import MicroBatchMeter
 from megatron_paradyse.strategies import ModelShape

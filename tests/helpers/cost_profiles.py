@@ -4,7 +4,7 @@ a test."""
 
 from __future__ import annotations
 
-from megatron_paradyse.cost import calibrate as calibration
+from megatron_paradyse.calibration import calibrate as calibration
 from megatron_paradyse.cost.profile import PROFILE_SCHEMA, fingerprint
 from megatron_paradyse.strategies import ModelShape
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_paradyse.core import compat
+from megatron_paradyse.mcore import compat
 
 compat.install()
 

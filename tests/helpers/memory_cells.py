@@ -5,7 +5,7 @@ storage an operator creates, until it is freed) and compared with the scripts of
 
 A finished collective's buffers are released by gloo's worker thread, which needs the GIL: the
 measurements switch threads every microsecond and keep the smallest of a few runs (as
-:func:`~megatron_paradyse.cost.measure.measure_layer` does).
+:func:`~megatron_paradyse.calibration.measure.measure_layer` does).
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_paradyse.attention import get_kernel
+from megatron_paradyse.calibration.measure import measure_layer
 from megatron_paradyse.core.comm import Zero3Gathers
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.memory import _StorageTracker, collective_buffers_freed_promptly, recurring_least
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.layer_memory import sublayer_memory
-from megatron_paradyse.cost.measure import make_layer_params, measure_layer
 from megatron_paradyse.cost.terms import layer_terms
+from megatron_paradyse.mcore.bare_layer import make_layer_params
+from megatron_paradyse.mcore.linears import gather_buffer_scope
 from megatron_paradyse.strategies import (
     AttentionContext,
     MLPContext,
@@ -36,7 +38,6 @@ from megatron_paradyse.strategies import (
     run_mlp,
 )
 from megatron_paradyse.strategies.dims import Dims
-from megatron_paradyse.strategies.megatron_linears import gather_buffer_scope
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RUNS = 6
@@ -85,7 +86,7 @@ def layout_of(docs: str, p: int, causal: bool) -> SequenceLayout:
 @dataclasses.dataclass(frozen=True)
 class Cell:
     kind: str
-    """``attention``, ``mlp``, ``layer`` (``cost.measure.run_layer``) or ``megatron`` (the spec's layer)."""
+    """``attention``, ``mlp``, ``layer`` (``mcore.bare_layer.run_layer``) or ``megatron`` (the spec's layer)."""
     name: str
     """The strategy, or the layer option."""
     shape: str

@@ -5,7 +5,7 @@ The fork server swallows an import error here and forks ranks that import everyt
 ``tests/ranks/test_rank_launch.py`` checks that a rank starts with this module loaded.
 """
 
-from megatron_paradyse.core import compat
+from megatron_paradyse.mcore import compat
 
 compat.install()  # before anything below imports megatron.core
 

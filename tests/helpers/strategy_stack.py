@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.core.offload import ActivationOffload
 from megatron_paradyse.core.plan import LayerOption
+from megatron_paradyse.mcore.linears import layer_linears
 from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape, run_attention, run_mlp
-from megatron_paradyse.strategies.megatron_linears import layer_linears
 from megatron_paradyse.strategies.recompute import recompute
 from megatron_paradyse.strategies.tiling import over_row_tiles
 

@@ -131,7 +131,7 @@ def test_the_drop_in_planner_connects_its_tensor_parallel_group_before_it_measur
 def test_a_fused_cross_entropy_is_refused_by_the_drop_in_planner():
     """The cost model counts Megatron's unfused cross-entropy: a job with the fused one gets no planner
     that would count the wrong working set."""
-    from megatron_paradyse.core import compat
+    from megatron_paradyse.mcore import compat
 
     compat.install()  # before megatron.core is imported
     from megatron_paradyse.mcore.drop_in import stage_cost_models

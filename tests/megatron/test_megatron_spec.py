@@ -198,7 +198,7 @@ def _checkpoints(p: int, batch, models: dict, tmp: str) -> dict:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from megatron_paradyse.core.compat import cuda_to_cpu
+    from megatron_paradyse.mcore.compat import cuda_to_cpu
     from megatron_paradyse.mcore.model_shape import model_shape
     from megatron_paradyse.spec import get_paradyse_layer_spec
 
@@ -239,7 +239,7 @@ def _optimizer_steps(tp: int, variant: str) -> dict:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_paradyse.core.compat import cuda_to_cpu
+    from megatron_paradyse.mcore.compat import cuda_to_cpu
     from megatron_paradyse.mcore.model_shape import model_shape
     from megatron_paradyse.spec import get_paradyse_layer_spec
 
@@ -290,7 +290,7 @@ def _pipeline(rank: int, variant: str) -> dict:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_paradyse.core.compat import cuda_to_cpu
+    from megatron_paradyse.mcore.compat import cuda_to_cpu
     from megatron_paradyse.mcore.model_shape import model_shape
     from megatron_paradyse.spec import get_paradyse_layer_spec
 

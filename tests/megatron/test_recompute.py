@@ -40,7 +40,7 @@ def _bytes_left_after_backward(rank: int, p: int) -> dict[str, int]:
     options = [LayerOption.parse(pairing + rc) for pairing in PAIRINGS for rc in ("", "+rc", "+rc+off")]
     for option in options:  # gradients and the layout's cached tensors exist before the measured runs
         step(option)
-    with collective_buffers_freed_promptly():  # as cost.measure.measure_layer
+    with collective_buffers_freed_promptly():  # as calibration.measure.measure_layer
         return {str(option): min(step(option) for _ in range(2)) for option in options}
 
 

@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 
+from megatron_paradyse.calibration import calibrate as calibration
 from megatron_paradyse.core.memory import PeakMemory
 from megatron_paradyse.core.multiprocess import run_on_ranks
-from megatron_paradyse.cost import calibrate as calibration
 from megatron_paradyse.cost.profile import load_profile
 
 from helpers.cost_profiles import CALIBRATED_LAYER, TINY_GRID
@@ -54,7 +54,7 @@ def _startup_on_tp_groups(rank: int, world: int, cache_dir: str, failing_ranks: 
     out of memory partway through the samples."""
     import torch.distributed as dist
 
-    from megatron_paradyse.cost import measure
+    from megatron_paradyse.calibration import measure
     from megatron_paradyse.cost.profile import ProfileError
 
     calibration.GRIDS["quick"] = TINY_GRID

@@ -15,7 +15,7 @@ def _held_and_counted(rank: int, world: int) -> list[tuple[str, int, int]]:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_paradyse.core.compat import cuda_to_cpu
+    from megatron_paradyse.mcore.compat import cuda_to_cpu
     from megatron_paradyse.mcore.static_memory import OptimizerSetup, pipeline_footprints
     from megatron_paradyse.spec import get_paradyse_layer_spec
 
@@ -63,7 +63,7 @@ def test_counted_parameters_are_those_megatron_builds():
 def test_bytes_per_parameter_follow_megatron_mixed_precision_adam():
     """bf16 weight, fp32 main gradient, fp32 master weight and two moments (sharded by the distributed
     optimizer over the data-parallel ranks)."""
-    from megatron_paradyse.core import compat
+    from megatron_paradyse.mcore import compat
 
     compat.install()
     import torch
@@ -121,8 +121,8 @@ def _optimizer_step_peaks(rank: int, world: int) -> list[tuple[str, float, float
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_paradyse.core.compat import cuda_to_cpu
     from megatron_paradyse.core.memory import peak_bytes_of
+    from megatron_paradyse.mcore.compat import cuda_to_cpu
     from megatron_paradyse.mcore.static_memory import OptimizerSetup, pipeline_footprints
 
     from helpers import megatron_harness as h  # first: megatron-core's CPU patches
@@ -195,7 +195,7 @@ def test_the_optimizer_step_holds_what_is_counted_for_it():
 def test_the_optimizer_implementation_is_the_one_megatron_imported():
     """Without Transformer Engine or apex, Megatron steps with torch's optimizers: foreach on CUDA,
     for-loop on CPU; the working set of a fused step is nothing."""
-    from megatron_paradyse.core import compat
+    from megatron_paradyse.mcore import compat
 
     compat.install()
     import megatron.core.optimizer as megatron_optimizer

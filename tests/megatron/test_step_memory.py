@@ -116,7 +116,7 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
     import torch
     import torch.nn.functional as F
 
-    from megatron_paradyse.core import compat
+    from megatron_paradyse.mcore import compat
 
     compat.install()
     from megatron.core import parallel_state
@@ -125,12 +125,12 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_paradyse.core.compat import cuda_to_cpu
     from megatron_paradyse.core.memory import recurring_peak_bytes, storage_bytes
     from megatron_paradyse.core.micro_batch import MicroBatch
     from megatron_paradyse.core.plan import Plan
     from megatron_paradyse.data import make_micro_batch
     from megatron_paradyse.mcore.chunked_loss import micro_batch_loss
+    from megatron_paradyse.mcore.compat import cuda_to_cpu
     from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
     from megatron_paradyse.mcore.step_buffers import release_step_buffers
 
@@ -303,11 +303,11 @@ def _pipeline_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_paradyse.core.compat import cuda_to_cpu
     from megatron_paradyse.core.memory import recurring_peak_bytes, storage_bytes
     from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
     from megatron_paradyse.core.plan import LayerOption, Plan
     from megatron_paradyse.mcore.chunked_loss import output_processor
+    from megatron_paradyse.mcore.compat import cuda_to_cpu
     from megatron_paradyse.mcore.drop_in import forwards_in_flight, kept_between_micro_batches_bytes
     from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
     from megatron_paradyse.mcore.step_buffers import leaving_nothing, release_step_buffers
@@ -504,11 +504,11 @@ def _interleaved_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_paradyse.core.compat import cuda_to_cpu
     from megatron_paradyse.core.memory import recurring_peak_bytes
     from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
     from megatron_paradyse.core.plan import LayerOption, Plan
     from megatron_paradyse.mcore.chunked_loss import output_processor
+    from megatron_paradyse.mcore.compat import cuda_to_cpu
     from megatron_paradyse.mcore.drop_in import forwards_in_flight, kept_between_micro_batches_bytes
     from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
     from megatron_paradyse.mcore.step_buffers import leaving_nothing, release_step_buffers
@@ -570,7 +570,7 @@ def test_model_chunks_interleaved_stay_within_their_stage_budget():
     (:func:`kept_between_micro_batches_bytes`: with the overlapped p2p exchange, four activations; with
     two the last stage went 2.3% over, LLaMA-style, fp32): at 0.92-0.99 of it. That is 0.50-0.65 of
     what planning whole micro-batches each to a share of it needs (four and three at once)."""
-    from megatron_paradyse.core import compat
+    from megatron_paradyse.mcore import compat
 
     compat.install()  # before megatron.core is imported
     from megatron_paradyse.mcore.drop_in import forwards_in_flight

@@ -64,7 +64,7 @@ def runs(tmp_path_factory) -> dict:
     build_code_corpus(cache)
     profile = os.environ.get("PARADYSE_TEST_PROFILE")
     if not profile:
-        from megatron_paradyse.cost.calibrate import calibrate
+        from megatron_paradyse.calibration.calibrate import calibrate
         from megatron_paradyse.cost.profile import save_profile
 
         profile = folder / "profile.json"
@@ -101,7 +101,7 @@ def _read_checkpoint(folder: Path, into: Path) -> dict:
     """A distributed checkpoint's tensors and common state, whole (no process group needed)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from megatron_paradyse.core import compat
+    from megatron_paradyse.mcore import compat
 
     compat.install()  # the common state holds Megatron's argument namespace
     dcp_to_torch_save(folder, into)

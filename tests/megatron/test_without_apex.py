@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from megatron_paradyse.config import load_config
-from megatron_paradyse.core import compat
+from megatron_paradyse.mcore import compat
 from megatron_paradyse.mcore.trace import fake_world
 from megatron_paradyse.run.job import add_paradyse_args, entry_defaults
 
@@ -41,7 +41,7 @@ def test_the_model_builds_without_apex_with_the_fusion_turned_off(spec, caplog):
         harness.parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
         harness.model_parallel_cuda_manual_seed(1234)
         try:
-            with caplog.at_level(logging.WARNING, logger="megatron_paradyse.core.compat"):
+            with caplog.at_level(logging.WARNING, logger="megatron_paradyse.mcore.compat"):
                 model = harness.build_gpt_from_spec_flag(config, spec)
         finally:
             harness.parallel_state.destroy_model_parallel()

@@ -13,11 +13,11 @@ import time
 import pytest
 import torch
 
+from megatron_paradyse.calibration import calibrate as calibration
 from megatron_paradyse.cli import main as cli_main
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.plan import LayerOption
-from megatron_paradyse.cost import calibrate as calibration
 from megatron_paradyse.cost.analytic import AnalyticCostModel
 from megatron_paradyse.cost.profile import load_profile
 from megatron_paradyse.cost.terms import layer_terms

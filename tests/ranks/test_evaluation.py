@@ -21,8 +21,8 @@ from megatron_paradyse.core.memory import _StorageTracker
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.base import LayerCost
-from megatron_paradyse.cost.measure import make_layer_params, run_layer
 from megatron_paradyse.cost.terms import layer_terms
+from megatron_paradyse.mcore.bare_layer import make_layer_params, run_layer
 from megatron_paradyse.planner.planner import ForwardOnlyCost
 from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape
 from megatron_paradyse.strategies.dims import Dims

@@ -2,7 +2,7 @@
 on it, ``bench memory --trace`` and ``bench allocator``: ``tests/e2e/test_bench_memory.py``).
 
 A fake trace must allocate what the real run allocates: on the same 2 gloo ranks, each rank first
-measures every cell for real (``cost.measure.measure_layer`` for ``run_layer``; the same tracer with
+measures every cell for real (``calibration.measure.measure_layer`` for ``run_layer``; the same tracer with
 real tensors for Megatron's layer), then leaves the gloo group and traces the same cells as the same
 rank of a fake group under ``FakeTensorMode``. Saved and peak bytes must be equal to the byte.
 """
@@ -18,11 +18,11 @@ import torch.distributed as dist
 
 from megatron_paradyse.bench import memory as memory_bench
 from megatron_paradyse.bench.memory import TRACE_MODELS, TraceConfig, trace_cases
+from megatron_paradyse.calibration.measure import measure_layer
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.memory import recurring_least
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.plan import LayerOption
-from megatron_paradyse.cost.measure import measure_layer
 from megatron_paradyse.mcore.trace import LayerModel, RankTracer, fake_world
 from megatron_paradyse.strategies import ModelShape
 

@@ -23,7 +23,7 @@ from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.plan import LayerOption
-from megatron_paradyse.cost.measure import make_layer_params
+from megatron_paradyse.mcore.bare_layer import make_layer_params
 from megatron_paradyse.strategies import (
     AttentionContext,
     MLPContext,

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_paradyse.data.indexed import DocumentDataset, indexed_dataset_module, validate, write_documents
+from megatron_paradyse.data.indexed import DocumentDataset, validate, write_documents
 from megatron_paradyse.data.prepare import prepare, read_manifest
 from megatron_paradyse.data.tokenizers import ByteTokenizer, KmerTokenizer, get_tokenizer
+from megatron_paradyse.mcore import indexed as megatron_indexed
 
 LENGTHS = [1, 2, 3, 0, 517, 70_000, 5]
 
@@ -44,15 +45,14 @@ def test_round_trip_by_us_and_by_megatron(tmp_path, vocab_size, dtype):
         np.testing.assert_array_equal(dataset[doc], expected)
         assert dataset[doc].dtype == dtype
     np.testing.assert_array_equal(dataset.read(5, 60_000, 123), docs[5][60_000:60_123])
-    megatron = indexed_dataset_module().IndexedDataset(str(tmp_path / "d"))
+    megatron = megatron_indexed.IndexedDataset(str(tmp_path / "d"))
     for i, expected in enumerate(docs):
         np.testing.assert_array_equal(megatron[i], expected)
 
 
 def test_document_of_several_sequences_reads_as_one(tmp_path):
     """Megatron's sentence-split datasets: a document is several sequences back to back."""
-    mcore = indexed_dataset_module()
-    builder = mcore.IndexedDatasetBuilder(str(tmp_path / "s.bin"), dtype=np.uint16)
+    builder = megatron_indexed.IndexedDatasetBuilder(str(tmp_path / "s.bin"), dtype=np.uint16)
     builder.add_document(torch.arange(7), lengths=[3, 4])
     builder.add_document(torch.arange(10, 12), lengths=[2])
     builder.finalize(str(tmp_path / "s.idx"))

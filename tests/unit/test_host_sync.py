@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_paradyse.core import compat
 from megatron_paradyse.core.host_sync import HostSyncs
 from megatron_paradyse.core.layout import LayoutIndices, SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
+from megatron_paradyse.mcore import compat
 from megatron_paradyse.mcore.trace import LayerModel, RankTracer, fake_world
 from megatron_paradyse.strategies import ModelShape
 from megatron_paradyse.strategies.registry import strategy_names

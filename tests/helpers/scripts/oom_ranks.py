@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_paradyse.core import compat
+from megatron_paradyse.mcore import compat
 
 _DEADLINE_S = 280.0
 

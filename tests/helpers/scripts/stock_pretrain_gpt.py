@@ -2,7 +2,7 @@
 for the tests: its ``get_batch`` (TP rank 0 reads, then broadcasts), ``loss_func`` and ``forward_step``
 as the stock script has them, Megatron's ``GPTDataset``/``MockGPTDataset`` through
 ``BlendedMegatronDatasetBuilder``, and ``megatron.training.pretrain``. No megatron-paradyse code runs
-but what ``--spec`` names (and, on a machine without CUDA, :mod:`megatron_paradyse.core.compat`, which the
+but what ``--spec`` names (and, on a machine without CUDA, :mod:`megatron_paradyse.mcore.compat`, which the
 patch in ``patches/`` also installs into the stock script; and, unlike the stock script, on its way out
 :func:`megatron_paradyse.run.startup.leaving_process_groups`).
 
@@ -10,7 +10,7 @@ patch in ``patches/`` also installs into the stock script; and, unlike the stock
         get_paradyse_layer_spec --tensor-model-parallel-size 2 --sequence-parallel ...
 """
 
-from megatron_paradyse.core import compat
+from megatron_paradyse.mcore import compat
 
 compat.install()
 

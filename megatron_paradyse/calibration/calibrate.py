@@ -764,7 +764,7 @@ def _correction_layers(
     group, shape: ModelShape, lengths, device: torch.device, dtype: torch.dtype, *, metered: bool = False
 ):
     """``(option, tokens, seconds)`` of each correction layer at each length, on ``group`` (a collective)."""
-    from megatron_paradyse.cost.measure import measure_layer
+    from megatron_paradyse.calibration.measure import measure_layer
 
     p = group.size()
     out = []

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch.distributed import ProcessGroup
 
-from megatron_paradyse.core import compat
+from megatron_paradyse.mcore import compat
 from megatron_paradyse.strategies.base import AttentionWeights, MLPWeights, ModelShape
 
 __all__ = ["gather_buffer_scope", "layer_linears", "reserve_gather_buffer"]

@@ -1,7 +1,7 @@
 """Run megatron-core 0.19 on a machine without CUDA (CPU tests, the CPU demo); a no-op with CUDA.
 
-megatron-core assumes CUDA in a handful of places. :func:`install` rebinds exactly those, and
-nothing else in the project patches Megatron:
+megatron-core assumes CUDA in a handful of places. :func:`install` rebinds exactly those (the only other
+changes to Megatron are the training entry point's hooks in :mod:`~megatron_paradyse.mcore.training_hooks`):
 
 - ``import megatron.core`` imports triton unguarded (MoE paged stash kernels): without triton a
   stand-in module takes its place, whose kernels raise if launched;
