@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     budget = args.budget_gib * _GIB if args.budget_gib else 0.9 * HARDWARE[args.gpu].memory_bytes
     config = PlannerConfig()
-    # the stages' models share what they price of the layers, as a job's do (mcore.drop_in.stage_cost_models)
+    # the stages' models share what they price of the layers, as a job's do (run.stage_planning.stage_cost_models)
     planners = [
         Planner.for_model(
             config,

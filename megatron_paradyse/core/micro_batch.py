@@ -3,8 +3,8 @@
 Megatron hands a transformer layer only its hidden states (the MLP not even the packing
 parameters), so the micro-batch's layout and plan travel beside the call::
 
-    step = MicroBatch(layout=layout, plan=plan)
-    with micro_batch_scope(step):
+    micro_batch = MicroBatch(layout=layout, plan=plan)
+    with micro_batch_scope(micro_batch):
         output = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask)
 
 Every Paradyse layer reads :func:`current_micro_batch` once, in its forward, and keeps what it read
@@ -82,10 +82,10 @@ def active_micro_batch() -> MicroBatch | None:
 
 def current_micro_batch() -> MicroBatch:
     """The micro-batch of the innermost :func:`micro_batch_scope`; raises outside any."""
-    step = _CURRENT.get()
-    if step is None:
+    micro_batch = _CURRENT.get()
+    if micro_batch is None:
         raise RuntimeError(
             "a Paradyse layer ran outside micro_batch_scope: wrap the model call in "
             "`with micro_batch_scope(MicroBatch(layout=..., plan=...)):` (megatron_paradyse.core.micro_batch)"
         )
-    return step
+    return micro_batch

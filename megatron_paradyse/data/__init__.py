@@ -14,7 +14,7 @@ Command line: ``python -m megatron_paradyse.data {stats,prepare,build-corpus,bal
 from megatron_paradyse.data.balance import DEFAULT_WORK_MODEL, WorkModel, assign_to_ranks, imbalance
 from megatron_paradyse.data.batching import make_micro_batch, pack
 from megatron_paradyse.data.indexed import DocumentDataset, IndexInfo, validate, write_documents
-from megatron_paradyse.data.loader import DynamicSequenceLoader, LoaderConfig, MicroBatchSampler, StepPlan
+from megatron_paradyse.data.loader import DynamicSequenceLoader, GlobalBatch, LoaderConfig, MicroBatchSampler
 from megatron_paradyse.data.samplers import Spans, epoch_order
 from megatron_paradyse.data.tokenizers import ByteTokenizer, KmerTokenizer, get_tokenizer
 
@@ -28,7 +28,7 @@ __all__ = [
     "LoaderConfig",
     "MicroBatchSampler",
     "Spans",
-    "StepPlan",
+    "GlobalBatch",
     "WorkModel",
     "assign_to_ranks",
     "epoch_order",

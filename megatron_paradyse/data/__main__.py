@@ -92,16 +92,16 @@ def _balance(args: argparse.Namespace) -> int:
             micro_batches_per_step=args.micro_batches,
         )
         sampler_ = MicroBatchSampler(lengths, config, dp_size=args.dp_size, work=work)
-        plans, position = [], StreamPosition(0, 0, 0)
+        batches, position = [], StreamPosition(0, 0, 0)
         while position.epoch == 0:  # the steps that start in the first epoch
-            plans.append(sampler_.plan_step(position))
-            position = plans[-1].next
-        per_step = 100 * np.array([plan.imbalance for plan in plans])
-        loads = [plan.loads for plan in plans]
+            batches.append(sampler_.global_batch(position))
+            position = batches[-1].next
+        per_step = 100 * np.array([batch.imbalance for batch in batches])
+        loads = [batch.loads for batch in batches]
         epoch = 100 * (sum(x.max() for x in loads) / sum(x.mean() for x in loads) - 1)
         q50, q90 = np.percentile(per_step, [50, 90])
         print(
-            f"{sampler:>10} {len(plans):>6} {epoch:>6.2f}% {per_step.mean():>6.2f}% {q50:>6.2f}% {q90:>6.2f}% "
+            f"{sampler:>10} {len(batches):>6} {epoch:>6.2f}% {per_step.mean():>6.2f}% {q50:>6.2f}% {q90:>6.2f}% "
             f"{per_step.max():>6.2f}%"
         )
     return 0

@@ -29,7 +29,7 @@ from megatron_paradyse.data.batching import make_micro_batch, pack
 from megatron_paradyse.data.indexed import DocumentDataset
 from megatron_paradyse.data.samplers import Overflow, SamplerName, Spans, epoch_order, shuffle_steps
 
-__all__ = ["DynamicSequenceLoader", "LoaderConfig", "MicroBatchSampler", "StepPlan", "StreamPosition"]
+__all__ = ["DynamicSequenceLoader", "LoaderConfig", "MicroBatchSampler", "GlobalBatch", "StreamPosition"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,7 +81,7 @@ class StreamPosition(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class StepPlan:
+class GlobalBatch:
     """One optimizer step: its global batch and which micro-batches each DP rank runs."""
 
     micro_batches: list[tuple[int, ...]]
@@ -132,7 +132,7 @@ class MicroBatchSampler:
         self.consumed = 0
         """This rank's micro-batches of the current step already returned."""
         self._epochs: dict[tuple[int, int], list[tuple[int, ...]]] = {}
-        self._plan: StepPlan | None = None  # the current step's, reused by its micro_batches_per_step calls
+        self._global_batch: GlobalBatch | None = None  # the current step's, reused by its micro_batches_per_step calls
 
     @property
     def step_size(self) -> int:
@@ -155,7 +155,7 @@ class MicroBatchSampler:
             self._epochs[key] = micro_batches
         return self._epochs[key]
 
-    def plan_step(self, start: StreamPosition) -> StepPlan:
+    def global_batch(self, start: StreamPosition) -> GlobalBatch:
         """The step whose global batch starts at ``start``."""
         epoch, index, phase = start
         if not 0 <= index < len(self.epoch_micro_batches(epoch, phase)):
@@ -171,7 +171,9 @@ class MicroBatchSampler:
             if index == len(stream):
                 epoch, index, phase = epoch + 1, 0, len(micro_batches) % self.step_size
         works = [float(self.work(self.layout(mb))) for mb in micro_batches]
-        return StepPlan(micro_batches, assign_to_ranks(works, self.dp_size), works, StreamPosition(epoch, index, phase))
+        return GlobalBatch(
+            micro_batches, assign_to_ranks(works, self.dp_size), works, StreamPosition(epoch, index, phase)
+        )
 
     def layout(self, micro_batch: tuple[int, ...]) -> SequenceLayout:
         return SequenceLayout.build(
@@ -182,12 +184,12 @@ class MicroBatchSampler:
         return self
 
     def __next__(self) -> tuple[int, ...]:
-        if self._plan is None:
-            self._plan = self.plan_step(self.position)
-        micro_batch = self._plan.micro_batches[self._plan.assignment[self.dp_rank][self.consumed]]
+        if self._global_batch is None:
+            self._global_batch = self.global_batch(self.position)
+        micro_batch = self._global_batch.micro_batches[self._global_batch.assignment[self.dp_rank][self.consumed]]
         self.consumed += 1
         if self.consumed == self.config.micro_batches_per_step:
-            self.position, self.consumed, self._plan = self._plan.next, 0, None
+            self.position, self.consumed, self._global_batch = self._global_batch.next, 0, None
         return micro_batch
 
     def state_dict(self) -> dict:
@@ -210,7 +212,7 @@ class MicroBatchSampler:
         if not 0 <= state["consumed"] < self.config.micro_batches_per_step:
             raise ValueError(f"saved consumed={state['consumed']} is not in [0, {self.config.micro_batches_per_step})")
         position = StreamPosition(*state["position"])
-        self._plan = self.plan_step(position)  # checks the position
+        self._global_batch = self.global_batch(position)  # checks the position
         self.position, self.consumed = position, state["consumed"]
 
 

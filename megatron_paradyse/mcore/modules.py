@@ -185,23 +185,23 @@ class ParadyseTransformerLayer(TransformerLayer):
         self.shape = model_shape(config)
 
     def forward(self, hidden_states: Tensor, **kwargs):
-        step = active_micro_batch()
-        if step is None:  # a job that does not know the Paradyse layers (megatron_paradyse.mcore.drop_in)
-            step = implicit_micro_batch(self, hidden_states, kwargs.get("packed_seq_params"))
+        micro_batch = active_micro_batch()
+        if micro_batch is None:  # a job that does not know the Paradyse layers (megatron_paradyse.mcore.drop_in)
+            micro_batch = implicit_micro_batch(self, hidden_states, kwargs.get("packed_seq_params"))
             # the layout holds the documents; Megatron's mask is causal, which the layer's mask type says
             kwargs = {**kwargs, "packed_seq_params": None}
             if self.self_attention.causal:
                 kwargs["attention_mask"] = None
-        option = step.option(self.plan_index, self.stage_layers)
-        self._check_runnable(option, step)
+        option = micro_batch.option(self.plan_index, self.stage_layers)
+        self._check_runnable(option, micro_batch)
 
         def run(x: Tensor):
-            with micro_batch_scope(step), self._mlp_gathered_ahead(option):  # also what a recompute reruns
+            with micro_batch_scope(micro_batch), self._mlp_gathered_ahead(option):  # also what a recompute reruns
                 return TransformerLayer.forward(self, x, **kwargs)
 
         if not option.recompute:
             return run(hidden_states)
-        return recompute(run, hidden_states, offload=step.offload if option.offload else None)
+        return recompute(run, hidden_states, offload=micro_batch.offload if option.offload else None)
 
     @contextlib.contextmanager
     def _mlp_gathered_ahead(self, option: LayerOption) -> Iterator[None]:
@@ -215,12 +215,14 @@ class ParadyseTransformerLayer(TransformerLayer):
         finally:
             self.self_attention.mlp_gathers = self.mlp.gathers_ahead = None
 
-    def _check_runnable(self, option: LayerOption, step: MicroBatch) -> None:
+    def _check_runnable(self, option: LayerOption, micro_batch: MicroBatch) -> None:
         """Raise before any communication if this layer cannot run ``option`` on ``step``."""
         p = self.tp_group.size()
         where = f"layer {self.layer_number} (plan entry {self.plan_index}, {option})"
-        if step.layout.p != p:
-            raise ValueError(f"{where}: the micro-batch's layout is for p={step.layout.p}, the TP group has {p} ranks")
+        if micro_batch.layout.p != p:
+            raise ValueError(
+                f"{where}: the micro-batch's layout is for p={micro_batch.layout.p}, the TP group has {p} ranks"
+            )
         for sublayer, name in (("attention", option.attention), ("mlp", option.mlp)):
             try:
                 reason = unsupported_reason(sublayer, name, self.shape, p)
@@ -317,8 +319,8 @@ class ParadyseSelfAttention(SelfAttention):
                 f"micro-batch's SequenceLayout, and inference, cross-attention and attention biases are not "
                 f"supported; call the model with attention_mask=None"
             )
-        step = current_micro_batch()
-        if step.layout.causal != self.causal:
+        micro_batch = current_micro_batch()
+        if micro_batch.layout.causal != self.causal:
             raise ValueError(
                 f"layer {self.layer_number} is {'causal' if self.causal else 'bidirectional'}, but the micro-batch's "
                 f"layout is not; build the layout with SequenceLayout.build(..., causal={self.causal})"
@@ -329,14 +331,14 @@ class ParadyseSelfAttention(SelfAttention):
             )
         ctx = AttentionContext(
             group=self.pg_collection.tp,
-            layout=step.layout,
+            layout=micro_batch.layout,
             shape=self.shape,
-            kernel=get_kernel(step.attention_kernel, hidden_states.device, hidden_states.dtype),
+            kernel=get_kernel(micro_batch.attention_kernel, hidden_states.device, hidden_states.dtype),
             softmax_scale=self.softmax_scale,
             qk_transform=self._qk_transform(rotary_pos_emb),
             mlp_gathers=self.mlp_gathers,
         )
-        name = step.plan[self.plan_index].attention
+        name = micro_batch.plan[self.plan_index].attention
         x_local = _sublayer_input("attention", name, hidden_states, self.linear_qkv, self.linear_proj)
         weights = AttentionWeights.of(self.linear_qkv, self.linear_proj)
         return run_attention(name, x_local, weights, ctx), None
@@ -386,9 +388,9 @@ class ParadyseMLP(MLP):
             raise ValueError("per_token_scale is for mixture-of-experts MLPs; ParadyseMLP is dense")
         if self.plan_index is None:
             raise RuntimeError("ParadyseMLP must be built by ParadyseTransformerLayer (megatron_paradyse.spec)")
-        step = current_micro_batch()
+        micro_batch = current_micro_batch()
         ctx = MLPContext(group=self.tp_group, shape=self.shape, activation=self.activation, gathers=self.gathers_ahead)
-        option = step.plan[self.plan_index]
+        option = micro_batch.plan[self.plan_index]
         x_local = _sublayer_input("mlp", option.mlp, hidden_states, self.linear_fc1, self.linear_fc2)
         weights = MLPWeights.of(self.linear_fc1, self.linear_fc2)
         if not option.mlp_tile_tokens:

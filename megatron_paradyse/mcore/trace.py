@@ -381,8 +381,8 @@ class RankTracer:
         self._initialise(list(layer.parameters()))
 
         def run(x_local: Tensor, option: LayerOption, layout: SequenceLayout, rotary: Tensor | None) -> Tensor:
-            step = MicroBatch(layout=layout, plan=Plan((option,)), attention_kernel=self.kernel)
-            with micro_batch_scope(step):
+            micro_batch = MicroBatch(layout=layout, plan=Plan((option,)), attention_kernel=self.kernel)
+            with micro_batch_scope(micro_batch):
                 y_local, _ = layer(x_local, attention_mask=None, rotary_pos_emb=rotary)
             return y_local
 

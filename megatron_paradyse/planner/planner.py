@@ -166,12 +166,12 @@ class Planner:
             (:class:`~megatron_paradyse.planner.problem.StageProblem`).
         forwards_in_flight: the most forwards (of micro-batches, or of one model chunk of them) whose
             backward has not run that the stage holds at once
-            (:func:`~megatron_paradyse.mcore.drop_in.forwards_in_flight`); with several,
+            (:func:`~megatron_paradyse.run.stage_planning.forwards_in_flight`); with several,
             ``longest_tokens`` is the longest micro-batch a step may have (:meth:`set_step_longest`
             narrows it to the step about to run).
         reserved_bytes_per_token: what the stage keeps beside its forwards, per token of the step's
             longest micro-batch, out of ``budget_bytes`` (a receiving pipeline stage keeps the previous
-            micro-batch's input and its gradient: :func:`~megatron_paradyse.mcore.drop_in.step_stage_budgets`).
+            micro-batch's input and its gradient: :func:`~megatron_paradyse.run.stage_planning.step_stage_budgets`).
 
     **Forwards in flight.** The stage peaks while one forward runs and the ``n - 1`` others hold what
     they keep for their backward (:meth:`CostModel.held_bytes`). Every forward is planned to hold at

@@ -153,9 +153,9 @@ class Job:
     def planner_config(self):
         """The config's planner section; at TP=1, plans choose recompute per layer only: one rank holds the
         whole sequence, and every strategy runs the same computation there."""
-        if self.tp > 1:
-            return self.config.planner
-        return dataclasses.replace(self.config.planner, pairs=("tp_sp/tp_sp",), attention=None, mlp=None)
+        from megatron_paradyse.run.stage_planning import recompute_only
+
+        return self.config.planner if self.tp > 1 else recompute_only(self.config.planner)
 
     @property
     def causal(self) -> bool:
@@ -163,15 +163,15 @@ class Job:
 
     # -- planning ---------------------------------------------------------------------------------
     def footprints(self):
-        from megatron_paradyse.mcore.drop_in import stage_footprints
+        from megatron_paradyse.run.stage_planning import stage_footprints
 
         return stage_footprints(self.args, self.model_config.transformer, self.device.type)
 
     def check_static_memory(self) -> None:
         """Every pipeline stage's weights, gradients and optimizer state fit the budget with the optimizer
         step's working set, and with what the pipeline schedule keeps of one micro-batch into the next
-        (:func:`~megatron_paradyse.mcore.drop_in.step_stage_budgets`): else no micro-batch could train."""
-        from megatron_paradyse.mcore.drop_in import kept_between_micro_batches_bytes, step_stage_budgets
+        (:func:`~megatron_paradyse.run.stage_planning.step_stage_budgets`): else no micro-batch could train."""
+        from megatron_paradyse.run.stage_planning import kept_between_micro_batches_bytes, step_stage_budgets
 
         footprints = self.footprints()
         transformer = self.model_config.transformer
@@ -216,7 +216,7 @@ class Job:
 
     def cost_models(self, profile: dict | None = None):
         """One cost model per pipeline stage (``profile``: instead of the configured one)."""
-        from megatron_paradyse.mcore.drop_in import stage_cost_models
+        from megatron_paradyse.run.stage_planning import stage_cost_models
 
         profile = profile or self.profile
         if profile is None:
@@ -291,8 +291,8 @@ def _model_config(args: argparse.Namespace, config: ParadyseConfig, flags: list[
 def _argument_problems(args: argparse.Namespace, config: ParadyseConfig, flags: list[str], *, cuda: bool) -> list[str]:
     """What of Megatron's arguments this entry point cannot run (``flags``: the ones the user gave, the
     config's ``megatron_args`` and the command line's; ``cuda``: on CUDA machines)."""
-    from megatron_paradyse.mcore.drop_in import cross_entropy_problem
     from megatron_paradyse.mcore.static_memory import optimizer_problem
+    from megatron_paradyse.run.stage_planning import cross_entropy_problem
 
     problems = []
     longest = config.data.token_budget or config.data.max_len

@@ -153,7 +153,7 @@ class _Job:
 
     def footprints(self) -> list:
         """Every pipeline stage's static memory, its optimizer stepping as Megatron's would on the GPUs."""
-        from megatron_paradyse.mcore.drop_in import stage_footprints
+        from megatron_paradyse.run.stage_planning import stage_footprints
 
         return stage_footprints(self.args, self.transformer, "cuda")
 
@@ -162,7 +162,7 @@ class _Job:
         import dataclasses
 
         from megatron_paradyse.core.plan import LayerOption
-        from megatron_paradyse.mcore.drop_in import stage_cost_models, stage_planner, step_stage_budgets
+        from megatron_paradyse.run.stage_planning import stage_cost_models, stage_planner, step_stage_budgets
 
         planner_config = dataclasses.replace(self.config.planner, on_infeasible="stop")
         if pair is not None:

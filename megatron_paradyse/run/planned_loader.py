@@ -117,7 +117,9 @@ class PlannedMicroBatches:
         before it runs: any step's longest (``--seq-length``) sets both."""
         sampler = self.loader.sampler
         if self.policy == "stop" and sampler.consumed == 0:
-            layouts = [sampler.layout(micro_batch) for micro_batch in sampler.plan_step(sampler.position).micro_batches]
+            layouts = [
+                sampler.layout(micro_batch) for micro_batch in sampler.global_batch(sampler.position).micro_batches
+            ]
             longest = max(layout.padded_len for layout in layouts)
             for planner in (*self.planners, *self._checkers):
                 planner.set_step_longest(longest)

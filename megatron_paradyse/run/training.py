@@ -136,10 +136,10 @@ class TrainingRun:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
         from megatron_paradyse.data import DynamicSequenceLoader, LoaderConfig
-        from megatron_paradyse.mcore.drop_in import stage_planner, step_stage_budgets
         from megatron_paradyse.planner.planner import ForwardOnlyCost
         from megatron_paradyse.run.log import MicroBatchMeter
         from megatron_paradyse.run.planned_loader import PlannedMicroBatches
+        from megatron_paradyse.run.stage_planning import stage_planner, step_stage_budgets
 
         job, config, args = self.job, self.job.config, self.job.args
         if not self._prepared:  # once per rank, whatever the number of virtual-pipeline chunks
@@ -354,11 +354,13 @@ class TrainingRun:
         )
         planned.layout.indices(self.job.device)  # the layers' index tensors, on the device before they run
         release_step_buffers()
-        step = MicroBatch(
+        micro_batch = MicroBatch(
             layout=planned.layout, plan=planned.decision.plan, attention_kernel=self.job.config.attention_kernel
         )
-        with micro_batch_scope(step):
-            output = model(tokens, position_ids, None, labels=labels, output_processor=output_processor(step.plan))
+        with micro_batch_scope(micro_batch):
+            output = model(
+                tokens, position_ids, None, labels=labels, output_processor=output_processor(micro_batch.plan)
+            )
         return output, functools.partial(self._loss, loss_mask, index)
 
     def _record(self, planned, model, measured: bool) -> None:
@@ -652,9 +654,9 @@ def _attempt(fn):
 
 def _say_how_forwards_in_flight_are_budgeted(args, transformer, on_infeasible: str) -> None:
     """Where the pipeline schedule keeps several forwards on a stage, say how the planner budgets them
-    (:func:`~megatron_paradyse.mcore.drop_in.forwards_in_flight`; by each step's longest micro-batch where the
+    (:func:`~megatron_paradyse.run.stage_planning.forwards_in_flight`; by each step's longest micro-batch where the
     step is known before it runs, :meth:`PlannedMicroBatches.check_step`)."""
-    from megatron_paradyse.mcore.drop_in import forwards_in_flight, step_micro_batches
+    from megatron_paradyse.run.stage_planning import forwards_in_flight, step_micro_batches
 
     pp, virtual_stages, micro_batches = (
         args.pipeline_model_parallel_size,

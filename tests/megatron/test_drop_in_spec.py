@@ -62,7 +62,7 @@ def test_the_drop_in_spec_trains_in_megatrons_own_loop_like_the_stock_spec(tmp_p
 def test_a_config_that_asks_the_drop_in_spec_to_learn_the_time_model_is_refused(tmp_path, monkeypatch):
     """The drop-in planner has no measured micro-batches to learn from: a config that asks for it is an error
     (raised on every rank, which all read the same file), not a setting silently ignored."""
-    from megatron_paradyse.mcore import drop_in
+    from megatron_paradyse.run import drop_in
 
     config = tmp_path / "paradyse.yaml"
     config.write_text(yaml.safe_dump({"memory": {"budget_gib": 1.0}, "planner": {"learn_time": True}}))
@@ -82,7 +82,7 @@ def test_a_config_that_asks_the_drop_in_spec_to_learn_the_time_model_is_refused(
 def test_a_config_that_asks_the_drop_in_spec_to_skip_micro_batches_is_refused(tmp_path, monkeypatch):
     """Megatron's loop cannot leave a micro-batch out: ``on_infeasible: skip`` is refused when the config is
     read, instead of the layers failing on the missing plan at the first sequence no plan fits."""
-    from megatron_paradyse.mcore import drop_in
+    from megatron_paradyse.run import drop_in
 
     config = tmp_path / "paradyse.yaml"
     config.write_text(yaml.safe_dump({"memory": {"budget_gib": 1.0}, "planner": {"on_infeasible": "skip"}}))
@@ -101,7 +101,7 @@ def test_the_drop_in_planner_on_a_cpu_needs_the_configs_budget():
     import torch
 
     from megatron_paradyse.config import ParadyseConfig
-    from megatron_paradyse.mcore import drop_in
+    from megatron_paradyse.run import drop_in
 
     with pytest.raises(ValueError) as error:
         drop_in._budget_bytes(ParadyseConfig(), torch.device("cpu"), group=None)
@@ -118,7 +118,7 @@ def test_the_drop_in_planner_connects_its_tensor_parallel_group_before_it_measur
 
     from megatron_paradyse.config import MemorySection, ParadyseConfig
     from megatron_paradyse.core.comm import StepGroup
-    from megatron_paradyse.mcore import drop_in
+    from megatron_paradyse.run import drop_in
 
     events = []
     monkeypatch.setattr(drop_in, "warm_communicators", lambda groups, device: events.append(("warmed", groups)))
@@ -134,7 +134,7 @@ def test_a_fused_cross_entropy_is_refused_by_the_drop_in_planner():
     from megatron_paradyse.mcore import compat
 
     compat.install()  # before megatron.core is imported
-    from megatron_paradyse.mcore.drop_in import stage_cost_models
+    from megatron_paradyse.run.stage_planning import stage_cost_models
 
     fused = types.SimpleNamespace(cross_entropy_loss_fusion=True)
     with pytest.raises(ValueError) as error:

@@ -376,17 +376,16 @@ def _errors(p: int, models: dict, batch) -> dict[str, str]:
     """The message each misuse raises (on every rank, before any collective of the failing layer)."""
     from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
     from megatron_paradyse.spec import get_paradyse_layer_spec
-    from megatron_paradyse.strategies import Strategy, get_strategy, register
+    from megatron_paradyse.strategies import get_strategy, register
 
     from helpers import megatron_harness as H
 
     config, model = models["llama"]
     layers = config.num_layers
     register(
-        Strategy(
+        dataclasses.replace(
+            get_strategy("mlp", "zero3"),
             name="test_unusable",
-            sublayer="mlp",
-            forward=get_strategy("mlp", "zero3").forward,
             summary="registered by the test; never usable",
             unsupported=lambda shape, p: "it is never usable",
         )

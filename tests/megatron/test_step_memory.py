@@ -308,9 +308,9 @@ def _pipeline_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
     from megatron_paradyse.core.plan import LayerOption, Plan
     from megatron_paradyse.mcore.chunked_loss import output_processor
     from megatron_paradyse.mcore.compat import cuda_to_cpu
-    from megatron_paradyse.mcore.drop_in import forwards_in_flight, kept_between_micro_batches_bytes
     from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
     from megatron_paradyse.mcore.step_buffers import leaving_nothing, release_step_buffers
+    from megatron_paradyse.run.stage_planning import forwards_in_flight, kept_between_micro_batches_bytes
 
     from helpers import megatron_harness as H
 
@@ -409,7 +409,7 @@ def test_micro_batches_in_flight_stay_within_their_stage_budget(pipeline_stages)
     flight, within the smallest budget under which it plans them all (one option), each stage stays within
     that budget and what it keeps: at 0.97-0.998 of it, the two longest micro-batches first (with one
     activation kept instead of two the last stage went 2.4% over)."""
-    from megatron_paradyse.mcore.drop_in import forwards_in_flight
+    from megatron_paradyse.run.stage_planning import forwards_in_flight
 
     assert max(IN_FLIGHT) == 1000  # the micro-batch measured alone with the same plan
     assert forwards_in_flight(2, len(IN_FLIGHT)) == [2, 1]  # stage 0 runs one forward before its first backward
@@ -509,9 +509,9 @@ def _interleaved_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
     from megatron_paradyse.core.plan import LayerOption, Plan
     from megatron_paradyse.mcore.chunked_loss import output_processor
     from megatron_paradyse.mcore.compat import cuda_to_cpu
-    from megatron_paradyse.mcore.drop_in import forwards_in_flight, kept_between_micro_batches_bytes
     from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
     from megatron_paradyse.mcore.step_buffers import leaving_nothing, release_step_buffers
+    from megatron_paradyse.run.stage_planning import forwards_in_flight, kept_between_micro_batches_bytes
 
     from helpers import megatron_harness as H
 
@@ -573,7 +573,7 @@ def test_model_chunks_interleaved_stay_within_their_stage_budget():
     from megatron_paradyse.mcore import compat
 
     compat.install()  # before megatron.core is imported
-    from megatron_paradyse.mcore.drop_in import forwards_in_flight
+    from megatron_paradyse.run.stage_planning import forwards_in_flight
 
     assert forwards_in_flight(2, len(INTERLEAVED), virtual_stages=2, group_size=2) == [5, 3]
     micro_batches_held = [4, 3]

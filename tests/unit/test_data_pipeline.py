@@ -43,9 +43,9 @@ def epoch_streams(sampler: MicroBatchSampler, epochs: int) -> list[list[tuple[in
     """The micro-batches of each of the first ``epochs`` epochs, cut from the chain of steps."""
     flat, position = [], StreamPosition(0, 0, 0)
     while position.epoch < epochs:
-        plan = sampler.plan_step(position)
-        flat += plan.micro_batches
-        position = plan.next
+        batch = sampler.global_batch(position)
+        flat += batch.micro_batches
+        position = batch.next
     streams = []
     for epoch in range(epochs):
         n = len(sampler.epoch_micro_batches(epoch))
@@ -108,12 +108,12 @@ def test_every_sample_exactly_once_per_epoch(sampler, budget):
     # Every rank computes the same steps alone, takes its share; together they run the global batch.
     position = StreamPosition(0, 0, 0)
     for _ in range(len(streams[0]) // (dp_size * 2) + 3):
-        plan = samplers[0].plan_step(position)
+        batch = samplers[0].global_batch(position)
         mine = [[next(s) for _ in range(2)] for s in samplers]
-        assert sorted(mb for share in mine for mb in share) == sorted(plan.micro_batches)
+        assert sorted(mb for share in mine for mb in share) == sorted(batch.micro_batches)
         for rank, share in enumerate(mine):
-            assert share == [plan.micro_batches[i] for i in plan.assignment[rank]]
-        position = plan.next
+            assert share == [batch.micro_batches[i] for i in batch.assignment[rank]]
+        position = batch.next
 
 
 @pytest.mark.parametrize("budget", [None, 512], ids=["unpacked", "packed"])
@@ -142,11 +142,11 @@ def test_bucketed_steps_hold_similar_lengths():
     sampler = MicroBatchSampler(lengths, config, dp_size=4)
     position, spread = StreamPosition(0, 0, 0), []
     while position.epoch < 2:
-        plan = sampler.plan_step(position)
-        if plan.next.epoch == position.epoch:  # not the one step that spans two epochs
-            step = [lengths[mb[0]] for mb in plan.micro_batches]
+        batch = sampler.global_batch(position)
+        if batch.next.epoch == position.epoch:  # not the one step that spans two epochs
+            step = [lengths[mb[0]] for mb in batch.micro_batches]
             spread.append(np.searchsorted(np.sort(lengths), max(step)) - np.searchsorted(np.sort(lengths), min(step)))
-        position = plan.next
+        position = batch.next
     assert max(spread) < 2 * 64  # a step's lengths are neighbours in sorted order: at most two adjacent buckets
 
 
@@ -237,12 +237,12 @@ def test_dp_imbalance_on_the_code_corpus_is_below_10_percent(code_corpus, sample
     lengths = Spans.build(DocumentDataset(code_corpus).lengths, 32768).length
     config = LoaderConfig(p=8, max_len=32768, token_budget=budget, sampler=sampler, micro_batches_per_step=8)
     sampler_ = MicroBatchSampler(lengths, config, dp_size=8)
-    plans, position = [], StreamPosition(0, 0, 0)
+    batches, position = [], StreamPosition(0, 0, 0)
     while position.epoch == 0:
-        plans.append(sampler_.plan_step(position))
-        position = plans[-1].next
-    per_step = [plan.imbalance for plan in plans]
-    over_epoch = sum(plan.loads.max() for plan in plans) / sum(plan.loads.mean() for plan in plans) - 1
+        batches.append(sampler_.global_batch(position))
+        position = batches[-1].next
+    per_step = [batch.imbalance for batch in batches]
+    over_epoch = sum(batch.loads.max() for batch in batches) / sum(batch.loads.mean() for batch in batches) - 1
     assert over_epoch < 0.10 and max(per_step) < 0.10, (over_epoch, max(per_step))
 
 

@@ -49,3 +49,17 @@ def test_the_docs_speak_of_the_project_not_of_its_development():
         assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), (
             f"{page.name} holds a date: history goes in benchmarks/results"
         )
+
+
+def test_the_strategy_table_names_every_strategy_of_the_library():
+    """docs/strategies.md's table of the library, row by row, against the registry."""
+    from megatron_paradyse.strategies import strategy_names
+
+    text = (ROOT / "docs" / "strategies.md").read_text()
+    table = text[text.index("| strategy | sublayer |") :].split("\n\n")[0]
+    rows = {
+        re.match(r"\| `(\w+)` \| ([\w, ]+) \|", row).groups() for row in table.splitlines()[2:] if row.startswith("| `")
+    }
+    listed = {(name, sub.strip().lower()) for name, subs in rows for sub in subs.split(",")}
+    registered = {(name, sublayer) for sublayer in ("attention", "mlp") for name in strategy_names(sublayer)}
+    assert listed == registered

@@ -32,14 +32,6 @@ LAYERS = (
 IMPORT_MEGATRON = {"mcore", "run", "pretrain_gpt", "bench"}
 """The Megatron adapter, the training entry points, the benchmarks."""
 
-KNOWN_BREAKS = {
-    # The drop-in spec builds its stage's planner (start-up profile included) where the layers run; the
-    # planning assembly moves above calibration.
-    ("megatron_paradyse.mcore.drop_in", "megatron_paradyse.calibration.calibrate"),
-}
-"""Imports that break the order today, each with the reason: the test fails on any other, and on one of
-these once it is gone (remove it here)."""
-
 
 def _layer(part: str) -> int:
     return next(i for i, names in enumerate(LAYERS) if part in names)
@@ -84,11 +76,8 @@ def test_every_module_is_in_a_layer():
 
 
 def test_layers_import_downwards_and_megatron_behind_its_door():
-    breaks = layer_breaks(imports())
-    new = {f"{a} -> {b} (line {line})" for (a, b), line in breaks.items() if (a, b) not in KNOWN_BREAKS}
-    assert not new, "imports against the layer order (docs/architecture.md):\n" + "\n".join(sorted(new))
-    gone = KNOWN_BREAKS - set(breaks)
-    assert not gone, f"no longer imported, remove from KNOWN_BREAKS: {sorted(gone)}"
+    breaks = sorted(f"{a} -> {b} (line {line})" for (a, b), line in layer_breaks(imports()).items())
+    assert not breaks, "imports against the layer order (docs/architecture.md):\n" + "\n".join(breaks)
 
 
 def test_an_import_against_the_order_is_found(tmp_path):
