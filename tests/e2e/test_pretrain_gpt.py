@@ -330,11 +330,9 @@ def test_every_schedule_the_entry_point_runs_leaves_its_chunks_no_input(monkeypa
     entry point each run of it then drops the input every model chunk keeps of the step's last micro-batch,
     so that a step leaves nothing to the next (``tests/megatron/test_step_memory.py`` measures it), and the hook goes
     when ``pretrain`` returns."""
-    from megatron_paradyse.mcore import compat
+    from megatron_paradyse.mcore import training_hooks  # the CPU shim, then megatron.training
 
-    compat.install()
-    from megatron.training import training
-
+    training = training_hooks.training  # the module whose functions the hooks rebind
     calls = []
 
     def schedule(*, model, **kwargs):
@@ -346,7 +344,7 @@ def test_every_schedule_the_entry_point_runs_leaves_its_chunks_no_input(monkeypa
             calls.append(("input", tensor))
 
     monkeypatch.setattr(training, "get_forward_backward_func", lambda **kwargs: schedule)
-    with pretrain_gpt._each_schedule_leaving_nothing():
+    with training_hooks.each_schedule_leaving_nothing():
         run = training.get_forward_backward_func(schedule_pg_collection=None)
         assert run(forward_step_func=None, model=[Chunk(), Chunk()], num_microbatches=2) == "losses"
     assert calls == [("ran", 2), ("input", None), ("input", None)]
