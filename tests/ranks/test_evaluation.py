@@ -24,20 +24,14 @@ from megatron_paradyse.cost.base import LayerCost
 from megatron_paradyse.cost.terms import layer_terms
 from megatron_paradyse.mcore.bare_layer import make_layer_params, run_layer
 from megatron_paradyse.planner.planner import ForwardOnlyCost
-from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape
+from megatron_paradyse.strategies import AttentionContext, MLPContext
 from megatron_paradyse.strategies.dims import Dims
 
+from helpers.memory_cells import DTYPES, model_shape
+
 P = 2
-SHAPE = ModelShape(
-    hidden_size=48,
-    num_attention_heads=4 * P,
-    num_query_groups=2 * P,
-    kv_channels=8,
-    ffn_hidden_size=24 * P,
-    gated_mlp=True,
-)
+SHAPE = model_shape("gqa", P)
 LAYOUT = SequenceLayout.build((41, 17 * P, 6), P, causal=True)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIONS = [
     LayerOption(a, m, rc)
     for a in ("tp_sp", "ulysses", "ring", "lean")
