@@ -143,3 +143,21 @@ def test_a_fused_cross_entropy_is_refused_by_the_drop_in_planner():
         "--cross-entropy-loss-fusion: the planner counts the memory of Megatron's unfused vocab-parallel "
         "cross-entropy; leave it out"
     )
+
+
+def test_layers_outside_any_scope_without_the_drop_in_planner_say_how_to_get_one(monkeypatch):
+    """A model built from ``mcore.spec`` (not ``megatron_paradyse.spec``, which installs the drop-in planner)
+    and called outside any micro-batch scope: the layer refuses before any collective and says what to do."""
+    import torch
+
+    from megatron_paradyse.mcore import drop_in
+
+    monkeypatch.setattr(drop_in, "_factory", None)
+    layer = types.SimpleNamespace(tp_group=types.SimpleNamespace(size=lambda: 2), stage_layers=(0, 4))
+    with pytest.raises(ValueError) as error:
+        drop_in.implicit_micro_batch(layer, torch.zeros(4, 1, 8), None)
+    assert str(error.value) == (
+        "the Paradyse layers ran outside micro_batch_scope with no planner installed: build the spec with "
+        "megatron_paradyse.spec.get_paradyse_layer_spec (which installs the drop-in planner), or plan the model's "
+        "inputs yourself under `with micro_batch_scope(MicroBatch(layout=..., plan=...)):`"
+    )
