@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -26,19 +27,28 @@ def pytest_collection_modifyitems(config, items) -> None:
         item.add_marker(layer)
 
 
-@pytest.fixture(scope="module")
-def cache_p2(tmp_path_factory) -> Path:
-    """A folder with the code corpus and a quick cost profile for p=2 (``profile.json``; or the one
-    ``PARADYSE_TEST_PROFILE`` names), shared by a module's runs."""
+@pytest.fixture(scope="session")
+def quick_profile_p2(tmp_path_factory) -> Path:
+    """A quick cost profile for p=2, calibrated once for the whole run (or the one
+    ``PARADYSE_TEST_PROFILE`` names): for runs that need a valid profile, not a calibration."""
     from megatron_paradyse.calibration.calibrate import calibrate
     from megatron_paradyse.cost.profile import save_profile
+
+    profile = os.environ.get("PARADYSE_TEST_PROFILE")
+    if profile:
+        return Path(profile)
+    path = tmp_path_factory.mktemp("profile") / "p2.json"
+    save_profile(calibrate([2], grid="quick", show_progress=False), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache_p2(tmp_path_factory, quick_profile_p2) -> Path:
+    """A folder with the code corpus and the quick cost profile for p=2 (``profile.json``), shared by a
+    module's runs."""
     from megatron_paradyse.data.corpora import build_code_corpus
 
     path = tmp_path_factory.mktemp("cache")
     build_code_corpus(path)
-    profile = os.environ.get("PARADYSE_TEST_PROFILE")
-    if profile:
-        (path / "profile.json").write_text(Path(profile).read_text())
-    else:
-        save_profile(calibrate([2], grid="quick", show_progress=False), path / "profile.json")
+    shutil.copy(quick_profile_p2, path / "profile.json")
     return path

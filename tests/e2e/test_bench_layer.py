@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from megatron_paradyse.bench import layer
+
 from helpers.paths import ROOT
 
 
@@ -82,13 +84,21 @@ def test_a_new_lengths_first_call_is_timed_apart_at_a_length_no_measurement_ran(
     assert [row.split()[0] for row in rows] == ["64"]
 
 
-def test_bench_layer_refuses_bad_lengths_and_a_missing_device():
-    result = _bench("--lengths", "4096,odd")
-    assert result.returncode == 2 and "expected comma-separated token counts, got '4096,odd'" in result.stderr
-    result = _bench("--lengths", "4095")
-    assert result.returncode == 2 and "token counts must be even and >= 2" in result.stderr
-    result = _bench("--device", "cuda")
-    assert result.returncode == 2 and "--device cuda: no CUDA device here" in result.stderr
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lengths", "4096,odd"], "expected comma-separated token counts, got '4096,odd'"),
+        (["--lengths", "4095"], "token counts must be even and >= 2"),
+        (["--device", "cuda"], "--device cuda: no CUDA device here"),
+    ],
+)
+def test_bench_layer_refuses_bad_lengths_and_a_missing_device(argv, message, capsys):
+    if torch.cuda.is_available() and argv[0] == "--device":
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(SystemExit) as exit_:
+        layer.main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_bench_layer_prints_the_cost_models_time_beside_the_measured(tmp_path, monkeypatch):

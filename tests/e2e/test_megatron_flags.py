@@ -3,8 +3,8 @@
 pipeline parallelism (PP=2 trains, and says what its budget leaves out), and the combinations refused
 at start-up.
 
-Multi-rank runs go through ``torchrun`` on gloo; the cost profile is calibrated once for the module
-(``PARADYSE_TEST_PROFILE`` names one to reuse).
+Multi-rank runs go through ``torchrun`` on gloo; the cost profile is calibrated once for the
+whole run (``quick_profile_p2``).
 """
 
 from __future__ import annotations

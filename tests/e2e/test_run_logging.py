@@ -3,8 +3,8 @@
 One 2-rank ``torchrun`` of the entry point (TP=2) with ``--tensorboard-dir``, ``--wandb-project`` (the
 ``wandb`` module is the stand-in of ``tests/stand_ins``, which records every call) and ``--log-interval
 2``, each rank's output in its own file (the table is the last rank's); its JSONL log is the reference
-the writers' figures are checked against. The cost profile is calibrated once for the module
-(``PARADYSE_TEST_PROFILE`` names one to reuse).
+the writers' figures are checked against. The cost profile is calibrated once
+for the whole run (``quick_profile_p2``).
 """
 
 from __future__ import annotations

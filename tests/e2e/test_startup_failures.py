@@ -28,7 +28,6 @@ from megatron_paradyse.data import write_documents
 from helpers import entry_point
 from helpers.paths import ROOT
 
-PROFILE = os.environ.get("PARADYSE_TEST_PROFILE")
 SMALL_GPT = [
     *entry_point.SMALL_GPT,
     "--tensor-model-parallel-size",
@@ -106,28 +105,15 @@ def _config(folder: Path, **sections) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def profile(tmp_path_factory) -> Path:
-    """A valid cost profile for p=2 (calibrated once; ``PARADYSE_TEST_PROFILE`` names one to reuse)."""
-    if PROFILE:
-        return Path(PROFILE)
-    from megatron_paradyse.calibration.calibrate import calibrate
-    from megatron_paradyse.cost.profile import save_profile
-
-    path = tmp_path_factory.mktemp("profile") / "p2.json"
-    save_profile(calibrate([2], grid="quick", show_progress=False), path)
-    return path
-
-
-def test_a_profile_that_is_not_json_on_one_rank_of_four_stops_every_rank(tmp_path, profile):
+def test_a_profile_that_is_not_json_on_one_rank_of_four_stops_every_rank(tmp_path, quick_profile_p2):
     configs = []
     for rank in range(4):
         folder = tmp_path / f"rank{rank}"
         folder.mkdir()
-        shutil.copy(profile, folder / "profile.json")
+        shutil.copy(quick_profile_p2, folder / "profile.json")
         configs.append(_config(folder, cost={"profile": "profile.json", "check_machine": False}))
     broken = tmp_path / "rank2" / "profile.json"
-    broken.write_text(profile.read_text()[:-40])
+    broken.write_text(quick_profile_p2.read_text()[:-40])
     with pytest.raises(json.JSONDecodeError) as why:
         json.loads(broken.read_text())
     flags = [*SMALL_GPT, "--global-batch-size", "2"]  # TP=2 x DP=2
@@ -139,8 +125,8 @@ def test_a_profile_that_is_not_json_on_one_rank_of_four_stops_every_rank(tmp_pat
     )
 
 
-def test_a_config_one_rank_cannot_read_and_a_bad_profile_value_stop_every_rank(tmp_path, profile):
-    config = _config(tmp_path / "ok", cost={"profile": str(profile), "check_machine": False})
+def test_a_config_one_rank_cannot_read_and_a_bad_profile_value_stop_every_rank(tmp_path, quick_profile_p2):
+    config = _config(tmp_path / "ok", cost={"profile": str(quick_profile_p2), "check_machine": False})
     missing = tmp_path / "missing" / "cfg.yaml"
     results = _launch(2, lambda rank: ["--paradyse-config", str(config if rank == 0 else missing), *SMALL_GPT])
     _assert_every_rank_stops(
@@ -148,7 +134,7 @@ def test_a_config_one_rank_cannot_read_and_a_bad_profile_value_stop_every_rank(t
         f"rank 1: cannot read the paradyse config {missing}: No such file or directory (every rank of 2 stops)",
     )
 
-    data = json.loads(profile.read_text())
+    data = json.loads(quick_profile_p2.read_text())
     data["attention"]["forward"]["causal"]["per_call_s"] = "fast"
     data["collectives"]["2"]["all_gather"]["per_byte_s"] = float("nan")
     bad = tmp_path / "bad-profile.json"
@@ -163,7 +149,7 @@ def test_a_config_one_rank_cannot_read_and_a_bad_profile_value_stop_every_rank(t
     )
 
 
-def test_token_ids_outside_the_vocabulary_stop_every_rank(tmp_path, profile):
+def test_token_ids_outside_the_vocabulary_stop_every_rank(tmp_path, quick_profile_p2):
     prefix = tmp_path / "data" / "bytes"
     rng = np.random.default_rng(0)
     documents = [rng.integers(0, 100, size=n) for n in (300, 500, 700)]
@@ -171,7 +157,7 @@ def test_token_ids_outside_the_vocabulary_stop_every_rank(tmp_path, profile):
     write_documents(prefix, documents, vocab_size=256)
     manifest = {"tokenizer": "byte", "vocab_size": 100, "eod_id": 99, "pad_id": 98}
     Path(f"{prefix}.json").write_text(json.dumps(manifest))
-    config = _config(tmp_path, cost={"profile": str(profile), "check_machine": False})
+    config = _config(tmp_path, cost={"profile": str(quick_profile_p2), "check_machine": False})
     config.write_text(config.read_text().replace("dataset: code", f"dataset: {prefix}"))
     results = _launch(2, lambda rank: ["--paradyse-config", str(config), *SMALL_GPT])
     _assert_every_rank_stops(

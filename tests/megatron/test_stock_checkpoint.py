@@ -6,12 +6,11 @@ two of three iterations and saves (its default distributed checkpoint); ``python
 megatron_paradyse.pretrain_gpt --load`` of that folder runs the third: the iteration count goes on, the
 optimizer state is the saved one (its Adam moments go on from the saved ones), and the data starts from
 the beginning of the paradyse dataset, with one line saying why. Both runs are 2 gloo ranks (TP=2); the
-cost profile is calibrated once (``PARADYSE_TEST_PROFILE`` names one to reuse).
+cost profile is calibrated once for the whole run (``quick_profile_p2``).
 """
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -58,23 +57,16 @@ def _torchrun(*program: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def runs(tmp_path_factory, quick_profile_p2) -> dict:
     folder = tmp_path_factory.mktemp("stock")
     cache = folder / "cache"
     build_code_corpus(cache)
-    profile = os.environ.get("PARADYSE_TEST_PROFILE")
-    if not profile:
-        from megatron_paradyse.calibration.calibrate import calibrate
-        from megatron_paradyse.cost.profile import save_profile
-
-        profile = folder / "profile.json"
-        save_profile(calibrate([2], grid="quick", show_progress=False), profile)
     config = folder / "cfg.yaml"
     config.write_text(
         yaml.safe_dump(
             {
                 "memory": {"budget_gib": 0.25},
-                "cost": {"profile": str(profile), "check_machine": False},
+                "cost": {"profile": str(quick_profile_p2), "check_machine": False},
                 "data": {"dataset": "code", "cache_dir": str(cache), **DOCS},
                 "log": {"jsonl": "log.jsonl"},
             }
