@@ -156,7 +156,7 @@ class Curve:
 
 class MemoCostModel:
     """A cost model whose layer costs are computed once per (option, padded length, mask, batch): the
-    runs of one setting share them (ring and lean price every rank's ring steps, which is the slow part)."""
+    runs of one setting share them (ring and lean price every rank's ring hops, which is the slow part)."""
 
     def __init__(self, model: CostModel) -> None:
         self.model = model

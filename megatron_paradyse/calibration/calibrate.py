@@ -186,7 +186,7 @@ def _most_heads_per_call(shape: ModelShape, dims: Dims, layout: SequenceLayout, 
     most = 1
     for name in strategies:
         terms = sublayer_terms("attention", name, dims, layout)
-        ring_calls = (call for ring in terms.rings for step in ring.steps for call in step)
+        ring_calls = (call for ring in terms.rings for hop in ring.hops for call in hop)
         most = max(most, *(call.heads for call in (*terms.attention, *ring_calls)))
     return most
 

@@ -1,7 +1,7 @@
 """Which dtype sums are kept in.
 
 Half-precision activations and weights are multiplied in their own dtype, but whatever is *summed*
-over steps, ranks or hops (attention's softmax statistics and ring accumulators, weight gradients
+over blocks, ranks or hops (attention's softmax statistics and ring accumulators, weight gradients
 reduced over a group or carried around a ring) is kept in fp32, as Megatron keeps its main gradients:
 a bf16 sum over p contributions loses about log2(p) bits of an 8-bit mantissa.
 """

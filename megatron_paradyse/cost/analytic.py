@@ -3,11 +3,11 @@
 Time of one layer on one rank, forward + backward (+ one more forward with recompute)::
 
     compute  = sum over GEMMs  of gemm_fwd(m, n, k) + gemm_bwd(m, n, k)
-             + sum over kernel calls of attn_fwd(call) + attn_bwd(call)     (ring steps' too)
+             + sum over kernel calls of attn_fwd(call) + attn_bwd(call)      (ring hops' too)
              + elementwise bytes * per_byte + ops * per_op
     comm     = sum over collectives of latency(kind, p) + bytes * per_byte(kind, p)
              + what communication adds to the compute it overlaps, exposed(c, m) = max(c, m) +
-               (1 - overlap) * min(c, m) - c: per ring step (c: its kernels, m: its hops) and per
+               (1 - overlap) * min(c, m) - c: per ring hop (c: its kernels, m: its sends) and per
                pass for streamed collectives (c: the pass's GEMMs and kernels, m: the collectives)
     time     = k_compute * compute + k_comm * comm + per_sync_s * syncs + per_layer_s
 
@@ -76,7 +76,7 @@ _OPS_PER_SUBLAYER = 12
 @dataclasses.dataclass(frozen=True, slots=True)
 class TimeBreakdown:
     compute_s: float
-    """GEMMs, attention kernels (ring steps' included) and memory-bound work."""
+    """GEMMs, attention kernels (ring hops' included) and memory-bound work."""
     comm_s: float
     """Collectives, and the part of ring hops and streamed collectives that computation does not hide."""
     syncs: int
@@ -390,7 +390,7 @@ class AnalyticCostModel:
         self, option: LayerOption, layout: SequenceLayout, micro_batch_size: int
     ) -> list[tuple[TimeBreakdown, float, float]]:
         """(time, saved bytes, transient bytes) of the layer on every rank whose work differs (ring
-        steps see different blocks)."""
+        hops see different blocks)."""
         memo = self._memo(layout, micro_batch_size)
         ranks = range(self.p) if get_strategy("attention", option.attention).depends_on_rank else (0,)
         ahead = gathers_mlp_weight_ahead(option, self.p)
@@ -476,11 +476,11 @@ class AnalyticCostModel:
 
     def _pass(self, sub: SublayerTerms, *, backward: bool) -> _Pass:
         compute = self._backward_compute(sub) if backward else self._forward_compute(sub)
-        ring_kernels, ring_hops = self._rings(sub, backward=backward)
+        ring_kernels, ring_exposed = self._rings(sub, backward=backward)
         sync_comm, streamed = (sub.bwd_comm, sub.bwd_streamed) if backward else (sub.fwd_comm, sub.fwd_streamed)
         compute += ring_kernels
         # asynchronous collectives hide behind computation, not behind other transfers
-        comm = self._comms(sync_comm) + ring_hops + self._streamed(streamed, compute)
+        comm = self._comms(sync_comm) + ring_exposed + self._streamed(streamed, compute)
         return _Pass(compute, comm, sub.syncs(backward=backward))
 
     def _time(self, sublayers: tuple[_Sublayer, ...], option: LayerOption, activation_bytes: float) -> TimeBreakdown:
@@ -537,7 +537,7 @@ class AnalyticCostModel:
 
     def _attention(self, calls: Sequence[AttentionCall], direction: str) -> list[float]:
         """Each kernel call's time, ``per_call + per_unit(length) * flops / 4``: the rate at the nearest
-        calibrated head dim, interpolated in log length (flat beyond the ends). Ranks and ring steps
+        calibrated head dim, interpolated in log length (flat beyond the ends). Ranks and ring hops
         repeat the same few calls: each new one is priced once per layout, one ``np.interp`` for all
         new calls of one kind (mask, head dim)."""
         known = self._prices.call_times
@@ -609,30 +609,30 @@ class AnalyticCostModel:
         return self._exposed(compute, sum(self._comm(c) for c in comms))
 
     def _rings(self, sub: SublayerTerms, *, backward: bool) -> tuple[float, float]:
-        """Ring steps: the kernels of step ``i`` run while the next block travels; backward also
-        sends the dk/dv accumulator every step. Returns the kernels' time and the hops' exposed time."""
-        kernels = hops = 0.0
+        """Ring hops: the kernels of hop ``i`` run while the next block travels; backward also
+        sends the dk/dv accumulator every hop. Returns the kernels' time and the sends' exposed time."""
+        kernels = exposed = 0.0
         priced: dict[int, tuple[float, float]] = {}  # lean's head groups run one ring stage p times
         for ring in sub.rings:
             if id(ring) not in priced:
                 priced[id(ring)] = self._ring(ring, backward=backward)
-            ring_kernels, ring_hops = priced[id(ring)]
+            ring_kernels, ring_exposed = priced[id(ring)]
             kernels += ring_kernels
-            hops += ring_hops
-        return kernels, hops
+            exposed += ring_exposed
+        return kernels, exposed
 
     def _ring(self, ring: RingStage, *, backward: bool) -> tuple[float, float]:
-        """One ring stage's kernels' time and its hops' exposed time."""
-        times = self._attention([call for step in ring.steps for call in step], "backward" if backward else "forward")
-        # in flight during a step: the next block (but after the last forward step), the accumulator
-        in_flight = self._comms((ring.hop, ring.bwd_hop) if backward else (ring.hop,))
-        in_flight_last = self._comms((ring.bwd_hop,) if backward else ())
-        kernels = hops = 0.0
+        """One ring stage's kernels' time and its sends' exposed time."""
+        times = self._attention([call for hop in ring.hops for call in hop], "backward" if backward else "forward")
+        # in flight during a hop: the next block (but after the last forward hop), the accumulator
+        in_flight = self._comms((ring.send, ring.bwd_send) if backward else (ring.send,))
+        in_flight_last = self._comms((ring.bwd_send,) if backward else ())
+        kernels = exposed = 0.0
         start = 0
-        for i, step in enumerate(ring.steps):
-            compute = sum(times[start : start + len(step)])
-            start += len(step)
+        for i, hop in enumerate(ring.hops):
+            compute = sum(times[start : start + len(hop)])
+            start += len(hop)
             kernels += compute
             if self.p > 1:
-                hops += self._exposed(compute, in_flight if i < ring.fwd_hops else in_flight_last)
-        return kernels, hops
+                exposed += self._exposed(compute, in_flight if i < ring.fwd_sends else in_flight_last)
+        return kernels, exposed

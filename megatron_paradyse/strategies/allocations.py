@@ -14,7 +14,7 @@ The scripts are checked, not trusted: ``tests/ranks/test_memory_scripts.py`` run
 code on gloo ranks over the matrix of dtypes, group sizes, masks, packings, head layouts and MLPs, and
 compares every rank's allocations with its script (saved bytes exactly, peaks exactly).
 
-The planner prices every option on every rank: loops that ranks repeat (ring steps, ``lean``'s head
+The planner prices every option on every rank: loops that ranks repeat (ring hops, ``lean``'s head
 groups) are scripted per iteration (:class:`Iteration`) and memoised by what an iteration depends on
 (the tensors alive at its start, the block it sees), so each distinct iteration is scripted once per
 micro-batch shape.
@@ -124,7 +124,7 @@ class Call:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Iteration:
-    """One iteration of a loop (a ring step, a head group): its high-water mark, absolute (it starts
+    """One iteration of a loop (a ring hop, a head group): its high-water mark, absolute (it starts
     from the tensors the loop has alive), and the tensors it leaves for the next iteration."""
 
     peak: float
@@ -133,12 +133,13 @@ class Iteration:
 
 class Loop:
     """A loop run as memoised iterations (functions of the state they start from, returning a
-    :class:`Iteration`): ranks and ring steps repeat the same few, so each is scripted once."""
+    :class:`Iteration`): ranks and ring hops repeat the same few, so each is scripted once."""
 
     def __init__(self, start: Allocations):
         self.peak, self.state = start.peak, start.state()
 
-    def step(self, result: Iteration) -> None:
+    def add(self, result: Iteration) -> None:
+        """Run one iteration: its high-water mark counts, its tensors are what the next starts from."""
         self.peak, self.state = max(self.peak, result.peak), result.state
 
     def end(self) -> Allocations:

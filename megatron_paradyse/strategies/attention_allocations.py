@@ -1,4 +1,4 @@
-"""Memory-script building blocks of attention: the kernels' calls, the ring's steps, the q/k transform
+"""Memory-script building blocks of attention: the kernels' calls, the ring's hops, the q/k transform
 (norms, RoPE) and full-sequence attention; the norms too, which the layer composes
 (:mod:`~megatron_paradyse.strategies.allocations`).
 """
@@ -108,12 +108,12 @@ def _kernel_backward_expanded(
 
 
 Block = tuple[tuple[int, int], ...]
-"""What a ring step's memory depends on: the (rows, columns) of each visible segment of the block."""
+"""What a ring hop's memory depends on: the (rows, columns) of each visible segment of the block."""
 
 
 @functools.lru_cache(maxsize=MEMO_SIZE)
 def block_of(segments: tuple[Segment, ...]) -> Block:
-    """The :data:`Block` of a ring step's segments (memoised: ranks and steps repeat a few blocks)."""
+    """The :data:`Block` of a ring hop's segments (memoised: ranks and hops repeat a few blocks)."""
     return tuple((seg.q_end - seg.q_start, seg.k_end - seg.k_start) for seg in segments)
 
 
@@ -432,15 +432,15 @@ def full_attention_backward(
 
 
 def ring_forward_memory(d: Dims, blocks: tuple[Block, ...], heads: int, kv_heads: int) -> Call:
-    """``ring_attention_forward`` on this rank's ``t`` queries of ``heads`` heads, its steps seeing
-    ``blocks`` (:func:`block_of` of each of :func:`ring_steps`): the stacked K/V block and the one in
+    """``ring_attention_forward`` on this rank's ``t`` queries of ``heads`` heads, its hops seeing
+    ``blocks`` (:func:`block_of` of each of :func:`ring_hops`): the stacked K/V block and the one in
     flight, the running output and log-sum-exp (accumulation dtype) merged into in place
-    (:func:`_ring_forward_step`). Leaves ``out`` (in the activations' dtype: a copy for half
+    (:func:`_ring_forward_hop`). Leaves ``out`` (in the activations' dtype: a copy for half
     precision) and ``lse``."""
     t, b, hn, acc = d.t, d.b, d.hn, d.acc
     loop = Loop(Allocations(kv=2 * b * kv_heads * t * hn * d.e, out=b * heads * t * hn * acc, lse=b * heads * t * acc))
-    for step, block in enumerate(blocks):
-        loop.step(_ring_forward_step(d, heads, kv_heads, block, loop.state, last=step + 1 == d.p))
+    for hop, block in enumerate(blocks):
+        loop.add(_ring_forward_hop(d, heads, kv_heads, block, loop.state, last=hop + 1 == d.p))
     m = loop.end()
     if d.half:
         m.alloc(out_cast=b * heads * t * hn * d.e)
@@ -451,9 +451,9 @@ def ring_forward_memory(d: Dims, blocks: tuple[Block, ...], heads: int, kv_heads
 
 
 @functools.lru_cache(maxsize=MEMO_SIZE)
-def _ring_forward_step(d: Dims, heads: int, kv_heads: int, block: Block, state: State, *, last: bool) -> Iteration:
-    """One step of :func:`ring_forward_memory` from ``state``: the next block arrives while the kernels
-    run on ``block`` and merge into the accumulators. Memoised: ranks and steps repeat the same few
+def _ring_forward_hop(d: Dims, heads: int, kv_heads: int, block: Block, state: State, *, last: bool) -> Iteration:
+    """One hop of :func:`ring_forward_memory` from ``state``: the next block arrives while the kernels
+    run on ``block`` and merge into the accumulators. Memoised: ranks and hops repeat the same few
     blocks."""
     m = Allocations(**dict(state))
     if not last:
@@ -466,15 +466,15 @@ def _ring_forward_step(d: Dims, heads: int, kv_heads: int, block: Block, state: 
 
 
 def ring_backward_memory(d: Dims, blocks: tuple[Block, ...], heads: int, kv_heads: int) -> Call:
-    """``ring_attention_backward``: the stacked K/V block and the one in flight, ``dq`` and each step's
+    """``ring_attention_backward``: the stacked K/V block and the one in flight, ``dq`` and each hop's
     ``dk``/``dv`` accumulator (accumulation dtype), the accumulator leaving and the one arriving
-    (:func:`_ring_backward_step`). Leaves the input gradients: for half precision copies in the
+    (:func:`_ring_backward_hop`). Leaves the input gradients: for half precision copies in the
     activations' dtype (``dq``, ``dk``, ``dv``), otherwise ``dq`` and the arrived accumulator
     ``dkv`` (``dk``/``dv`` are views of it)."""
     t, b, hn = d.t, d.b, d.hn
     loop = Loop(Allocations(kv=2 * b * kv_heads * t * hn * d.e, dq=b * heads * t * hn * d.acc))
-    for step, block in enumerate(blocks):
-        loop.step(_ring_backward_step(d, heads, kv_heads, block, loop.state, last=step + 1 == d.p))
+    for hop, block in enumerate(blocks):
+        loop.add(_ring_backward_hop(d, heads, kv_heads, block, loop.state, last=hop + 1 == d.p))
     m = loop.end()
     if not d.half:
         return Call(m.peak, (("dq", m.sizes["dq"]), ("dkv", m.sizes["arrived"])))
@@ -484,10 +484,10 @@ def ring_backward_memory(d: Dims, blocks: tuple[Block, ...], heads: int, kv_head
 
 
 @functools.lru_cache(maxsize=MEMO_SIZE)
-def _ring_backward_step(d: Dims, heads: int, kv_heads: int, block: Block, state: State, *, last: bool) -> Iteration:
-    """One step of :func:`ring_backward_memory` from ``state`` (the K/V block ``kv``, ``dq``, the
-    accumulator ``sent`` last step and the one that ``arrived``): the next block arrives, the step's
-    accumulator is made and filled from the kernels' gradients on ``block``; the one sent last step
+def _ring_backward_hop(d: Dims, heads: int, kv_heads: int, block: Block, state: State, *, last: bool) -> Iteration:
+    """One hop of :func:`ring_backward_memory` from ``state`` (the K/V block ``kv``, ``dq``, the
+    accumulator ``sent`` last hop and the one that ``arrived``): the next block arrives, the hop's
+    accumulator is made and filled from the kernels' gradients on ``block``; the one sent last hop
     is released once its send completed, the arrived one is added and this one goes on while the
     next one arrives. Memoised like the forward's."""
     kv_bytes = 2 * d.b * kv_heads * d.t * d.hn * d.e

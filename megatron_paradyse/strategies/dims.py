@@ -1,5 +1,5 @@
 """The sizes a strategy's time terms and memory are written in, for one micro-batch on one rank
-(:class:`Dims`), and the ring's steps a rank runs (:func:`ring_steps`).
+(:class:`Dims`), and the ring's hops a rank runs (:func:`ring_hops`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Literal
 from megatron_paradyse.core.layout import Segment, SequenceLayout
 from megatron_paradyse.strategies.base import ModelShape
 
-__all__ = ["Dims", "ring_steps"]
+__all__ = ["Dims", "ring_hops"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -131,6 +131,6 @@ class Dims:
         return groups > 1 and self.shape.heads_per_group > 1
 
 
-def ring_steps(layout: SequenceLayout, rank: int) -> tuple[tuple[Segment, ...], ...]:
-    """The visible segments of each ring step of ``rank``: its queries against the keys of ``rank - step``."""
-    return tuple(layout.ring_segments(rank, (rank - step) % layout.p) for step in range(layout.p))
+def ring_hops(layout: SequenceLayout, rank: int) -> tuple[tuple[Segment, ...], ...]:
+    """The visible segments of each ring hop of ``rank``: its queries against the keys of ``rank - hop``."""
+    return tuple(layout.ring_segments(rank, (rank - hop) % layout.p) for hop in range(layout.p))

@@ -10,7 +10,7 @@ projection bias is added once. Kept for backward: the input, and per group its a
 log-sum-exp. Backward streams the shards again, recomputes group ``j``'s q/k/v, runs the ring
 backward for that group, and reduces the shard's gradient to its owner.
 
-MLP. Token-local, so the shards simply circulate: at step ``t`` rank ``r`` holds shard
+MLP. Token-local, so the shards simply circulate: at hop ``t`` rank ``r`` holds shard
 ``(r - t) mod p`` and computes ``y += act(x fc1_j^T + b1_j) fc2_j^T`` (gated: Megatron's
 ``[gate_j | up_j]`` shard layout); at most ``[s/p, b, ffn/p]`` of intermediate exists at a time.
 Kept for backward: the input only. Backward streams again, recomputes the intermediate, and each
@@ -49,7 +49,7 @@ from megatron_paradyse.strategies.attention_allocations import (
 )
 from megatron_paradyse.strategies.base import AttentionContext, AttentionWeights, MLPContext, MLPWeights, Strategy
 from megatron_paradyse.strategies.common import activate, add_bias, heads_first, local_positions, split_qkv
-from megatron_paradyse.strategies.dims import Dims, ring_steps
+from megatron_paradyse.strategies.dims import Dims, ring_hops
 from megatron_paradyse.strategies.linear_allocations import (
     activation_backward,
     activation_forward,
@@ -111,7 +111,7 @@ class _LeanAttention(torch.autograd.Function):
         y = x_local.new_zeros(s_local * b, h)
         outs, lses = [], []
 
-        def step(j: int, shard, _grad) -> None:
+        def hop(j: int, shard, _grad) -> None:
             w_qkv, w_proj, b_qkv = shard
             q, k, v = _group_heads(linear_over_rows(x_local, w_qkv, b_qkv), actx, positions)
             out, lse = ring_attention_forward(q, k, v, layout, group, actx.kernel, actx.softmax_scale)
@@ -119,7 +119,7 @@ class _LeanAttention(torch.autograd.Function):
             lses.append(lse)
             y.addmm_(_tokens_first(out), w_proj.t())
 
-        broadcast_shards((qkv_w, proj_w, qkv_b), group, step)
+        broadcast_shards((qkv_w, proj_w, qkv_b), group, hop)
         ctx.save_for_backward(x_local, qkv_w, proj_w, qkv_b, *outs, *lses)
         ctx.actx = actx
         return y.view(s_local, b, h)
@@ -136,7 +136,7 @@ class _LeanAttention(torch.autograd.Function):
         dx2 = torch.zeros_like(x2)
         positions = local_positions(actx, x_local.device)
 
-        def step(j: int, shard, grad) -> None:
+        def hop(j: int, shard, grad) -> None:
             w_qkv, w_proj, b_qkv = shard
             g_qkv, g_proj, g_bias = grad
             out = outs[j]
@@ -157,7 +157,7 @@ class _LeanAttention(torch.autograd.Function):
                 g_bias.add_(dqkv2.sum(0, dtype=g_bias.dtype))
             dx2.addmm_(dqkv2, w_qkv)
 
-        dqkv_w, dproj_w, dqkv_b = broadcast_shards((qkv_w, proj_w, qkv_b), group, step, grads=True)
+        dqkv_w, dproj_w, dqkv_b = broadcast_shards((qkv_w, proj_w, qkv_b), group, hop, grads=True)
         return dx2.view_as(x_local), dqkv_w, dproj_w, dqkv_b, None
 
 
@@ -177,11 +177,11 @@ class _LeanMLP(torch.autograd.Function):
         x2 = x_local.reshape(-1, h)
         y = x2.new_zeros(s_local * b, h)
 
-        def step(j: int, shard, _grad) -> None:
+        def hop(j: int, shard, _grad) -> None:
             w1, w2, b1 = shard
             y.addmm_(activate(F.linear(x2, w1, b1), mctx.shape, mctx.activation, blocks=1), w2.t())
 
-        ring_shards((fc1_w, fc2_w, fc1_b), mctx.group, step)
+        ring_shards((fc1_w, fc2_w, fc1_b), mctx.group, hop)
         ctx.save_for_backward(x_local, fc1_w, fc2_w, fc1_b)
         ctx.mctx = mctx
         return y.view(s_local, b, h)
@@ -194,7 +194,7 @@ class _LeanMLP(torch.autograd.Function):
         x2, dy2 = x_local.reshape(-1, h), dy.reshape(-1, h)
         dx2 = torch.zeros_like(x2)
 
-        def step(j: int, shard, grad) -> None:
+        def hop(j: int, shard, grad) -> None:
             w1, w2, b1 = shard
             g1, g2, g_b1 = grad
             pre = F.linear(x2, w1, b1).requires_grad_()  # [T, ffn/p] (gated: [T, 2*ffn/p])
@@ -208,7 +208,7 @@ class _LeanMLP(torch.autograd.Function):
                 g_b1.add_(dpre.sum(0, dtype=g_b1.dtype))
             dx2.addmm_(dpre, w1)
 
-        dfc1_w, dfc2_w, dfc1_b = ring_shards((fc1_w, fc2_w, fc1_b), mctx.group, step, grads=True)
+        dfc1_w, dfc2_w, dfc1_b = ring_shards((fc1_w, fc2_w, fc1_b), mctx.group, hop, grads=True)
         return dx2.view_as(x_local), dfc1_w, dfc2_w, dfc1_b, None
 
 
@@ -241,25 +241,25 @@ def attention_terms(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
         fwd_streamed=(broadcast,) * (p - 1),
         bwd_comm=(broadcast, reduce) if p > 1 else (),
         bwd_streamed=(broadcast, reduce) * (p - 1),
-        # per group and step a merge, the output copied to rows, the shard packed
+        # per group and hop a merge, the output copied to rows, the shard packed
         elementwise_bytes=p * 8 * t * b * d.a * d.acc + 2 * t * b * d.a * e + 2 * shard + qk_norm_bytes(d),
     )
 
 
 def mlp_terms(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
-    """The fc1/fc2 shards circulate (at step ``i`` rank ``r`` holds shard ``r - i``, the next one
+    """The fc1/fc2 shards circulate (at hop ``i`` rank ``r`` holds shard ``r - i``, the next one
     arriving): ``y += act(x fc1_j^T + b1_j) fc2_j^T``; backward circulates them again, recomputes the
     intermediate, and each shard's gradient accumulator travels with it back to its owner."""
     t, b, e, p = d.t, d.b, d.e, d.p
     shard = (d.f1 // p * d.h + d.h * d.f // p + (d.f1 // p if d.bias else 0)) * e
-    hop, grad_hop = Collective("send_recv", shard), Collective("send_recv", shard // e * d.acc)
+    send, grad_send = Collective("send_recv", shard), Collective("send_recv", shard // e * d.acc)
     return SublayerTerms(
         gemms=(Gemm(t * b, d.f1 // p, d.h), Gemm(t * b, d.h, d.f // p)) * p,
         recompute_gemms=(Gemm(t * b, d.f1 // p, d.h),) * p,
-        fwd_streamed=(hop,) * (p - 1),
+        fwd_streamed=(send,) * (p - 1),
         # the shards' hops and the accumulators' but the last, waited for at the end
-        bwd_comm=(grad_hop,) if p > 1 else (),
-        bwd_streamed=(hop,) * (p - 1) + (grad_hop,) * (p - 1),
+        bwd_comm=(grad_send,) if p > 1 else (),
+        bwd_streamed=(send,) * (p - 1) + (grad_send,) * (p - 1),
         elementwise_bytes=3 * t * b * d.f1 * e + 2 * shard,
     )
 
@@ -286,7 +286,7 @@ def attention_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemo
     the accumulation dtype) to its owner while the next group runs."""
     heads, kv_heads = d.nq // d.p, d.ng // d.p
     shard = _attention_sizes(d)[0]
-    blocks = tuple(map(block_of, ring_steps(layout, rank)))
+    blocks = tuple(map(block_of, ring_hops(layout, rank)))
     fwd_peak, kept = _attention_forward_memory(d, ring_forward_memory(d, blocks, heads, kv_heads))
     saved = dict(kept)
     ring_backward = ring_backward_memory(d, blocks, heads, kv_heads)
@@ -295,7 +295,7 @@ def attention_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemo
     start.alloc(dx_local=d.x, shard=shard)  # dx accumulates group by group
     loop = Loop(start)
     for j in range(d.p):
-        loop.step(_attention_backward_group_memory(d, ring_backward, loop.state, last=j + 1 == d.p, own=j == rank))
+        loop.add(_attention_backward_group_memory(d, ring_backward, loop.state, last=j + 1 == d.p, own=j == rank))
     bwd = loop.end()
     bwd.free("shard_prev", *(("reducing",) if "reducing" in bwd.sizes else ()))
     if d.half:  # the complete gradient rounded to the shard's dtype
@@ -356,7 +356,7 @@ def _attention_backward_group_memory(d: Dims, ring_backward: Call, state: State,
     heads, kv_heads = d.nq // p, d.ng // p
     qk = qk_forward(m, d, d.t, heads, kv_heads, "qkv")  # recomputed with autograd
     m.call(ring_backward)
-    # autograd.backward through the transform (the ring's gradients stay the step's)
+    # autograd.backward through the transform (the ring's gradients stay the group's)
     through = qk_backward(m, d, d.t, heads, kv_heads, qk, None, None, caller_holds_qkv=True)
     m.alloc(d_qkv=qkv_group)  # qkv.grad, through split
     m.free(*(name for name in through if name))
@@ -373,7 +373,7 @@ def _attention_backward_group_memory(d: Dims, ring_backward: Call, state: State,
 
 
 def mlp_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
-    """The fc1/fc2 shards circulate (at step ``i`` rank ``r`` holds shard ``r - i``, the next one
+    """The fc1/fc2 shards circulate (at hop ``i`` rank ``r`` holds shard ``r - i``, the next one
     arriving): ``y += act(x fc1_j^T + b1_j) fc2_j^T``; backward circulates them again, recomputes the
     intermediate, and each shard's gradient accumulator (accumulation dtype) travels with it back to
     its owner."""
@@ -385,13 +385,13 @@ def mlp_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
 
     fwd = Allocations(x_local=d.x)
     fwd.alloc(y_sum=d.x, shard0=shard)
-    for step in range(p):
-        if step + 1 < p:
-            fwd.alloc(**{f"shard{step + 1}": shard})
+    for hop in range(p):
+        if hop + 1 < p:
+            fwd.alloc(**{f"shard{hop + 1}": shard})
         fwd.alloc(fc1_out=pre)
         act = activation_forward(fwd, d, t, units)
         fwd.free("fc1_out", *act)  # after y.addmm_
-        fwd.free(f"shard{step}")
+        fwd.free(f"shard{hop}")
     add_bias_memory(fwd, d, "y_sum")
     saved = fwd.returns("y_local", "x_local")
 
@@ -399,10 +399,10 @@ def mlp_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
     bias_grad(bwd, d, d.bias)
     bwd.alloc(dx_local=d.x, shard0=shard)  # dx accumulates shard by shard
     arrived = sent = None
-    for step in range(p):
-        if step + 1 < p:
-            bwd.alloc(**{f"shard{step + 1}": shard})
-        grad = f"grad{step}"
+    for hop in range(p):
+        if hop + 1 < p:
+            bwd.alloc(**{f"shard{hop + 1}": shard})
+        grad = f"grad{hop}"
         bwd.alloc(**{grad: grad_bytes, "fc1_out": pre})
         act = activation_forward(bwd, d, t, units)  # recomputed
         _add_matmul_memory(bwd, d, d.h * units * e)  # fc2's gradient
@@ -413,16 +413,16 @@ def mlp_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
         _add_matmul_memory(bwd, d, d.f1 // p * d.h * e)  # fc1's gradient
         if d.bias:
             bwd.temporary(bias_sum=d.f1 // p * d.acc)
-        bwd.free("fc1_out", d_fc1)  # when the step returns
-        if sent is not None:  # the accumulator sent last step: released once its send completed
+        bwd.free("fc1_out", d_fc1)  # when ``hop`` returns
+        if sent is not None:  # the accumulator sent last hop: released once its send completed
             bwd.free(sent)
         if p > 1:
-            bwd.alloc(**{f"arrived{step}": grad_bytes})
+            bwd.alloc(**{f"arrived{hop}": grad_bytes})
             if arrived is not None:
                 bwd.free(arrived)
-            arrived, sent = f"arrived{step}", grad
-            if step + 1 < p:
-                bwd.free(f"shard{step}")
+            arrived, sent = f"arrived{hop}", grad
+            if hop + 1 < p:
+                bwd.free(f"shard{hop}")
         else:
             arrived = grad
     bwd.free(*((sent,) if sent else ()))

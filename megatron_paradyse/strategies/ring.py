@@ -1,8 +1,8 @@
 """``ring``: context-parallel ring attention with ZeRO-3 weights.
 
 Each rank projects its own ``s/p`` tokens to Q, K, V for *all* heads with the all-gathered QKV
-weight, then passes its K/V block around the ring: at step ``t`` it holds the block of rank
-``r - t`` and attends to the parts the layout marks visible. In zigzag order (causal) every step costs
+weight, then passes its K/V block around the ring: at hop ``t`` it holds the block of rank
+``r - t`` and attends to the parts the layout marks visible. In zigzag order (causal) every hop costs
 every rank the same: the block from an earlier rank is seen by both local chunks' queries against
 its first chunk, the block from a later rank by the second local chunk against both of its chunks.
 Partial results merge by log-sum-exp. The next block is in flight while the current one is computed.
@@ -45,7 +45,7 @@ from megatron_paradyse.strategies.attention_allocations import (
 )
 from megatron_paradyse.strategies.base import AttentionContext, AttentionWeights, Strategy
 from megatron_paradyse.strategies.common import add_bias, heads_first, local_positions, split_qkv
-from megatron_paradyse.strategies.dims import Dims, ring_steps
+from megatron_paradyse.strategies.dims import Dims, ring_hops
 from megatron_paradyse.strategies.linear_allocations import (
     add_bias_memory,
     bias_grad,
@@ -78,15 +78,15 @@ def ring_attention_forward(
     """
     rank, p = group.rank(), group.size()
     comm = RingComm(group) if p > 1 else None
-    kv = torch.stack((k, v))  # [2, b, nkv, s/p, d]: one message per step
+    kv = torch.stack((k, v))  # [2, b, nkv, s/p, d]: one message per hop
     acc = accumulation_dtype(q.dtype)
     out = q.new_zeros(q.shape, dtype=acc)
     lse = q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
-    for step in range(p):
-        if step + 1 < p:
+    for hop in range(p):
+        if hop + 1 < p:
             kv_next = comm.send_recv(kv)
-        accumulate_block(q, kv[0], kv[1], layout.ring_segments(rank, (rank - step) % p), scale, kernel, out, lse)
-        if step + 1 < p:
+        accumulate_block(q, kv[0], kv[1], layout.ring_segments(rank, (rank - hop) % p), scale, kernel, out, lse)
+        if hop + 1 < p:
             comm.wait()
             kv = kv_next
     return out.to(q.dtype), lse
@@ -107,7 +107,7 @@ def ring_attention_backward(
     """``(dq, dk, dv)`` of the local blocks, given the forward's ``out`` and ``lse``. No autograd.
 
     ``dq`` and each block's travelling ``(dk, dv)`` accumulator are summed in the accumulation dtype:
-    no half-precision sums across steps or ranks."""
+    no half-precision sums across hops or ranks."""
     rank, p = group.rank(), group.size()
     kv_comm = RingComm(group) if p > 1 else None
     dkv_comm = RingComm(group) if p > 1 else None
@@ -115,11 +115,11 @@ def ring_attention_backward(
     acc = accumulation_dtype(q.dtype)
     dq = torch.zeros_like(q, dtype=acc)
     dkv_in = None
-    for step in range(p):
-        src = (rank - step) % p
-        if step + 1 < p:
+    for hop in range(p):
+        src = (rank - hop) % p
+        if hop + 1 < p:
             kv_next = kv_comm.send_recv(kv)
-        dkv = torch.zeros_like(kv, dtype=acc)  # this step's gradient of src's block
+        dkv = torch.zeros_like(kv, dtype=acc)  # this hop's gradient of src's block
         segments = layout.ring_segments(rank, src)
         accumulate_block_grads(dout, q, kv[0], kv[1], out, lse, segments, scale, kernel, (dq, dkv[0], dkv[1]))
         if dkv_in is not None:
@@ -130,7 +130,7 @@ def ring_attention_backward(
             break
         # Pass src's accumulator on; receive the one of the block we hold next.
         dkv_in = dkv_comm.send_recv(dkv)
-        if step + 1 < p:
+        if hop + 1 < p:
             kv_comm.wait()
             kv = kv_next
     if p > 1:
@@ -192,13 +192,13 @@ def attention_terms(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
         fwd_comm=qkv_fwd,
         fwd_streamed=(*proj_fwd, *mlp_weight_gathered_ahead(d)),
         bwd_streamed=(*proj_bwd, *qkv_bwd),
-        # per step: the block's partial output and lse merged into the running ones
-        elementwise_bytes=p * 8 * t * b * d.a * d.acc + 4 * t * b * d.a * e + 2 * ring.hop.nbytes + qk_norm_bytes(d),
+        # per hop: the block's partial output and lse merged into the running ones
+        elementwise_bytes=p * 8 * t * b * d.a * d.acc + 4 * t * b * d.a * e + 2 * ring.send.nbytes + qk_norm_bytes(d),
     )
 
 
 def attention_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
-    blocks = tuple(map(block_of, ring_steps(layout, rank)))
+    blocks = tuple(map(block_of, ring_hops(layout, rank)))
     return _memory_around_ring(
         d, ring_forward_memory(d, blocks, d.nq, d.ng), ring_backward_memory(d, blocks, d.nq, d.ng)
     )

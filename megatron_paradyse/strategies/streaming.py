@@ -4,10 +4,10 @@ The ``lean`` strategies never hold a full weight: every rank visits the group's 
 the next one arriving while the current one is used (double buffering). A shard is a tuple of tensors
 (``None`` for an absent bias), sent as one flat message. Two schedules:
 
-- :func:`broadcast_shards`: at step ``j`` every rank holds shard ``j``, broadcast from its owner.
+- :func:`broadcast_shards`: at hop ``j`` every rank holds shard ``j``, broadcast from its owner.
   Attention needs this: all ranks must run the K/V ring of the *same* head group together. With
-  gradients, each step's shard gradient is reduced to its owner while the next step runs.
-- :func:`ring_shards`: at step ``t`` rank ``r`` holds shard ``(r - t) mod p``, passed on to the next
+  gradients, each hop's shard gradient is reduced to its owner while the next hop runs.
+- :func:`ring_shards`: at hop ``t`` rank ``r`` holds shard ``(r - t) mod p``, passed on to the next
   rank while used. Enough for token-local work (the MLP). With gradients, each shard's accumulator
   travels with it and, after ``p`` hops, arrives at its owner complete (ring attention's dK/dV
   pattern).
@@ -30,13 +30,13 @@ from torch.distributed import ProcessGroup
 from megatron_paradyse.core.comm import RingComm
 from megatron_paradyse.core.precision import accumulation_dtype
 
-__all__ = ["Shard", "ShardStep", "broadcast_shards", "ring_shards"]
+__all__ = ["Shard", "ShardHop", "broadcast_shards", "ring_shards"]
 
 Shard = tuple[Tensor | None, ...]
-ShardStep = Callable[[int, Shard, Shard | None], None]
-"""``step(j, shard, grad)``: work with shard ``j`` (read only); with gradients, *add* shard ``j``'s
+ShardHop = Callable[[int, Shard, Shard | None], None]
+"""``hop(j, shard, grad)``: work with shard ``j`` (read only); with gradients, *add* shard ``j``'s
 gradient contribution into ``grad`` (zero-initialised, same structure, in the accumulation dtype);
-without, ``grad`` is None. The step must not keep references to ``shard`` or ``grad``: the schedule
+without, ``grad`` is None. The hop must not keep references to ``shard`` or ``grad``: the schedule
 frees them."""
 
 
@@ -82,9 +82,9 @@ class _FlatShard:
 
 
 def broadcast_shards(
-    own: Sequence[Tensor | None], group: ProcessGroup, step: ShardStep, *, grads: bool = False
+    own: Sequence[Tensor | None], group: ProcessGroup, hop: ShardHop, *, grads: bool = False
 ) -> Shard | None:
-    """Run ``step(j, shard_j, grad_j)`` for ``j = 0..p-1`` on every rank; return this rank's shard
+    """Run ``hop(j, shard_j, grad_j)`` for ``j = 0..p-1`` on every rank; return this rank's shard
     gradient (summed over ranks) when ``grads``.
 
     Resident at once: the shard in use and the next one in flight (on its owner, a packed copy of
@@ -105,13 +105,13 @@ def broadcast_shards(
     pending = start(0)
     for j in range(p):
         shard, work = pending
-        pending = None  # the only reference to a finished shard is ``shard``, rebound next step
+        pending = None  # the only reference to a finished shard is ``shard``, rebound next hop
         if work is not None:
             work.wait()
         if j + 1 < p:
             pending = start(j + 1)  # in flight while shard j is used
         grad = flat.grad_zeros() if grads else None
-        step(j, flat.unpack(shard), None if grad is None else flat.unpack(grad))
+        hop(j, flat.unpack(shard), None if grad is None else flat.unpack(grad))
         if grad is None:
             continue
         if reducing is not None:
@@ -128,9 +128,9 @@ def broadcast_shards(
 
 
 def ring_shards(
-    own: Sequence[Tensor | None], group: ProcessGroup, step: ShardStep, *, grads: bool = False
+    own: Sequence[Tensor | None], group: ProcessGroup, hop: ShardHop, *, grads: bool = False
 ) -> Shard | None:
-    """Run ``step((r - t) mod p, shard, grad)`` for ``t = 0..p-1`` on rank ``r``; return this rank's
+    """Run ``hop((r - t) mod p, shard, grad)`` for ``t = 0..p-1`` on rank ``r``; return this rank's
     shard gradient (summed over ranks) when ``grads``.
 
     Resident at once: the shard in use and the next one arriving; with ``grads``, also the
@@ -147,7 +147,7 @@ def ring_shards(
         if t + 1 < p:
             shard_next = shard_comm.send_recv(shard)
         grad = flat.grad_zeros() if grads else None
-        step((rank - t) % p, flat.unpack(shard), None if grad is None else flat.unpack(grad))
+        hop((rank - t) % p, flat.unpack(shard), None if grad is None else flat.unpack(grad))
         if grad is not None:
             if grad_in is not None:
                 grad_comm.wait()

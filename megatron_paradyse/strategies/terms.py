@@ -15,9 +15,9 @@ key/value groups ``ng`` of head dim ``hn``, MLP width ``f`` (``g = 2`` gated) an
   ``all_to_all``: bytes each rank sends and receives; ``broadcast``/``reduce``: the message) or one
   ring hop (``send_recv``: bytes sent to the next rank while receiving as many). ``fwd_comm`` and
   ``bwd_comm`` are waited for where they are issued; ``*_streamed`` run asynchronously while the
-  same pass computes (``lean``'s weight shards, issued one step ahead). Weight gradients summed over
+  same pass computes (``lean``'s weight shards, issued one hop ahead). Weight gradients summed over
   ranks travel in the accumulation dtype (fp32 for half precision).
-- :class:`RingStage`: ``p`` steps of kernel calls, each overlapped with the next block's hop.
+- :class:`RingStage`: ``p`` hops of kernel calls, each overlapped with sending the block on.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import math
 from typing import Literal
 
 from megatron_paradyse.core.layout import Segment, SequenceLayout
-from megatron_paradyse.strategies.dims import Dims, ring_steps
+from megatron_paradyse.strategies.dims import Dims, ring_hops
 
 __all__ = [
     "AttentionCall",
@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 MEMO_SIZE = 1024
-"""Kernel-call lists memoised by their segments: ranks and ring steps repeat a few blocks."""
+"""Kernel-call lists memoised by their segments: ranks and ring hops repeat a few blocks."""
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast", "reduce"]
 
@@ -105,16 +105,17 @@ class Collective:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RingStage:
-    """``len(steps)`` ring steps; step ``i`` runs its kernel calls while the hop of ``hop`` is in flight
-    (none after the last forward step; backward also passes the gradient accumulator, ``bwd_hop``)."""
+    """``len(hops)`` ring hops; hop ``i`` runs its kernel calls while ``send`` (the K/V block) is in
+    flight (none after the last forward hop; backward also passes the gradient accumulator,
+    ``bwd_send``)."""
 
-    steps: tuple[tuple[AttentionCall, ...], ...]
-    hop: Collective
-    bwd_hop: Collective
+    hops: tuple[tuple[AttentionCall, ...], ...]
+    send: Collective
+    bwd_send: Collective
 
     @property
-    def fwd_hops(self) -> int:
-        return len(self.steps) - 1
+    def fwd_sends(self) -> int:
+        return len(self.hops) - 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -139,7 +140,7 @@ class SublayerTerms:
     def syncs(self, *, backward: bool) -> int:
         """Collectives and ring hops of the forward or the backward: where the ranks wait for each other."""
         comms = len(self.bwd_comm) + len(self.bwd_streamed) if backward else len(self.fwd_comm) + len(self.fwd_streamed)
-        return comms + sum(ring.fwd_hops + (len(ring.steps) if backward else 0) for ring in self.rings)
+        return comms + sum(ring.fwd_sends + (len(ring.hops) if backward else 0) for ring in self.rings)
 
 
 def attention_calls(layout: SequenceLayout, b: int, heads: int, hn: int) -> tuple[AttentionCall, ...]:
@@ -153,18 +154,18 @@ def attention_calls(layout: SequenceLayout, b: int, heads: int, hn: int) -> tupl
 
 @functools.lru_cache(maxsize=MEMO_SIZE)
 def _segment_calls(segments: tuple[Segment, ...], b: int, heads: int, hn: int) -> tuple[AttentionCall, ...]:
-    """One kernel call per visible segment; memoised: ring steps of every rank repeat a few blocks."""
+    """One kernel call per visible segment; memoised: ring hops of every rank repeat a few blocks."""
     return tuple(
         AttentionCall(b, heads, seg.q_end - seg.q_start, seg.k_end - seg.k_start, hn, seg.causal) for seg in segments
     )
 
 
 def ring_stage(layout: SequenceLayout, rank: int, d: Dims, heads: int, kv_heads: int) -> RingStage:
-    """Ring attention on ``heads`` query heads: step ``i`` attends the K/V block (``kv_heads`` heads) of
+    """Ring attention on ``heads`` query heads: hop ``i`` attends the K/V block (``kv_heads`` heads) of
     ``rank - i``; the block hops forward, its gradient accumulator (accumulation dtype) backward."""
     kv_block = 2 * d.t * d.b * kv_heads * d.hn
-    steps = tuple(_segment_calls(step, d.b, heads, d.hn) for step in ring_steps(layout, rank))
-    return RingStage(steps, Collective("send_recv", kv_block * d.e), Collective("send_recv", kv_block * d.acc))
+    hops = tuple(_segment_calls(hop, d.b, heads, d.hn) for hop in ring_hops(layout, rank))
+    return RingStage(hops, Collective("send_recv", kv_block * d.e), Collective("send_recv", kv_block * d.acc))
 
 
 def mlp_weight_gathered_ahead(d: Dims) -> tuple[Collective, ...]:

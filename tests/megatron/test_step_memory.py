@@ -253,7 +253,7 @@ def steps() -> list[list[tuple]]:
 
 
 def test_whole_step_peak_is_the_cost_models(steps):
-    """The model's peak is the largest of any rank's (ring steps differ between ranks): it is compared with
+    """The model's peak is the largest of any rank's (ring hops differ between ranks): it is compared with
     the largest measured."""
     cases = len(DTYPES) * (sum(map(len, PLANS.values())) + len(PLANS[1]))  # + DDP
     assert all(len(results) == cases for results in steps)

@@ -1,5 +1,5 @@
 """The weight-streaming schedules of ``lean`` on p = 1..4 gloo ranks (odd p and p = 1 included: the
-authors' METP schedules were wrong there): which shard each rank holds at each step, that at most
+authors' METP schedules were wrong there): which shard each rank holds at each hop, that at most
 two shards are resident, that shard gradients arrive at their owners summed over every rank, and
 that no rank's own tensors are touched.
 """
@@ -26,20 +26,20 @@ def own_shard(rank: int) -> tuple:
     return (torch.arange(6.0).view(2, 3) + 100 * rank, None, torch.arange(4.0) - 10 * rank)
 
 
-def _recording_step(rank: int):
-    """A step that records what it was given and contributes ``(rank + 1) * shard_j`` to the gradient."""
+def _recording_hop(rank: int):
+    """A hop that records what it was given and contributes ``(rank + 1) * shard_j`` to the gradient."""
     seen = []
 
-    def step(j, shard, grad):
+    def hop(j, shard, grad):
         seen.append((j, tuple(None if t is None else t.clone() for t in shard)))
         for g, t in zip(grad, shard):
             if t is not None:
                 g.add_(t, alpha=rank + 1)
 
-    return step, seen
+    return hop, seen
 
 
-def _yielding_step(j, shard, grad) -> None:
+def _yielding_hop(j, shard, grad) -> None:
     """Gives gloo's worker thread the GIL and a core to drop the last collective's buffers, as a device
     frees them at once (on four ranks over two cores it may otherwise not run before the next shard)."""
     time.sleep(0.001)
@@ -50,13 +50,13 @@ def _run_schedules(rank: int, p: int) -> dict:
     own = own_shard(rank)
     results = {}
     for name, schedule in SCHEDULES.items():
-        step, seen = _recording_step(rank)
-        grad = schedule(own, group, step, grads=True)
+        hop, seen = _recording_hop(rank)
+        grad = schedule(own, group, hop, grads=True)
         # After one run without gradients, as layer measurements run once before measuring: the first such
         # run of a process held a finished broadcast's buffer until it returned (120 B for 80, every rank,
         # p = 3). Then the peak that recurs.
-        schedule(own, group, _yielding_step)
-        forward, backward = (functools.partial(schedule, own, group, _yielding_step, grads=g) for g in (False, True))
+        schedule(own, group, _yielding_hop)
+        forward, backward = (functools.partial(schedule, own, group, _yielding_hop, grads=g) for g in (False, True))
         peak_forward = recurring_peak_bytes(forward)
         peak_with_grads = recurring_peak_bytes(backward)
         results[name] = {
@@ -85,7 +85,7 @@ def test_each_rank_holds_the_scheduled_shard(launch, name):
     for rank, results in enumerate(per_rank):
         want = list(range(p)) if name == "broadcast" else [(rank - t) % p for t in range(p)]
         assert results[name]["order"] == want, f"rank {rank}"
-        assert results[name]["shards_match_owners"], f"rank {rank}: a step saw another shard than its owner's"
+        assert results[name]["shards_match_owners"], f"rank {rank}: a hop saw another shard than its owner's"
         assert results["own_unchanged"], f"rank {rank}: streaming changed the rank's own tensors"
 
 

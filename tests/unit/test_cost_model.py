@@ -188,10 +188,10 @@ def test_lean_terms_match_hand_counts():
     shard = (192 * 256 + 256 * 64 + 192) * 4  # qkv rows, proj columns, qkv bias
     assert [(c.kind, c.nbytes) for c in attn.fwd_comm + attn.fwd_streamed] == [("broadcast", shard)] * p
     assert sorted(c.kind for c in attn.bwd_comm + attn.bwd_streamed) == ["broadcast"] * p + ["reduce"] * p
-    assert len(attn.rings) == p and all(ring.steps[0][0].heads == 8 // p for ring in attn.rings)
-    assert attn.rings[0].hop.nbytes == 2 * t * (8 // p) * 32 * 4
+    assert len(attn.rings) == p and all(ring.hops[0][0].heads == 8 // p for ring in attn.rings)
+    assert attn.rings[0].send.nbytes == 2 * t * (8 // p) * 32 * 4
     # rank 0 keeps its own shard's gradient from the first group on: one shard more than the last rank
-    # (bidirectional: every rank's ring steps are alike)
+    # (bidirectional: every rank's ring hops are alike)
     bidir = SequenceLayout.build(s, p, causal=False)
     peaks = [sublayer_memory("attention", "lean", d, bidir, rank).bwd_peak for rank in range(p)]
     assert peaks[0] - peaks[p - 1] == shard and len(set(peaks[1:])) == 1
@@ -199,16 +199,16 @@ def test_lean_terms_match_hand_counts():
 
 @pytest.mark.parametrize("p", [2, 3, 4])
 @pytest.mark.parametrize("docs", [(1200,), (300, 517, 41)])
-def test_ring_steps_cover_every_visible_pair_once(p, docs):
-    """Over all ranks and steps the ring computes exactly the causal pairs of every document (padding
+def test_ring_hops_cover_every_visible_pair_once(p, docs):
+    """Over all ranks and hops the ring computes exactly the causal pairs of every document (padding
     included, as its own document), each rank the same amount without padding (zigzag balance)."""
     layout = SequenceLayout.build(docs, p, causal=True)
     d = Dims(MHA, p, layout.padded_len, 1, 4)
     per_rank = []
     for rank in range(p):
         (ring,) = sublayer_terms("attention", "ring", d, layout, rank).rings
-        assert len(ring.steps) == p and ring.hop.nbytes == 2 * layout.local_len * 8 * 32 * 4
-        per_rank.append(sum(c.pairs for step in ring.steps for c in step))
+        assert len(ring.hops) == p and ring.send.nbytes == 2 * layout.local_len * 8 * 32 * 4
+        per_rank.append(sum(c.pairs for hop in ring.hops for c in hop))
     assert sum(per_rank) == sum((e - s) * (e - s + 1) // 2 for s, e in layout.doc_bounds)
     if len(docs) == 1:
         assert len(set(per_rank)) == 1
@@ -554,7 +554,7 @@ def test_ring_is_priced_at_its_slowest_rank():
 
 
 def test_memoised_scripts_give_what_a_cold_evaluation_gives():
-    """Ring steps, lean's head groups and the scripts around the ring are memoised by what each one
+    """Ring hops, lean's head groups and the scripts around the ring are memoised by what each one
     depends on: every rank's ring and lean memory, computed one after another (the memos warm with
     the other strategy's and ranks' iterations), equals the same memory computed with every memo
     cleared first."""
