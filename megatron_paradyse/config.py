@@ -35,6 +35,7 @@ __all__ = [
     "MemorySection",
     "ParadyseConfig",
     "load_config",
+    "section_keys",
 ]
 
 
@@ -231,8 +232,8 @@ _REMOVED = {
 
 def _build(cls: type, data: Mapping, where: str, errors: list[str]) -> Any:
     """``cls(**data)``, converting nested sections; problems go to ``errors`` (returns None then)."""
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    hints = _key_types(cls)
+    names = list(hints)
     n_before = len(errors)
     for key in data:
         if f"{where}{key}" in _REMOVED:
@@ -249,6 +250,33 @@ def _build(cls: type, data: Mapping, where: str, errors: list[str]) -> Any:
     except ValueError as e:  # the section's own check; its message names the key
         errors.append(str(e))
         return None
+
+
+def _key_types(cls: type) -> dict[str, Any]:
+    """The keys of section ``cls`` and their types, in order: its fields', with the keys of a group (a
+    field whose metadata says ``flat``, as :class:`~megatron_paradyse.planner.PlannerConfig`'s) in the
+    group's place. The section's constructor takes them flat."""
+    hints = typing.get_type_hints(cls)
+    keys = {}
+    for field in dataclasses.fields(cls):
+        if field.metadata.get("flat"):
+            keys.update(_key_types(hints[field.name]))
+        else:
+            keys[field.name] = hints[field.name]
+    return keys
+
+
+def section_keys(section: object) -> dict[str, Any]:
+    """A config or one of its sections as the mapping its YAML holds (what :func:`load_config` reads back
+    to an equal one): sections as mappings, a group's keys in the group's place."""
+    keys = {}
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        if field.metadata.get("flat"):
+            keys.update(section_keys(value))
+        else:
+            keys[field.name] = section_keys(value) if dataclasses.is_dataclass(value) else value
+    return keys
 
 
 def _convert(value: Any, hint: Any, where: str, errors: list[str]) -> Any:

@@ -528,7 +528,7 @@ class _CorpusBench:
             p=self.p,
             num_layers=self.footprint.layers,
             budget_bytes=budget * (1.0 - self.settings.plan_margin),
-            time_corrections=TimeCorrections(config.learn_prior) if learn else None,
+            time_corrections=TimeCorrections(config.learning.learn_prior) if learn else None,
         )
 
     def _arm_plan(self, name: str, planner, layout):

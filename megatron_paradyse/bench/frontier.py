@@ -101,7 +101,7 @@ def frontier(gpu: NodeSpec, configs: Path) -> FrontierResult:
         raise ValueError(f"llama3-8b.yaml runs TP={p}, the {gpu.name} node has {gpu.p} GPUs")
     vocab = padded_vocab(LLAMA3_VOCAB, p)
     budget = config.memory.budget_bytes(gpu.allocator_bytes)
-    host_gib = config.planner.host_memory_gib
+    host_gib = config.planner.space.host_memory_gib
     if host_gib * 2**30 * p > gpu.host_memory_bytes:
         raise ValueError(
             f"llama3-8b.yaml gives each of {p} ranks {host_gib} GiB of host memory; the {gpu.name} node has "
@@ -129,7 +129,7 @@ def frontier(gpu: NodeSpec, configs: Path) -> FrontierResult:
         )
         return Planner.for_model(planner_config, cost, shape=shape, p=p, num_layers=layers, budget_bytes=budget)
 
-    chunking = config.planner.loss_chunk_tokens
+    chunking = config.planner.space.loss_chunk_tokens
     adaptive = planner(vocab, chunking, host_gib)
     decision = adaptive.decide(SequenceLayout.build(REPORT_TOKENS, p, causal=True))
     step_s = decision.plan.predicted_time_s

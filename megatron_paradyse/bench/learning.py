@@ -90,7 +90,9 @@ def run_seed(
     kwargs = dict(shape=bench_shape(), p=P, num_layers=layers, budget_bytes=40 * GIB)
     planners = {
         "model": Planner.for_model(config, base, **kwargs),
-        "learn": Planner.for_model(config, base, **kwargs, time_corrections=TimeCorrections(config.learn_prior)),
+        "learn": Planner.for_model(
+            config, base, **kwargs, time_corrections=TimeCorrections(config.learning.learn_prior)
+        ),
         "oracle": Planner.for_model(config, CorrectedCostModel(base, machine), **kwargs),
     }
     times: dict[str, list[float]] = {name: [] for name in planners}
@@ -129,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--min-len", type=int, default=2048, help="shortest sequence, tokens (default 2048)")
     parser.add_argument("--max-len", type=int, default=131072, help="longest sequence, tokens (default 131072)")
     parser.add_argument("--layers", type=int, default=8, help="layers in the stage (default 8)")
-    defaults = PlannerConfig()
+    defaults = PlannerConfig().learning
     for name in ("learn_prior", "explore_share", "explore_margin"):
         flag = "--" + name.replace("_", "-")
         parser.add_argument(

@@ -184,7 +184,7 @@ def longest_fitting(planner: Planner, p: int, *, causal: bool, fits: int, limit:
     None when that one fits too. Bounded, so that a model fitting millions of tokens is not searched
     beyond the dataset."""
     config = planner.config
-    buckets = LengthBuckets(config.bucket, config.bucket_tokens, config.bucket_ratio)
+    buckets = LengthBuckets(config.cache.bucket, config.cache.bucket_tokens, config.cache.bucket_ratio)
 
     def index(n: int) -> int:
         """Of the bucket holding ``n`` tokens: the first whose edge is at least ``n``."""
@@ -239,7 +239,7 @@ def paper_runs(adaptive: PlannerConfig) -> list[Run]:
         for pair, paper in STATIC_PAIRS.items()
     ]
     runs.append(Run(name="adaptive", paper_name="ParaDySe", planner=stop, static=False))
-    beyond = PlannerConfig(recompute=True, hysteresis=adaptive.hysteresis, on_infeasible="stop")
+    beyond = PlannerConfig(recompute=True, hysteresis=adaptive.cache.hysteresis, on_infeasible="stop")
     runs.append(Run(name="beyond", paper_name="(not in the paper)", planner=beyond, static=False))
     return runs
 
@@ -251,7 +251,7 @@ def ablation_runs(adaptive: PlannerConfig) -> list[Run]:
         Run(
             name=f"adaptive w/o {pair}",
             paper_name=f"w/o {paper}",
-            planner=dataclasses.replace(stop, pairs=tuple(q for q in adaptive.pairs if q != pair)),
+            planner=dataclasses.replace(stop, pairs=tuple(q for q in adaptive.space.pairs if q != pair)),
             static=False,
         )
         for pair, paper in STATIC_PAIRS.items()
@@ -418,7 +418,7 @@ def ordering_checks(setting: Setting) -> list[tuple[str, bool, str]]:
         )
     )
     # never slower than a static strategy over the sequences both trained (gamma of slack: hysteresis)
-    gamma = setting.model.planner.hysteresis
+    gamma = setting.model.planner.cache.hysteresis
     worst = max((adaptive.cumulative_s[len(c.lengths) - 1] / c.total_s, c.run.name) for c in static if c.lengths)
     checks.append(
         (

@@ -6,7 +6,7 @@ predicted time whose predicted peak memory fits the budget.
 Algorithm 1, for comparison.
 """
 
-from megatron_paradyse.planner.config import PlannerConfig, layer_options
+from megatron_paradyse.planner.config import LearningConfig, PlanCacheConfig, PlannerConfig, SearchSpace, layer_options
 from megatron_paradyse.planner.exact import solve_exact
 from megatron_paradyse.planner.heuristic import solve_heuristic
 from megatron_paradyse.planner.planner import Decision, InfeasibleReport, InfeasibleSequenceError, Planner
@@ -16,8 +16,11 @@ __all__ = [
     "Decision",
     "InfeasibleReport",
     "InfeasibleSequenceError",
+    "LearningConfig",
+    "PlanCacheConfig",
     "Planner",
     "PlannerConfig",
+    "SearchSpace",
     "Solution",
     "StageProblem",
     "layer_options",

@@ -232,11 +232,12 @@ class Planner:
         self._held_caps: dict[tuple, float] = {}
         self.excluded: dict[str, str] = {}
         """Strategies (or pairs) left out of the plan space, with the reason (set by :meth:`for_model`)."""
-        self._solve = solve_exact if config.method == "exact" else solve_heuristic
-        self._buckets = LengthBuckets(config.bucket, config.bucket_tokens, config.bucket_ratio)
+        self._solve = solve_exact if config.space.method == "exact" else solve_heuristic
+        cache = config.cache
+        self._buckets = LengthBuckets(cache.bucket, cache.bucket_tokens, cache.bucket_ratio)
         self._cache: collections.OrderedDict[tuple, _Bucket] = collections.OrderedDict()
         self._longest: dict[tuple, int] = {}
-        self._stage_options = cost_model.stage_options(config.loss_chunk_tokens)
+        self._stage_options = cost_model.stage_options(config.space.loss_chunk_tokens)
         self._previous: tuple[StageOptions, tuple[int, ...]] | None = None
         self.exploration: Exploration | None = None
         """Set where the time model learns: now and then a plan it cannot tell from the optimum."""
@@ -262,7 +263,7 @@ class Planner:
 
         Strategies the model cannot use are logged once, here, and kept in :attr:`excluded`. With
         ``time_corrections`` the planner learns: it prices time with ``cost_model``'s times corrected by
-        them (:meth:`observe_time` feeds them), and explores as ``config.explore_share`` allows.
+        them (:meth:`observe_time` feeds them), and explores as ``config.learning.explore_share`` allows.
         """
         options, excluded = layer_options(config, shape, p)
         for what, why in excluded.items():
@@ -281,8 +282,9 @@ class Planner:
             reserved_bytes_per_token=reserved_bytes_per_token,
         )
         planner.excluded = excluded
-        if time_corrections is not None and config.explore_share > 0:
-            share, margin = config.explore_share, config.explore_margin
+        learning = config.learning
+        if time_corrections is not None and learning.explore_share > 0:
+            share, margin = learning.explore_share, learning.explore_margin
             planner.exploration = Exploration(time_corrections, share=share, margin=margin)
         return planner
 
@@ -391,7 +393,7 @@ class Planner:
         else:
             bucket = self._plan_bucket(key)
             self._cache[key] = bucket
-            if len(self._cache) > self.config.cache_size:
+            if len(self._cache) > self.config.cache.cache_size:
                 self._cache.popitem(last=False)
         if bucket.solution is None:
             return self._infeasible(layout, micro_batch_size, key[0], bucket.problem)
@@ -400,7 +402,11 @@ class Planner:
             stage, counts = self._previous
             before = bucket.problems.get(stage)
             old = None if before is None else before.evaluate(counts)
-            if old is not None and before.fits(old) and old.time_s <= (1 + self.config.hysteresis) * solution.time_s:
+            if (
+                old is not None
+                and before.fits(old)
+                and old.time_s <= (1 + self.config.cache.hysteresis) * solution.time_s
+            ):
                 problem, solution, plan, kept = before, old, before.to_plan(old), True
         self._previous = (problem.stage, solution.counts)  # hysteresis follows the planner's choice, not a trial
         if self.exploration is not None:
@@ -443,7 +449,7 @@ class Planner:
         """(bucket edge, micro-batch size, p, causal, token order, document lengths or None, the step's
         length or None: :meth:`_step_edge`)."""
         edge = self._buckets.edge(layout.padded_len, 2 * layout.p)
-        docs = layout.doc_lengths if self.config.packed_as == "documents" else None
+        docs = layout.doc_lengths if self.config.cache.packed_as == "documents" else None
         return (edge, micro_batch_size, layout.p, layout.causal, layout.order, docs, self._step_edge(layout.p))
 
     @staticmethod
@@ -535,7 +541,7 @@ class Planner:
             budget -= others * cap
             saved_budget = cap - self.cost_model.held_bytes(layout, micro_batch_size, 0.0, stage)
         stage_time = self.cost_model.stage_time_s(layout, micro_batch_size, stage)
-        host_budget = self.config.host_memory_gib * _GIB
+        host_budget = self.config.space.host_memory_gib * _GIB
         return StageProblem(
             self.options,
             costs,

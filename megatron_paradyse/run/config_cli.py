@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_paradyse.config import ConfigError, ParadyseConfig, load_config
+from megatron_paradyse.config import ConfigError, ParadyseConfig, load_config, section_keys
 from megatron_paradyse.strategies import ModelShape
 
 __all__ = [
@@ -186,4 +186,4 @@ def format_config(config: ParadyseConfig) -> str:
             return [plain(v) for v in value]
         return value
 
-    return yaml.safe_dump(plain(dataclasses.asdict(config)), sort_keys=False)
+    return yaml.safe_dump(plain(section_keys(config)), sort_keys=False)

@@ -71,7 +71,7 @@ def _paradyse_config() -> ParadyseConfig:
     if path is None:
         return ParadyseConfig(data=DataSection(cache_dir=str(_default_cache())))
     config = load_config(path)
-    if config.planner.learn_time:  # every rank reads the same file: every rank stops here
+    if config.planner.learning.learn_time:  # every rank reads the same file: every rank stops here
         raise ValueError(
             f"{path}: planner.learn_time: the drop-in spec cannot learn the time model (it plans inside the "
             f"layers, and Megatron's own loop gives the ranks no iteration boundary to agree on what they "
@@ -134,7 +134,7 @@ def _profile(config: ParadyseConfig, p: int, transformer, longest: int, device: 
             config.cost.profile,
             p=p,
             check_machine=config.cost.check_machine,
-            host_link=config.planner.host_memory_gib > 0,
+            host_link=config.planner.space.host_memory_gib > 0,
         )
     return startup_profile(
         config.data.cache_dir,

@@ -406,7 +406,7 @@ def _read_profile(config: ParadyseConfig, args: argparse.Namespace) -> dict | No
         config.cost.profile,
         p=args.tensor_model_parallel_size,
         check_machine=config.cost.check_machine,
-        host_link=config.planner.host_memory_gib > 0,
+        host_link=config.planner.space.host_memory_gib > 0,
     )
 
 

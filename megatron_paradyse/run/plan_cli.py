@@ -146,7 +146,7 @@ class _Job:
             path = profile or config.cost.profile
             if path is None:
                 raise ValueError("no cost profile: pass --gpu or --profile, or name one in cost.profile")
-            rates = load_profile(path, p=tp, check_machine=False, host_link=config.planner.host_memory_gib > 0)
+            rates = load_profile(path, p=tp, check_machine=False, host_link=config.planner.space.host_memory_gib > 0)
             description = f"calibrated profile {path}"
         args.padded_vocab_size = _padded_vocab(args, config)
         return cls(config, args, model_config.transformer, rates, description, budget)
@@ -209,8 +209,8 @@ def _lengths(args: argparse.Namespace, config, job: _Job) -> list[int]:
     from megatron_paradyse.data import DocumentDataset
     from megatron_paradyse.planner.buckets import LengthBuckets
 
-    planner = config.planner
-    buckets = LengthBuckets(planner.bucket, planner.bucket_tokens, planner.bucket_ratio)
+    cache = config.planner.cache
+    buckets = LengthBuckets(cache.bucket, cache.bucket_tokens, cache.bucket_ratio)
     lengths = DocumentDataset(args.dataset).lengths.clip(max=config.data.max_len)
     edges = {buckets.edge(padded_length(int(n), job.tp), 2 * job.tp) for n in set(lengths.tolist())}
     return sorted(edges)

@@ -66,10 +66,10 @@ class TrainingRun:
         self.meter = None
         self.time_corrections = None
         """What the training planners learned from measured micro-batches (``planner.learn_time``)."""
-        if job.config.planner.learn_time:
+        if job.config.planner.learning.learn_time:
             from megatron_paradyse.cost.correction import TimeCorrections
 
-            self.time_corrections = TimeCorrections(job.config.planner.learn_prior)
+            self.time_corrections = TimeCorrections(job.config.planner.learning.learn_prior)
         self._planned: list = []
         """This iteration's training micro-batches, in forward order: what the measurements correct."""
         self.records: list = []

@@ -387,7 +387,7 @@ def test_for_model_with_time_corrections_builds_a_learning_planner():
     corrections = TimeCorrections()
     learning = Planner.for_model(PlannerConfig(explore_share=0.25), cost, **kwargs, time_corrections=corrections)
     assert learning.cost_model.base is cost and learning.cost_model.corrections is corrections
-    assert (learning.exploration.share, learning.exploration.margin) == (0.25, PlannerConfig().explore_margin)
+    assert (learning.exploration.share, learning.exploration.margin) == (0.25, PlannerConfig().learning.explore_margin)
     no_exploring = Planner.for_model(PlannerConfig(explore_share=0.0), cost, **kwargs, time_corrections=corrections)
     assert no_exploring.exploration is None
 

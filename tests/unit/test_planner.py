@@ -18,8 +18,11 @@ from megatron_paradyse.cost.base import LayerCost
 from megatron_paradyse.cost.hardware import HARDWARE
 from megatron_paradyse.planner import (
     InfeasibleSequenceError,
+    LearningConfig,
+    PlanCacheConfig,
     Planner,
     PlannerConfig,
+    SearchSpace,
     layer_options,
     solve_exact,
 )
@@ -85,10 +88,10 @@ def test_forward_only_plans_recompute_and_offload_nothing_where_training_offload
     config that offloads in training (``host_memory_gib``) would otherwise refuse as offload without
     recompute."""
     training = load_config(CONFIGS / "llama3-8b.yaml").planner
-    assert training.host_memory_gib > 0 and training.mlp_tile_tokens > 0
+    assert training.space.host_memory_gib > 0 and training.space.mlp_tile_tokens > 0
     options, _ = layer_options(training.forward_only(), SHAPE, 4)
     assert not any(option.recompute or option.offload for option in options)
-    assert {option.mlp_tile_tokens for option in options} == {0, training.mlp_tile_tokens}
+    assert {option.mlp_tile_tokens for option in options} == {0, training.space.mlp_tile_tokens}
 
 
 def test_unknown_strategy_is_an_error_naming_the_known_ones():
@@ -151,6 +154,20 @@ def test_no_option_left_is_an_error():
 def test_config_errors(fields, message):
     with pytest.raises(ValueError, match=message):
         PlannerConfig(**fields)
+
+
+def test_config_keys_are_flat_and_kept_in_their_groups():
+    """The ``planner`` section's keys, given flat, land in their groups; keys beside a group given whole
+    change it; ``dataclasses.replace`` takes flat keys; an unknown key is refused."""
+    config = PlannerConfig(pairs=("tp_sp/tp_sp",), hysteresis=0.1, learn_time=True, on_infeasible="skip")
+    assert config.space == SearchSpace(pairs=("tp_sp/tp_sp",))
+    assert config.cache == PlanCacheConfig(hysteresis=0.1)
+    assert (config.learning, config.on_infeasible) == (LearningConfig(learn_time=True), "skip")
+    beside = PlannerConfig(cache=PlanCacheConfig(bucket_tokens=64), hysteresis=0.2)
+    assert beside.cache == PlanCacheConfig(bucket_tokens=64, hysteresis=0.2)
+    assert dataclasses.replace(config, bucket="geometric").cache == PlanCacheConfig(hysteresis=0.1, bucket="geometric")
+    with pytest.raises(TypeError, match="unknown planner keys: hysterisis"):
+        PlannerConfig(hysterisis=0.1)
 
 
 # -- buckets and cache ---------------------------------------------------------------------------------

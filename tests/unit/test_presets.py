@@ -48,6 +48,6 @@ def test_paper_presets_hold_the_papers_setting(name):
     assert (args.ffn_hidden_size, args.swiglu, args.group_query_attention) == (4 * h, False, False)  # Eqs. 1-4
     assert (args.tensor_model_parallel_size, args.micro_batch_size, args.global_batch_size) == (8, 1, 1)
     planner = config.planner
-    assert planner.pairs == ("tp_sp/tp_sp", "ring/zero3", "ulysses/zero3", "lean/lean")
-    assert (planner.recompute, planner.hysteresis) == (False, 0.05)
+    assert planner.space.pairs == ("tp_sp/tp_sp", "ring/zero3", "ulysses/zero3", "lean/lean")
+    assert (planner.space.recompute, planner.cache.hysteresis) == (False, 0.05)
     assert (config.data.sampler, config.data.token_budget, config.data.max_len) == ("curriculum", None, 624 * 1024)
