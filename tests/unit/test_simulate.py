@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_paradyse.bench import simulate
+from megatron_paradyse.bench import _simulation, simulate
 from megatron_paradyse.bench.frontier import frontier, training_flops
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
@@ -67,7 +67,7 @@ def _tiny_planner(pairs: tuple[str, ...], budget_gib: float) -> tuple[Planner, A
     shape = ModelShape(hidden_size=256, num_attention_heads=8, num_query_groups=8, kv_channels=32, ffn_hidden_size=1024)
     model = AnalyticCostModel(hardware_profile(HARDWARE["a100"]), shape, 8, dtype=torch.bfloat16, static_bytes=2**30)
     config = PlannerConfig(pairs=pairs, recompute=False, on_infeasible="stop")
-    cost = simulate.MemoCostModel(model)
+    cost = _simulation.MemoCostModel(model)
     planner = Planner.for_model(config, cost, shape=shape, p=8, num_layers=4, budget_bytes=budget_gib * 2**30)
     return planner, model
 
@@ -76,8 +76,8 @@ def _tiny_planner(pairs: tuple[str, ...], budget_gib: float) -> tuple[Planner, A
 def test_a_curve_ends_at_the_first_sequence_no_plan_fits(pairs):
     planner, model = _tiny_planner(pairs, budget_gib=2.0)
     lengths = np.sort(np.random.default_rng(0).integers(1000, 2_000_000, size=40))
-    run = simulate.Run(name="x", paper_name="x", planner=planner.config, static=len(pairs) == 1)
-    curve = simulate.simulate_curve(run, planner, lengths, 8, causal=True)
+    run = _simulation.Run(name="x", paper_name="x", planner=planner.config, static=len(pairs) == 1)
+    curve = _simulation.simulate_curve(run, planner, lengths, 8, causal=True)
     longest = curve.max_feasible
     assert longest == planner.max_feasible_length(8, causal=True)  # the bounded search finds the planner's
     assert 0 < longest < lengths[-1]  # the setting must stop inside the data
@@ -119,7 +119,7 @@ def test_benchmark_prints_tables_checks_and_the_summary_line(tmp_path, capsys):
 
 
 def test_llama3_8b_frontier_counts_the_whole_model_chunks_its_loss_and_offloads():
-    result = frontier(HARDWARE["h100"], simulate.CONFIGS)
+    result = frontier(HARDWARE["h100"], _simulation.CONFIGS)
     # the full-vocabulary logits bind Megatron's loss; chunked, the whole model comes close to its layers
     assert result.megatron_loss_max_len < result.chunked_loss_max_len <= result.layers_only_max_len
     assert result.chunked_loss_max_len > 3 * result.megatron_loss_max_len
