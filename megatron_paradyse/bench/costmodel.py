@@ -33,6 +33,7 @@ import math
 import statistics
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -166,7 +167,49 @@ def _layout(length: int, p: int) -> SequenceLayout:
     return SequenceLayout.build(length, p, causal=True)
 
 
+class _Point(NamedTuple):
+    """One measured (option, length) beside the models' predictions of it."""
+
+    sample: Sample
+    time_s: float
+    """The analytic model's."""
+    peak_bytes: float
+    empirical_time_s: float
+    empirical_peak_bytes: float
+    held_out: bool
+    """The profile's correction was not fitted on it."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.profile and args.save_profile:
+        parser.error("--save-profile keeps the profile calibrated here; with --profile nothing is calibrated")
+    lengths = [int(v) for v in args.lengths.split(",")]
+    options = [
+        dataclasses.replace(LayerOption.parse(pair), recompute=rc)
+        for pair in args.pairs.split(",")
+        for rc in (False, True)
+    ]
+    profile = _profile(args)
+    model = AnalyticCostModel(profile, REFERENCE_SHAPE, args.p)
+    uncorrected = AnalyticCostModel(profile, REFERENCE_SHAPE, args.p, use_correction=False)
+    samples = run_on_ranks(_measure_grid, args.p, args=(lengths, options, args.repeats), timeout_s=3600)[0]
+    fitted_on = set((profile.get("correction") or {}).get("fitted_on", ()))
+    points = _print_points(samples, model, args.p, profile["grid"], fitted_on)
+    _print_option_mapes(points, options)
+    agreements = _print_rank_agreement(points)
+    _print_overall_mapes(points, uncorrected, args.p)
+    if args.json:
+        _write_json(points, args.json)
+    held = [pt for pt in points if pt.held_out]
+    time_mape = mape([pt.time_s for pt in held], [pt.sample.time_s for pt in held])
+    mem_mape = mape([pt.peak_bytes for pt in points], [pt.sample.peak_bytes for pt in points])
+    print(summary_line(time_mape, mem_mape, agreements))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatron_paradyse.bench costmodel", description=__doc__)
     parser.add_argument("--p", type=int, default=4)
     parser.add_argument("--lengths", default="256,512,1024,2048,4096,8192")
@@ -179,52 +222,46 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", help="write every measurement and prediction here")
     parser.add_argument("--save-profile", help="without --profile: keep the profile calibrated here (for --profile)")
-    args = parser.parse_args(argv)
-    if args.profile and args.save_profile:
-        parser.error("--save-profile keeps the profile calibrated here; with --profile nothing is calibrated")
-    lengths = [int(v) for v in args.lengths.split(",")]
-    options = [
-        dataclasses.replace(LayerOption.parse(pair), recompute=rc)
-        for pair in args.pairs.split(",")
-        for rc in (False, True)
-    ]
+    return parser
 
+
+def _profile(args: argparse.Namespace) -> dict:
+    """``--profile``'s, or one calibrated quickly here (kept where ``--save-profile`` says)."""
     if args.profile:
-        profile = load_profile(args.profile, p=args.p)
-    else:
-        print(
-            f"no --profile: calibrating quickly on {args.p} ranks (`paradyse calibrate --grid quick --fit-correction`)",
-            file=sys.stderr,
-        )
-        profile = calibrate([args.p], grid="quick", fit_correction=True)
-        if args.save_profile:
-            save_profile(profile, args.save_profile)
-    model = AnalyticCostModel(profile, REFERENCE_SHAPE, args.p)
-    uncorrected = AnalyticCostModel(profile, REFERENCE_SHAPE, args.p, use_correction=False)
-    samples = run_on_ranks(_measure_grid, args.p, args=(lengths, options, args.repeats), timeout_s=3600)[0]
-    empirical = _leave_one_length_out(samples)
+        return load_profile(args.profile, p=args.p)
+    print(
+        f"no --profile: calibrating quickly on {args.p} ranks (`paradyse calibrate --grid quick --fit-correction`)",
+        file=sys.stderr,
+    )
+    profile = calibrate([args.p], grid="quick", fit_correction=True)
+    if args.save_profile:
+        save_profile(profile, args.save_profile)
+    return profile
 
-    correction = profile.get("correction") or {}
-    fitted_on = set(correction.get("fitted_on", ()))
+
+def _print_points(
+    samples: list[Sample], model: AnalyticCostModel, p: int, grid: str, fitted_on: set[str]
+) -> list[_Point]:
+    """Every measured point beside the analytic model's and the empirical model's predictions, printed."""
+    empirical = _leave_one_length_out(samples)
     header = (
         f"{'option':<20} {'s':>6} | {'time ms':>9} {'model':>9} {'err%':>6} {'empir.':>9} {'err%':>6} | "
         f"{'peak MiB':>9} {'model':>9} {'err%':>6} {'empir.':>9} {'err%':>6}"
     )
     print(
-        f"p={args.p}, layer h={REFERENCE_SHAPE.hidden_size} heads={REFERENCE_SHAPE.num_attention_heads} "
-        f"ffn={REFERENCE_SHAPE.ffn_hidden_size} b=1 fp32 causal; profile grid={profile['grid']}, "
+        f"p={p}, layer h={REFERENCE_SHAPE.hidden_size} heads={REFERENCE_SHAPE.num_attention_heads} "
+        f"ffn={REFERENCE_SHAPE.ffn_hidden_size} b=1 fp32 causal; profile grid={grid}, "
         f"correction={'fitted on ' + ', '.join(sorted(fitted_on)) if fitted_on else 'none'}"
     )
     print(header)
     print("-" * len(header))
-    rows = []
+    points = []
     for sample in samples:
-        layout = _layout(sample.length, args.p)
-        cost = model.layer_cost(sample.option, layout, 1)
+        cost = model.layer_cost(sample.option, _layout(sample.length, p), 1)
         peak = cost.saved_bytes + cost.transient_bytes
         emp_time, emp_peak = empirical[(sample.option, sample.length)]
         held_out = f"{sample.option}@{sample.length}" not in fitted_on
-        rows.append((sample, cost.time_s, peak, emp_time, emp_peak, held_out))
+        points.append(_Point(sample, cost.time_s, peak, emp_time, emp_peak, held_out))
         print(
             f"{str(sample.option):<20} {sample.length:>6} | {sample.time_s * 1e3:>9.1f} {cost.time_s * 1e3:>9.1f} "
             f"{_err(cost.time_s, sample.time_s):>6} {emp_time * 1e3:>9.1f} {_err(emp_time, sample.time_s):>6} | "
@@ -232,58 +269,65 @@ def main(argv: list[str] | None = None) -> int:
             f"{emp_peak / MIB:>9.2f} {_err(emp_peak, sample.peak_bytes):>6}"
             + ("" if held_out else "  (correction fitted here)")
         )
-    measured_t = [r[0].time_s for r in rows]
-    measured_m = [r[0].peak_bytes for r in rows]
+    return points
+
+
+def _print_option_mapes(points: list[_Point], options: list[LayerOption]) -> None:
     print(f"{'option':<20} {'time_mape':>9} {'mem_mape':>9}   (analytic, over lengths)")
     for option in options:
-        mine = [r for r in rows if r[0].option == option]
-        time_mape = mape([r[1] for r in mine], [r[0].time_s for r in mine])
-        mem_mape = mape([r[2] for r in mine], [r[0].peak_bytes for r in mine])
+        mine = [pt for pt in points if pt.sample.option == option]
+        time_mape = mape([pt.time_s for pt in mine], [pt.sample.time_s for pt in mine])
+        mem_mape = mape([pt.peak_bytes for pt in mine], [pt.sample.peak_bytes for pt in mine])
         print(f"{str(option):<20} {time_mape:>9.1f} {mem_mape:>9.1f}")
-    held = [r for r in rows if r[5]]
+
+
+def _print_rank_agreement(points: list[_Point]) -> list[RankAgreement]:
+    """How well the analytic times order the options at each length, over the held-out points."""
     print("rank agreement, analytic vs measured time, per length (points the correction was not fitted on):")
     agreements = []
-    for length in sorted({r[0].length for r in rows}):
-        here = [r for r in held if r[0].length == length]
-        agreement = rank_agreement([r[1] for r in here], [r[0].time_s for r in here])
+    for length in sorted({pt.sample.length for pt in points}):
+        here = [pt for pt in points if pt.held_out and pt.sample.length == length]
+        agreement = rank_agreement([pt.time_s for pt in here], [pt.sample.time_s for pt in here])
         agreements.append(agreement)
         print(length_line(length, agreement))
-    raw = [uncorrected.layer_cost(r[0].option, _layout(r[0].length, args.p), 1).time_s for r in rows]
+    return agreements
+
+
+def _print_overall_mapes(points: list[_Point], uncorrected: AnalyticCostModel, p: int) -> None:
+    """The analytic model's time MAPE over every point, with and without its fitted correction; the
+    empirical model's time and memory MAPEs."""
+    measured_t = [pt.sample.time_s for pt in points]
+    raw = [uncorrected.layer_cost(pt.sample.option, _layout(pt.sample.length, p), 1).time_s for pt in points]
     print(
-        f"analytic, all {len(rows)} points: time_mape={mape([r[1] for r in rows], measured_t):.1f}; "
+        f"analytic, all {len(points)} points: time_mape={mape([pt.time_s for pt in points], measured_t):.1f}; "
         f"without the fitted correction: time_mape={mape(raw, measured_t):.1f}"
     )
+    empirical_time = mape([pt.empirical_time_s for pt in points], measured_t)
+    empirical_mem = mape([pt.empirical_peak_bytes for pt in points], [pt.sample.peak_bytes for pt in points])
     print(
         f"empirical (paper's RF + AIC polynomial, leave one length out): "
-        f"time_mape={mape([r[3] for r in rows], measured_t):.1f} mem_mape={mape([r[4] for r in rows], measured_m):.1f}"
+        f"time_mape={empirical_time:.1f} mem_mape={empirical_mem:.1f}"
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                [
-                    {
-                        "option": str(r[0].option),
-                        "length": r[0].length,
-                        "time_s": r[0].time_s,
-                        "peak_bytes": r[0].peak_bytes,
-                        "saved_bytes": r[0].saved_bytes,
-                        "model_time_s": r[1],
-                        "model_peak_bytes": r[2],
-                        "empirical_time_s": r[3],
-                        "empirical_peak_bytes": r[4],
-                        "held_out": r[5],
-                    }
-                    for r in rows
-                ],
-                f,
-                indent=1,
-            )
-    print(
-        summary_line(
-            mape([r[1] for r in held], [r[0].time_s for r in held]), mape([r[2] for r in rows], measured_m), agreements
-        )
-    )
-    return 0
+
+
+def _write_json(points: list[_Point], path: str) -> None:
+    rows = [
+        {
+            "option": str(pt.sample.option),
+            "length": pt.sample.length,
+            "time_s": pt.sample.time_s,
+            "peak_bytes": pt.sample.peak_bytes,
+            "saved_bytes": pt.sample.saved_bytes,
+            "model_time_s": pt.time_s,
+            "model_peak_bytes": pt.peak_bytes,
+            "empirical_time_s": pt.empirical_time_s,
+            "empirical_peak_bytes": pt.empirical_peak_bytes,
+            "held_out": pt.held_out,
+        }
+        for pt in points
+    ]
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
 
 
 def _err(predicted: float, measured: float) -> str:
