@@ -578,7 +578,8 @@ def _gemm_rates(samples: list[dict], key: str) -> dict[str, dict[str, list[float
     """Per measured ``(n, k)`` (key ``"<n>x<k>"``), the seconds per FLOP at each measured ``m``. On a GPU
     a GEMM's efficiency changes with its shape, and not linearly: on an H200 the linear fit over a
     Llama-3-8B layer's own GEMMs priced them at 820 TFLOP/s, where they ran at 645 to 801; a shape that
-    was measured is interpolated (:meth:`AnalyticCostModel._gemm`), the fit prices the others."""
+    was measured is interpolated (:meth:`~megatron_paradyse.cost.pricing.TermPrices.gemm`), the fit
+    prices the others."""
     rates: dict[str, dict[int, list[float]]] = {}
     for g in samples:
         flops = 2 * g["m"] * g["n"] * g["k"]

@@ -11,12 +11,9 @@ Time of one layer on one rank, forward + backward (+ one more forward with recom
                pass for streamed collectives (c: the pass's GEMMs and kernels, m: the collectives)
     time     = k_compute * compute + k_comm * comm + per_sync_s * syncs + per_layer_s
 
-``gemm_*(m, n, k) = c0 + c1 * 2mnk + c2 * e(mk + nk + mn)`` (recomputed GEMMs at the forward rate in
-the backward); ``attn_*(call) = c0 + per_pair(length) * pairs * hn`` summed over batch and heads,
-the rate interpolated in log length between calibrated blocks. Most collectives are waited for where
-they are issued, so they add up; the ring overlaps its hops with its kernels, ``lean`` its shards'
-transfers with its compute. ``syncs`` counts collectives and ring hops. The correction (``k = 1``,
-the rest 0 without one) is fitted by ``paradyse calibrate --fit-correction`` on a few measured layers.
+The prices of the atoms (``gemm_*``, ``attn_*``, a collective's, ``exposed``) are
+:mod:`cost.pricing`'s. ``syncs`` counts collectives and ring hops. The correction (``k = 1``, the rest 0
+without one) is fitted by ``paradyse calibrate --fit-correction`` on a few measured layers.
 
 Memory is :mod:`cost.layer_memory`'s saved and transient bytes of the layer; the stage peak adds the static
 bytes (the same for every plan, given by the caller: see :mod:`megatron_paradyse.mcore.static_memory`), the
@@ -37,24 +34,22 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import os
-from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption, Plan, loss_chunk_rows, mlp_tile_rows
 from megatron_paradyse.cost.base import WHOLE_LOSS, LayerCost, StageOptions, stage_layer_bytes
 from megatron_paradyse.cost.layer_memory import LayerMemory, layer_memory, norm_peak, sublayer_memory, tiled_mlp_memory
+from megatron_paradyse.cost.pricing import PassTime, TermPrices
 from megatron_paradyse.cost.profile import load_profile
 from megatron_paradyse.cost.terms import sublayer_terms
 from megatron_paradyse.strategies import ModelShape, gathers_mlp_weight_ahead, get_strategy
 from megatron_paradyse.strategies.allocations import SublayerMemory
 from megatron_paradyse.strategies.dims import Dims
-from megatron_paradyse.strategies.terms import AttentionCall, Collective, Gemm, RingStage, SublayerTerms
+from megatron_paradyse.strategies.terms import Collective, Gemm
 
 __all__ = ["AnalyticCostModel", "TimeBreakdown"]
 
@@ -69,8 +64,6 @@ _CROSS_ENTROPY_BACKWARD_PASSES = 2
 # masked targets (int64), the out-of-range mask (bool), the logits' max (fp32), the row index (int64), and
 # the target's logit, gathered and copied (fp32).
 _CROSS_ENTROPY_TOKEN_BYTES = 8 + 8 + 1 + 4 + 8 + 4 + 4
-# Rough op counts per sublayer call (forward; backward about twice), for the per-op overhead.
-_OPS_PER_SUBLAYER = 12
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,27 +78,12 @@ class TimeBreakdown:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class _Pass:
-    """One sublayer's forward or backward, priced on one rank."""
-
-    compute_s: float
-    comm_s: float
-    syncs: int
-
-    def __add__(self, other: _Pass) -> _Pass:
-        return _Pass(self.compute_s + other.compute_s, self.comm_s + other.comm_s, self.syncs + other.syncs)
-
-    def __mul__(self, times: int) -> _Pass:
-        return _Pass(times * self.compute_s, times * self.comm_s, times * self.syncs)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class _Sublayer:
     """One sublayer on one rank: its priced passes, its memory, and what of that memory a layer's
     depends on."""
 
-    forward: _Pass
-    backward: _Pass
+    forward: PassTime
+    backward: PassTime
     memory: SublayerMemory
     memory_key: tuple
 
@@ -126,13 +104,11 @@ class _LayoutMemo:
 
 
 @dataclasses.dataclass(slots=True)
-class _Prices:
-    """What pricing leaves to reuse, shared by the models of one job's pipeline stages: the latest
-    layout's memo, that layout's kernel calls and GEMMs priced, the attention rates by head dim."""
+class _LatestLayout:
+    """The latest layout's memo, shared by the models of one job's pipeline stages (as their
+    :class:`TermPrices` are)."""
 
     memo: _LayoutMemo | None = None
-    call_times: dict[tuple[str, AttentionCall | Gemm], float] = dataclasses.field(default_factory=dict)
-    rates: dict[tuple[str, bool, int], tuple[float, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
 class AnalyticCostModel:
@@ -192,7 +168,8 @@ class AnalyticCostModel:
         self._k_comm = correction["comm"] if correction else 1.0
         self._per_layer = correction["per_layer_s"] if correction else 0.0
         self._per_sync = correction["per_sync_s"] if correction else 0.0
-        self._prices = _Prices()
+        self._terms = TermPrices(profile, p, self.element_size)
+        self._latest = _LatestLayout()
 
     def for_stage(
         self, *, static_bytes: float, vocab_size: int, tied_unfused_output: bool = False
@@ -200,7 +177,7 @@ class AnalyticCostModel:
         """This model for another pipeline stage of the same layers, with that stage's static bytes and
         output layer (``vocab_size``, ``tied_unfused_output``: see the constructor); the two share what
         they price of a layout's layers."""
-        stage = copy.copy(self)  # the profile, the shape and ``_prices`` shared
+        stage = copy.copy(self)  # the profile, the shape, ``_terms`` and ``_latest`` shared
         stage.static_bytes = float(static_bytes)
         stage.vocab_size = vocab_size
         stage.tied_unfused_output = tied_unfused_output
@@ -294,16 +271,16 @@ class AnalyticCostModel:
         gemm = Gemm(tokens, self.vocab_size // self.p, d_h)
         if backward:
             passes = _CROSS_ENTROPY_BACKWARD_PASSES
-            compute = self._gemm(gemm, "backward")
+            compute = self._terms.gemm(gemm, "backward")
             comms = (Collective("reduce_scatter", tokens * d_h * element),)
         else:
             passes = _CROSS_ENTROPY_PASSES
-            compute = self._gemm(gemm, "forward")
+            compute = self._terms.gemm(gemm, "forward")
             comms = (Collective("all_gather", tokens * d_h * element),)
             comms += (Collective("reduce_scatter", 4 * tokens), Collective("all_gather", 4 * tokens)) * 3
         compute += passes * (4 * logits * ew["per_byte_s"] + ew["per_op_s"])
         syncs = len(comms) if self.p > 1 else 0
-        return self._k_compute * compute + self._k_comm * self._comms(comms) + self._per_sync * syncs
+        return self._k_compute * compute + self._k_comm * self._terms.comms(comms) + self._per_sync * syncs
 
     def stage_bytes(self, layout: SequenceLayout, micro_batch_size: int, stage: StageOptions = WHOLE_LOSS) -> float:
         """What the stage keeps outside its layers for the whole step: the micro-batch's inputs on the
@@ -417,8 +394,7 @@ class AnalyticCostModel:
         if layout.p != self.p:
             raise ValueError(f"the layout is for p={layout.p}, the cost model for p={self.p}")
         key = (layout.value, micro_batch_size)
-        prices = self._prices
-        memo = prices.memo
+        memo = self._latest.memo
         if memo is None or memo.key != key:
             dims = Dims(
                 self.shape,
@@ -431,8 +407,8 @@ class AnalyticCostModel:
                 normalization=self.normalization,
                 device=self.device,
             )
-            memo = prices.memo = _LayoutMemo(key, dims)
-            prices.call_times.clear()
+            memo = self._latest.memo = _LayoutMemo(key, dims)
+            self._terms.forget_calls()
         return memo
 
     def _sublayer(
@@ -448,7 +424,9 @@ class AnalyticCostModel:
             memory = sublayer_memory(sublayer, name, dims, layout, rank)
             # all layer_memory reads of a sublayer
             memory_key = (memory.saved_bytes, memory.fwd_peak, memory.bwd_peak, memory.bwd_prelude, memory.handed_on)
-            entry = _Sublayer(self._pass(sub, backward=False), self._pass(sub, backward=True), memory, memory_key)
+            forward = self._terms.sublayer_pass(sub, backward=False)
+            backward = self._terms.sublayer_pass(sub, backward=True)
+            entry = _Sublayer(forward, backward, memory, memory_key)
             memo.sublayers[key] = entry
         return entry
 
@@ -461,27 +439,19 @@ class AnalyticCostModel:
         if entry is None:
             d = memo.dims
             rows = mlp_tile_rows(tile_tokens, self.p, d.t)
-            forward, backward = _Pass(0.0, 0.0, 0), _Pass(0.0, 0.0, 0)
+            forward, backward = PassTime(0.0, 0.0, 0), PassTime(0.0, 0.0, 0)
             full, last = divmod(d.t, rows)
             for tile_rows, tiles in ((rows, full), (last, 1 if last else 0)):
                 if tiles:
                     sub = sublayer_terms("mlp", name, dataclasses.replace(d, s=tile_rows * self.p), layout)
-                    tile_forward, tile_backward = self._pass(sub, backward=False), self._pass(sub, backward=True)
+                    tile_forward = self._terms.sublayer_pass(sub, backward=False)
+                    tile_backward = self._terms.sublayer_pass(sub, backward=True)
                     forward = forward + tile_forward * tiles
                     backward = backward + (tile_forward + tile_backward) * tiles
             memory = tiled_mlp_memory(name, d, layout, tile_tokens)
             memory_key = (memory.saved_bytes, memory.fwd_peak, memory.bwd_peak, memory.bwd_prelude, memory.handed_on)
             entry = memo.sublayers[key] = _Sublayer(forward, backward, memory, memory_key)
         return entry
-
-    def _pass(self, sub: SublayerTerms, *, backward: bool) -> _Pass:
-        compute = self._backward_compute(sub) if backward else self._forward_compute(sub)
-        ring_kernels, ring_exposed = self._rings(sub, backward=backward)
-        sync_comm, streamed = (sub.bwd_comm, sub.bwd_streamed) if backward else (sub.fwd_comm, sub.fwd_streamed)
-        compute += ring_kernels
-        # asynchronous collectives hide behind computation, not behind other transfers
-        comm = self._comms(sync_comm) + ring_exposed + self._streamed(streamed, compute)
-        return _Pass(compute, comm, sub.syncs(backward=backward))
 
     def _time(self, sublayers: tuple[_Sublayer, ...], option: LayerOption, activation_bytes: float) -> TimeBreakdown:
         """The layer's time from its sublayers' priced passes; ``activation_bytes``: one ``[t, b, h]``."""
@@ -501,138 +471,7 @@ class AnalyticCostModel:
         total = self._k_compute * compute + self._k_comm * comm + self._per_sync * syncs + self._per_layer
         if option.offload:
             forward = sum(sub.forward.compute_s for sub in sublayers)
-            host = self._host_copies(forward, compute - forward, activation_bytes)
+            host = self._terms.host_copies(forward, compute - forward, activation_bytes)
             comm += host
             total += host
         return TimeBreakdown(compute, comm, syncs, total)
-
-    def _host_copies(self, forward_s: float, backward_s: float, nbytes: float) -> float:
-        """What an offloaded layer's two host copies of ``nbytes`` add: its input to the host beside its
-        forward, and the next offloaded layer's input back beside its backward (recompute included), each
-        hidden as the profile's ``host_link.overlap`` says (0 on CPU, where the copy runs in line)."""
-        link = self.profile.get("host_link")
-        if link is None:
-            raise ValueError(
-                "the cost profile has no host_link (host-device copy rates), so offloaded layers ('+rc+off') "
-                "cannot be priced; run `paradyse calibrate` again, or leave offload out (planner.host_memory_gib: 0)"
-            )
-        transfer = link["latency_s"] + nbytes * link["per_byte_s"]
-        return sum(self._exposed(compute, transfer, link["overlap"]) for compute in (forward_s, backward_s))
-
-    def _gemm(self, gemm: Gemm, direction: str) -> float:
-        key = (direction, gemm)  # lean's p groups, and every rank, repeat the same GEMMs
-        known = self._prices.call_times.get(key)
-        if known is None:
-            fit = self.profile["gemm"][direction]
-            measured = fit.get("by_shape", {}).get(f"{gemm.n}x{gemm.k}")  # optional in a profile
-            if measured is not None:  # its rate interpolated in log m, flat beyond the measured ones
-                rate = np.interp(math.log(gemm.m), np.log(measured["m"]), measured["per_flop_s"])
-                known = float(rate) * gemm.flops
-            else:
-                c0, c1, c2 = fit["coef"]
-                e = self.element_size
-                known = c0 + c1 * gemm.flops + c2 * e * (gemm.m * gemm.k + gemm.n * gemm.k + gemm.m * gemm.n)
-            self._prices.call_times[key] = known
-        return known
-
-    def _attention(self, calls: Sequence[AttentionCall], direction: str) -> list[float]:
-        """Each kernel call's time, ``per_call + per_unit(length) * flops / 4``: the rate at the nearest
-        calibrated head dim, interpolated in log length (flat beyond the ends). Ranks and ring hops
-        repeat the same few calls: each new one is priced once per layout, one ``np.interp`` for all
-        new calls of one kind (mask, head dim)."""
-        known = self._prices.call_times
-        kinds: dict[tuple[bool, int], list[AttentionCall]] = {}
-        for call in calls:
-            if (direction, call) not in known:
-                kinds.setdefault((call.causal, call.hn), []).append(call)
-        for (causal, hn), new in kinds.items():
-            new = list(dict.fromkeys(new))
-            per_call, log_lengths, per_unit = self._attention_rates(direction, causal, hn)
-            x = np.array([math.log(call.length) for call in new])
-            flops = np.array([call.flops for call in new], dtype=np.float64)
-            times = per_call + np.interp(x, log_lengths, per_unit) * flops / 4
-            known.update(zip(((direction, call) for call in new), times.tolist()))
-        return [known[direction, call] for call in calls]
-
-    def _attention_rates(self, direction: str, causal: bool, hn: int) -> tuple[float, np.ndarray, np.ndarray]:
-        """(per-call seconds, log lengths, per-unit seconds) of the calibrated head dim nearest ``hn``."""
-        key = (direction, causal, hn)
-        rates_by_key = self._prices.rates
-        if key not in rates_by_key:
-            fit = self.profile["attention"][direction]["causal" if causal else "full"]
-            by_hn = fit["by_head_dim"]
-            rates = by_hn[min(by_hn, key=lambda n: abs(math.log(int(n) / hn)))]
-            rates_by_key[key] = (
-                fit["per_call_s"],
-                np.log(rates["lengths"]),
-                np.asarray(rates["per_unit_s"], dtype=np.float64),
-            )
-        return rates_by_key[key]
-
-    def _elementwise(self, sub: SublayerTerms, factor: float) -> float:
-        ew = self.profile["elementwise"]
-        return factor * (sub.elementwise_bytes * ew["per_byte_s"] + _OPS_PER_SUBLAYER * ew["per_op_s"])
-
-    def _forward_compute(self, sub: SublayerTerms) -> float:
-        return (
-            sum(self._gemm(g, "forward") for g in sub.gemms)
-            + sum(self._attention(sub.attention, "forward"))
-            + self._elementwise(sub, 1.0)
-        )
-
-    def _backward_compute(self, sub: SublayerTerms) -> float:
-        return (
-            sum(self._gemm(g, "backward") for g in sub.gemms)
-            + sum(self._gemm(g, "forward") for g in sub.recompute_gemms)
-            + sum(self._attention(sub.attention, "backward"))
-            + self._elementwise(sub, 2.0)
-        )
-
-    def _comm(self, c: Collective) -> float:
-        entry = self.profile["collectives"][str(self.p)][c.kind]
-        return entry["latency_s"] + c.nbytes * entry["per_byte_s"]
-
-    def _comms(self, comms: tuple[Collective, ...]) -> float:
-        return 0.0 if self.p == 1 else sum(self._comm(c) for c in comms)
-
-    def _exposed(self, compute: float, comm: float, overlap: float | None = None) -> float:
-        """What ``comm`` seconds of communication add to ``compute`` seconds it runs beside: the
-        longer of the two, plus the part of the shorter the calibrated overlap (the ring's unless
-        given) does not hide, less the compute."""
-        overlap = self.profile["ring_overlap"] if overlap is None else overlap
-        return max(compute, comm) + (1.0 - overlap) * min(compute, comm) - compute
-
-    def _streamed(self, comms: tuple[Collective, ...], compute: float) -> float:
-        """Asynchronous collectives issued during a pass of ``compute`` seconds."""
-        if self.p == 1 or not comms:
-            return 0.0
-        return self._exposed(compute, sum(self._comm(c) for c in comms))
-
-    def _rings(self, sub: SublayerTerms, *, backward: bool) -> tuple[float, float]:
-        """Ring hops: the kernels of hop ``i`` run while the next block travels; backward also
-        sends the dk/dv accumulator every hop. Returns the kernels' time and the sends' exposed time."""
-        kernels = exposed = 0.0
-        priced: dict[int, tuple[float, float]] = {}  # lean's head groups run one ring stage p times
-        for ring in sub.rings:
-            if id(ring) not in priced:
-                priced[id(ring)] = self._ring(ring, backward=backward)
-            ring_kernels, ring_exposed = priced[id(ring)]
-            kernels += ring_kernels
-            exposed += ring_exposed
-        return kernels, exposed
-
-    def _ring(self, ring: RingStage, *, backward: bool) -> tuple[float, float]:
-        """One ring stage's kernels' time and its sends' exposed time."""
-        times = self._attention([call for hop in ring.hops for call in hop], "backward" if backward else "forward")
-        # in flight during a hop: the next block (but after the last forward hop), the accumulator
-        in_flight = self._comms((ring.send, ring.bwd_send) if backward else (ring.send,))
-        in_flight_last = self._comms((ring.bwd_send,) if backward else ())
-        kernels = exposed = 0.0
-        start = 0
-        for i, hop in enumerate(ring.hops):
-            compute = sum(times[start : start + len(hop)])
-            start += len(hop)
-            kernels += compute
-            if self.p > 1:
-                exposed += self._exposed(compute, in_flight if i < ring.fwd_sends else in_flight_last)
-        return kernels, exposed
