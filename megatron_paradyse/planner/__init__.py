@@ -7,9 +7,10 @@ Algorithm 1, for comparison.
 """
 
 from megatron_paradyse.planner.config import LearningConfig, PlanCacheConfig, PlannerConfig, SearchSpace, layer_options
+from megatron_paradyse.planner.decision import Decision, InfeasibleReport, InfeasibleSequenceError
 from megatron_paradyse.planner.exact import solve_exact
 from megatron_paradyse.planner.heuristic import solve_heuristic
-from megatron_paradyse.planner.planner import Decision, InfeasibleReport, InfeasibleSequenceError, Planner
+from megatron_paradyse.planner.planner import Planner
 from megatron_paradyse.planner.problem import Solution, StageProblem
 
 __all__ = [

@@ -8,15 +8,15 @@ layers from their fastest options. It is a pure function of the micro-batch's le
 model and the previous plan (hysteresis), so every rank of a group computes the same plan without
 talking (the start-up check of :mod:`megatron_paradyse.run.agreement` makes sure their inputs agree).
 
-Plans are cached by length bucket: a micro-batch is planned as if it filled its bucket (costs at the
-bucket's upper edge, which over-estimates memory, never under-estimates it). A micro-batch no plan
-fits is reported before anything runs, with the longest length that does fit, and skipped or
-stopped on as configured.
+Plans are cached by length bucket (:mod:`~megatron_paradyse.planner.cache`): a micro-batch is planned as
+if it filled its bucket (costs at the bucket's upper edge, which over-estimates memory, never
+under-estimates it). A micro-batch no plan fits is reported before anything runs, with the longest
+length that does fit (:mod:`~megatron_paradyse.planner.decision`), and skipped or stopped on as
+configured.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import logging
@@ -27,129 +27,22 @@ from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption, Plan
 from megatron_paradyse.cost.base import WHOLE_LOSS, CostModel, LayerCost, StageOptions
 from megatron_paradyse.cost.correction import CorrectedCostModel, TimeCorrections
-from megatron_paradyse.planner.buckets import LengthBuckets
+from megatron_paradyse.planner.cache import BucketKey, PlanCache, PlannedBucket, Previous
 from megatron_paradyse.planner.config import PlannerConfig, layer_options
+from megatron_paradyse.planner.decision import Decision, InfeasibleReport, InfeasibleSequenceError
 from megatron_paradyse.planner.exact import solve_exact
 from megatron_paradyse.planner.exploration import Exploration
 from megatron_paradyse.planner.heuristic import solve_heuristic
-from megatron_paradyse.planner.problem import Solution, StageProblem
+from megatron_paradyse.planner.problem import StageProblem
 from megatron_paradyse.strategies import ModelShape
 
-__all__ = ["Decision", "ForwardOnlyCost", "InfeasibleReport", "InfeasibleSequenceError", "Planner"]
+__all__ = ["ForwardOnlyCost", "Planner"]
 
 logger = logging.getLogger(__name__)
 
 _GIB = 2**30
 _LONGEST_SEARCHED = 2**31
 """Tokens beyond which the longest-feasible-length search stops and reports this bound."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Decision:
-    """The plan of one micro-batch and how it was reached."""
-
-    plan: Plan
-    """One option per layer; ``predicted_time_s`` and ``predicted_peak_bytes`` are set."""
-    cached: bool
-    """The bucket's optimum came from the plan cache."""
-    kept_previous: bool
-    """Hysteresis kept the previous micro-batch's plan (it fits and is within gamma of the optimum)."""
-    bucket_length: int
-    """Padded length the costs were evaluated at."""
-    optimal_time_s: float
-    """Predicted time of the bucket's optimum (``plan.predicted_time_s`` unless ``kept_previous``)."""
-    explored: bool = False
-    """The plan is a trial of an option the learned time model has not measured at this length
-    (:mod:`~megatron_paradyse.planner.exploration`), run instead of the optimum."""
-
-    def log_fields(self) -> dict[str, object]:
-        """Flat fields for a step log."""
-        return {
-            "plan": self.plan.compact(),
-            "predicted_time_s": self.plan.predicted_time_s,
-            "predicted_peak_gib": self.plan.predicted_peak_bytes / _GIB,
-            "bucket_length": self.bucket_length,
-            "cached": self.cached,
-            "kept_previous": self.kept_previous,
-            "explored": self.explored,
-        }
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class InfeasibleReport:
-    """Why a micro-batch cannot run: no plan's predicted peak fits the budget."""
-
-    length: int
-    """Real tokens of the micro-batch's sequence."""
-    padded_length: int
-    bucket_length: int
-    micro_batch_size: int
-    budget_bytes: float
-    leanest_peak_bytes: float
-    """Predicted peak of the leanest plan at ``bucket_length``."""
-    leanest_plan: str
-    longest_feasible_length: int
-    """Longest padded length (a bucket edge, one document) some plan fits; 0 if none does."""
-    forwards_in_flight: int = 1
-    """With several (:class:`Planner`), ``budget_bytes`` is what one may peak at beside the others."""
-    held_cap_bytes: float = math.inf
-    """What each forward in flight may hold until its backward."""
-    leanest_held_bytes: float = 0.0
-    stage_budget_bytes: float = 0.0
-    """The whole stage's budget, which the forwards in flight share."""
-
-    def __str__(self) -> str:
-        longest = (
-            f"the longest that fits is {self.longest_feasible_length} tokens"
-            if self.longest_feasible_length
-            else "no length fits"
-        )
-        if self.forwards_in_flight == 1:
-            why = (
-                f"is predicted to peak at {self.leanest_peak_bytes / _GIB:.2f} GiB, over the budget of "
-                f"{self.budget_bytes / _GIB:.2f} GiB"
-            )
-        elif self.budget_bytes <= 0:
-            why = (
-                f"is predicted to hold {self.leanest_held_bytes / _GIB:.2f} GiB until its backward and to peak at "
-                f"{self.leanest_peak_bytes / _GIB:.2f} GiB, and the stage's budget of "
-                f"{self.stage_budget_bytes / _GIB:.2f} GiB holds none of its {self.forwards_in_flight} forwards in "
-                f"flight at any length"
-            )
-        else:
-            why = (
-                f"is predicted to hold {self.leanest_held_bytes / _GIB:.2f} GiB until its backward and to peak at "
-                f"{self.leanest_peak_bytes / _GIB:.2f} GiB, where each of the stage's {self.forwards_in_flight} "
-                f"forwards in flight may hold {self.held_cap_bytes / _GIB:.2f} GiB and peak at "
-                f"{self.budget_bytes / _GIB:.2f} GiB beside the others (its budget of "
-                f"{self.stage_budget_bytes / _GIB:.2f} GiB shared as the longest micro-batch needs)"
-            )
-        return (
-            f"a sequence of {self.length} tokens (padded to {self.padded_length}, planned at "
-            f"{self.bucket_length}) with micro-batch size {self.micro_batch_size} fits no plan: the leanest "
-            f"({self.leanest_plan}) {why}; {longest} with this micro-batch size"
-        )
-
-
-class InfeasibleSequenceError(ValueError):
-    """A micro-batch no plan fits, under ``planner.on_infeasible = stop``."""
-
-    def __init__(self, report: InfeasibleReport) -> None:
-        super().__init__(
-            f"{report}. Shorten or split such sequences, enable a memory-lean strategy or recompute, "
-            f"or set planner.on_infeasible=skip to skip them"
-        )
-        self.report = report
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Bucket:
-    problems: dict[StageOptions, StageProblem]
-    """The problems posed, one per stage option priced."""
-    problem: StageProblem
-    """The chosen stage option's (the leanest one's when no plan fits)."""
-    solution: Solution | None
-    plan: Plan | None
 
 
 class Planner:
@@ -233,12 +126,10 @@ class Planner:
         self.excluded: dict[str, str] = {}
         """Strategies (or pairs) left out of the plan space, with the reason (set by :meth:`for_model`)."""
         self._solve = solve_exact if config.space.method == "exact" else solve_heuristic
-        cache = config.cache
-        self._buckets = LengthBuckets(cache.bucket, cache.bucket_tokens, cache.bucket_ratio)
-        self._cache: collections.OrderedDict[tuple, _Bucket] = collections.OrderedDict()
+        self._cache = PlanCache(config.cache)
         self._longest: dict[tuple, int] = {}
         self._stage_options = cost_model.stage_options(config.space.loss_chunk_tokens)
-        self._previous: tuple[StageOptions, tuple[int, ...]] | None = None
+        self._previous: Previous | None = None
         self.exploration: Exploration | None = None
         """Set where the time model learns: now and then a plan it cannot tell from the optimum."""
         self.set_budget(budget_bytes)
@@ -375,7 +266,7 @@ class Planner:
 
     def bucket_layout(self, layout: SequenceLayout, micro_batch_size: int = 1) -> SequenceLayout:
         """The layout :meth:`decide` costs ``layout`` at: its bucket's upper edge."""
-        return self._bucket_layout(self._key(layout, micro_batch_size))
+        return self._cache.layout(self._key(layout, micro_batch_size))
 
     def decide(self, layout: SequenceLayout, micro_batch_size: int = 1) -> Decision | None:
         """The plan for a micro-batch of ``micro_batch_size`` samples laid out as ``layout``.
@@ -386,28 +277,14 @@ class Planner:
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
         key = self._key(layout, micro_batch_size)
-        bucket = self._cache.get(key)
-        cached = bucket is not None
-        if cached:
-            self._cache.move_to_end(key)
-        else:
-            bucket = self._plan_bucket(key)
-            self._cache[key] = bucket
-            if len(self._cache) > self.config.cache.cache_size:
-                self._cache.popitem(last=False)
+        bucket, cached = self._cache.get_or_plan(key, self._plan_bucket)
         if bucket.solution is None:
             return self._infeasible(layout, micro_batch_size, key[0], bucket.problem)
         problem, solution, plan, kept = bucket.problem, bucket.solution, bucket.plan, False
-        if self._previous is not None and self._previous != (problem.stage, solution.counts):
-            stage, counts = self._previous
-            before = bucket.problems.get(stage)
-            old = None if before is None else before.evaluate(counts)
-            if (
-                old is not None
-                and before.fits(old)
-                and old.time_s <= (1 + self.config.cache.hysteresis) * solution.time_s
-            ):
-                problem, solution, plan, kept = before, old, before.to_plan(old), True
+        previous = self._cache.previous_kept(bucket, self._previous)
+        if previous is not None:
+            problem, solution = previous
+            plan, kept = problem.to_plan(solution), True
         self._previous = (problem.stage, solution.counts)  # hysteresis follows the planner's choice, not a trial
         if self.exploration is not None:
             trial = self.exploration.alternative(problem, solution, key[0])
@@ -420,8 +297,7 @@ class Planner:
     ) -> StageProblem:
         """The problem :meth:`decide` solves for ``layout`` and ``stage``: option costs at its bucket's
         upper edge."""
-        key = self._key(layout, micro_batch_size)
-        layout = self._bucket_layout(key)
+        layout = self.bucket_layout(layout, micro_batch_size)
         return self._problem(layout, micro_batch_size, self._costs(layout, micro_batch_size), stage)
 
     def fits(self, layout: SequenceLayout, micro_batch_size: int = 1) -> bool:
@@ -445,17 +321,9 @@ class Planner:
         return self._longest[key]
 
     # -- internals --------------------------------------------------------------------------------
-    def _key(self, layout: SequenceLayout, micro_batch_size: int) -> tuple:
-        """(bucket edge, micro-batch size, p, causal, token order, document lengths or None, the step's
-        length or None: :meth:`_step_edge`)."""
-        edge = self._buckets.edge(layout.padded_len, 2 * layout.p)
-        docs = layout.doc_lengths if self.config.cache.packed_as == "documents" else None
-        return (edge, micro_batch_size, layout.p, layout.causal, layout.order, docs, self._step_edge(layout.p))
-
-    @staticmethod
-    def _bucket_layout(key: tuple) -> SequenceLayout:
-        edge, _, p, causal, order, docs, _ = key
-        return SequenceLayout(docs or (edge,), p, causal, edge, order)
+    def _key(self, layout: SequenceLayout, micro_batch_size: int) -> BucketKey:
+        """The plan cache's key of ``layout``, with the step's length (:meth:`_step_edge`)."""
+        return self._cache.key(layout, micro_batch_size, self._step_edge(layout.p))
 
     def _step_edge(self, p: int) -> int | None:
         """The step's longest micro-batch (or any step's) at its bucket's edge: what sets the held cap
@@ -463,17 +331,17 @@ class Planner:
         if self.forwards_in_flight == 1 and not self.reserved_bytes_per_token:
             return None
         tokens = self._step_longest or self.longest_tokens
-        return self._buckets.edge(-(-tokens // (2 * p)) * 2 * p, 2 * p)
+        return self._cache.buckets.edge(-(-tokens // (2 * p)) * 2 * p, 2 * p)
 
-    def _plan_bucket(self, key: tuple) -> _Bucket:
+    def _plan_bucket(self, key: BucketKey) -> PlannedBucket:
         edge, micro_batch_size = key[:2]
-        layout = self._bucket_layout(key)
+        layout = self._cache.layout(key)
         problems = self._problems(layout, micro_batch_size, stop_when_fastest=True)
         solutions = {stage: self._solve(problem) for stage, problem in problems.items()}
         feasible = [stage for stage in problems if solutions[stage] is not None]
         if not feasible:
             lean = min(problems.values(), key=lambda problem: problem.leanest().peak_bytes)
-            return _Bucket(problems, lean, None, None)
+            return PlannedBucket(problems, lean, None, None)
         # ties go to the first stage option (the whole loss)
         stage = min(feasible, key=lambda stage: solutions[stage].time_s)
         problem, solution = problems[stage], solutions[stage]
@@ -486,7 +354,7 @@ class Planner:
             plan.predicted_time_s,
             plan.predicted_peak_bytes / _GIB,
         )
-        return _Bucket(problems, problem, solution, plan)
+        return PlannedBucket(problems, problem, solution, plan)
 
     def _problems(
         self, layout: SequenceLayout, micro_batch_size: int, *, stop_when_fastest: bool
@@ -596,7 +464,7 @@ class Planner:
         leanest = problem.leanest()
         held = {}
         if self.forwards_in_flight > 1:
-            bucket = self._bucket_layout(self._key(layout, micro_batch_size))
+            bucket = self.bucket_layout(layout, micro_batch_size)
             held = dict(
                 forwards_in_flight=self.forwards_in_flight,
                 held_cap_bytes=self._held_cap(layout.p, layout.causal, micro_batch_size),
@@ -627,7 +495,7 @@ class Planner:
         """The longest bucket edge of one document on ``p`` ranks that ``layout_fits``; 0 if none."""
 
         def fits(index: int) -> bool:
-            edge = self._buckets.edge_at(index, 2 * p)
+            edge = self._cache.buckets.edge_at(index, 2 * p)
             return layout_fits(SequenceLayout((edge,), p, causal, edge))
 
         if not fits(0):
@@ -635,12 +503,12 @@ class Planner:
         lo, hi = 0, 1  # fits(lo); gallop until not fits(hi)
         while fits(hi):
             lo, hi = hi, 2 * hi
-            if self._buckets.edge_at(lo, 2 * p) >= _LONGEST_SEARCHED:
-                return self._buckets.edge_at(lo, 2 * p)
+            if self._cache.buckets.edge_at(lo, 2 * p) >= _LONGEST_SEARCHED:
+                return self._cache.buckets.edge_at(lo, 2 * p)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return self._buckets.edge_at(lo, 2 * p)
+        return self._cache.buckets.edge_at(lo, 2 * p)
 
 
 class ForwardOnlyCost:
