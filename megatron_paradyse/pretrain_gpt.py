@@ -160,13 +160,13 @@ def _print_help() -> int:
 def run(job: Job) -> None:
     """Join the ranks, then Megatron's ``pretrain()`` on the job's planned data, with this project's hooks
     in Megatron's training loop."""
-    from megatron.core.enums import ModelType
-    from megatron.training import pretrain
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
-
     from megatron_paradyse.mcore import training_hooks  # imports megatron.training: after the allocator's settings
     from megatron_paradyse.run.startup import agree, init_distributed
     from megatron_paradyse.run.training import TrainingRun
+
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
     init_distributed(job.args.distributed_backend, datetime.timedelta(minutes=job.args.distributed_timeout_minutes))
     agree(None)  # where a rank that could not read its config or profile reports it (main)

@@ -77,17 +77,17 @@ def cpu_allocator_peak_bytes(work) -> int:
 def _peaks(rank: int, world_size: int) -> list[tuple[str, str, str, int, int]]:
     """``(dtype, model, plan, plain peak, peak under a mode)`` per case, in one gloo process (TP=1)."""
     compat.install()
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
-
     from megatron_paradyse.core.micro_batch import MicroBatch
     from megatron_paradyse.core.plan import Plan
     from megatron_paradyse.data import make_micro_batch
     from megatron_paradyse.mcore.chunked_loss import micro_batch_loss
     from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
     from megatron_paradyse.mcore.step_buffers import release_step_buffers
+
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     model_parallel_cuda_manual_seed(1)

@@ -70,9 +70,6 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
 
     compat.install()
     import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_paradyse.bench.e2e import demo_config
     from megatron_paradyse.core.memory import peak_bytes_of, storage_bytes
@@ -85,6 +82,10 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
     from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
     from megatron_paradyse.mcore.step_buffers import release_step_buffers
     from megatron_paradyse.planner import Planner, PlannerConfig
+
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     p = settings.tp
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=p)

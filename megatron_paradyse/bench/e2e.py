@@ -388,9 +388,6 @@ class _CorpusBench:
     """The arms on one corpus, on this rank: models, batches, memory passes, timed passes."""
 
     def __init__(self, corpus: Corpus, settings: Settings) -> None:
-        from megatron.core import parallel_state
-        from megatron.core.models.gpt import GPTModel
-
         from megatron_paradyse.cost import AnalyticCostModel
         from megatron_paradyse.data import make_micro_batch
         from megatron_paradyse.mcore.model_shape import model_shape, rotary_dim
@@ -401,6 +398,9 @@ class _CorpusBench:
             torch_optimizer_implementation,
         )
         from megatron_paradyse.mcore.stock_spec import stock_block_spec
+
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
 
         p, dp = settings.tp, settings.dp
         self.corpus, self.p, self.settings = corpus, p, settings

@@ -203,12 +203,12 @@ class _LayerPair:
 
     def __init__(self, model: LayerModel, dtype: torch.dtype, device: torch.device) -> None:
         compat.install()
+        from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
+        from megatron_paradyse.mcore.stock_spec import stock_block_spec
+
         from megatron.core import parallel_state
         from megatron.core.extensions.transformer_engine import HAVE_TE
         from megatron.core.transformer.spec_utils import build_module
-
-        from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
-        from megatron_paradyse.mcore.stock_spec import stock_block_spec
 
         self.model, self.dtype, self.device = model, dtype, device
         self.impl = "transformer_engine" if HAVE_TE and device.type == "cuda" else "local"
@@ -241,10 +241,10 @@ class _LayerPair:
 
     def step(self, which: str, n: int) -> Callable[[], None]:
         """One forward + backward of layer ``which`` on ``n`` tokens (inputs made once)."""
-        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
         from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
         from megatron_paradyse.core.plan import LayerOption, Plan
+
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
         hidden = self.model.shape.hidden_size
         x = torch.randn(n, 1, hidden, device=self.device, dtype=self.dtype).requires_grad_()

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from megatron_paradyse.strategies import ModelShape
+
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
-
-from megatron_paradyse.strategies import ModelShape
 
 __all__ = ["model_shape", "rotary_dim", "stage_chunk_layers"]
 

@@ -23,18 +23,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.transformer_layer import (
-    TransformerLayer,
-    TransformerLayerSubmodules,
-    get_transformer_layer_offset,
-)
-from megatron.core.utils import get_pg_rank
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -59,6 +47,19 @@ from megatron_paradyse.strategies import (
 )
 from megatron_paradyse.strategies.recompute import recompute
 from megatron_paradyse.strategies.tiling import over_row_tiles
+
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+from megatron.core.utils import get_pg_rank
 
 __all__ = ["ParadyseMLP", "ParadyseSelfAttention", "ParadyseTransformerLayer", "config_problems"]
 

@@ -20,10 +20,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer import TransformerConfig
 from torch import Tensor
 
 from megatron_paradyse.core.precision import accumulation_dtype
+
+from megatron.core.transformer import TransformerConfig
 
 __all__ = ["RMSNorm", "fused_input_norm", "sequence_parallel_norm"]
 

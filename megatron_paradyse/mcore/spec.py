@@ -24,6 +24,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from megatron_paradyse.mcore.modules import ParadyseMLP, ParadyseSelfAttention, ParadyseTransformerLayer
+from megatron_paradyse.mcore.norm import sequence_parallel_norm
+
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
@@ -34,9 +37,6 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
-
-from megatron_paradyse.mcore.modules import ParadyseMLP, ParadyseSelfAttention, ParadyseTransformerLayer
-from megatron_paradyse.mcore.norm import sequence_parallel_norm
 
 __all__ = ["get_paradyse_layer_spec", "paradyse_layer_spec"]
 

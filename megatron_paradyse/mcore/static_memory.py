@@ -35,9 +35,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from megatron.core.transformer import TransformerConfig
 
 from megatron_paradyse.mcore.model_shape import stage_chunk_layers
+
+from megatron.core.transformer import TransformerConfig
 
 __all__ = [
     "OPTIMIZER_IMPLEMENTATIONS",

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_paradyse.mcore.norm import sequence_parallel_norm
+
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-
-from megatron_paradyse.mcore.norm import sequence_parallel_norm
 
 __all__ = ["stock_block_spec"]
 

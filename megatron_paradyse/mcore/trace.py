@@ -363,12 +363,12 @@ class RankTracer:
     def _build_megatron(self) -> Callable:
         # The Megatron adapter sits above the cost models; only this layer kind needs it.
         compat.install()
-        from megatron.core import parallel_state
-        from megatron.core.transformer.spec_utils import build_module
-
         from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
         from megatron_paradyse.core.plan import Plan
         from megatron_paradyse.mcore.spec import paradyse_layer_spec
+
+        from megatron.core import parallel_state
+        from megatron.core.transformer.spec_utils import build_module
 
         if parallel_state.model_parallel_is_initialized():
             raise RuntimeError("RankTracer: Megatron's parallel state is already initialised in this process")

@@ -13,9 +13,10 @@ from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 import torch
-from megatron.training import training
 
 from megatron_paradyse.mcore.step_buffers import leaving_nothing
+
+from megatron.training import training
 
 __all__ = ["after_each_iteration", "around_each_evaluation", "around_each_step", "each_schedule_leaving_nothing"]
 

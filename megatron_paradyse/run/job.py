@@ -113,10 +113,10 @@ class Job:
     @classmethod
     def from_argv(cls, config: ParadyseConfig, argv: list[str]) -> Job:
         """Parse and check everything that can be checked without a process group."""
+        from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
+
         from megatron.core.transformer.enums import AttnMaskType
         from megatron.training.arguments import parse_and_validate_args
-
-        from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
 
         cuda = torch.cuda.is_available()
         flags = [*config.megatron_args, *argv]
@@ -269,9 +269,9 @@ def _model_config(args: argparse.Namespace, config: ParadyseConfig, flags: list[
     """Megatron's ``GPTModelConfig`` of validated ``args``, as this entry point runs it (``flags``: the
     config's ``megatron_args`` and the command line's; ``cuda``: on CUDA machines); ``ValueError`` with
     every problem the entry point or the Paradyse layers have with them."""
-    from megatron.training.argument_utils import gpt_config_from_args
-
     from megatron_paradyse.mcore.modules import config_problems
+
+    from megatron.training.argument_utils import gpt_config_from_args
 
     problems = _argument_problems(args, config, flags, cuda=cuda)
     if problems:

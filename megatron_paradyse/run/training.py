@@ -93,9 +93,9 @@ class TrainingRun:
     def start_up(self) -> None:
         """On every rank, once the default process group exists: the dataset, opened and checked. Every
         rank raises :class:`~megatron_paradyse.run.startup.StartupError` if one fails."""
-        from megatron.training import get_tokenizer
-
         from megatron_paradyse.run.startup import agree
+
+        from megatron.training import get_tokenizer
 
         config, local_rank = self.job.config, self.job.args.local_rank
         problem = None
@@ -132,14 +132,14 @@ class TrainingRun:
         random order (a spread of lengths, whatever ``data.sampler`` is), and every evaluation restarts
         them (:meth:`begin_evaluation`), so its losses compare with the last one's.
         """
-        from megatron.core import parallel_state as mpu
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
-
         from megatron_paradyse.data import DynamicSequenceLoader, LoaderConfig
         from megatron_paradyse.planner.planner import ForwardOnlyCost
         from megatron_paradyse.run.log import MicroBatchMeter
         from megatron_paradyse.run.planned_loader import PlannedMicroBatches
         from megatron_paradyse.run.stage_planning import stage_planner, step_stage_budgets
+
+        from megatron.core import parallel_state as mpu
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
 
         job, config, args = self.job, self.job.config, self.job.args
         if not self._prepared:  # once per rank, whatever the number of virtual-pipeline chunks
@@ -227,11 +227,11 @@ class TrainingRun:
 
     def _prepare(self) -> None:
         """Once per rank, on every rank: the dataset, the profile, the start-up agreement check."""
-        from megatron.core import parallel_state as mpu
-
         from megatron_paradyse.mcore.model_shape import model_shape
         from megatron_paradyse.run.agreement import check_ranks_agree
         from megatron_paradyse.run.startup import agree
+
+        from megatron.core import parallel_state as mpu
 
         job = self.job
         self._prepared = True
@@ -284,11 +284,11 @@ class TrainingRun:
         say) still gives the model, the optimizer state and the iteration count; its consumed samples
         count another dataset's order, so the data starts from its beginning, with one line saying so.
         """
-        from megatron.core import parallel_state as mpu
-        from megatron.training.checkpointing import get_checkpoint_name
-
         from megatron_paradyse.run.planned_loader import ResumeError
         from megatron_paradyse.run.startup import agree
+
+        from megatron.core import parallel_state as mpu
+        from megatron.training.checkpointing import get_checkpoint_name
 
         args = self.job.args
         path = get_checkpoint_name(
@@ -329,9 +329,9 @@ class TrainingRun:
 
     # forward step -------------------------------------------------------------------------------
     def forward_step(self, data_iterator, model):
-        from megatron.core.utils import get_attr_wrapped_model
-
         from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
+
+        from megatron.core.utils import get_attr_wrapped_model
 
         planned = next(data_iterator)
         chunk = get_attr_wrapped_model(model, "vp_stage") or 0
@@ -452,8 +452,6 @@ class TrainingRun:
 
     # iteration end ------------------------------------------------------------------------------
     def end_iteration(self, iteration: int, loss_dict: dict) -> None:
-        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
-
         from megatron_paradyse.run.log import (
             IterationLog,
             append_jsonl,
@@ -462,6 +460,8 @@ class TrainingRun:
             switches_in,
             write_iteration,
         )
+
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
         now = time.perf_counter()
         records, self.pending = self.pending, []
@@ -552,9 +552,9 @@ class TrainingRun:
         )
 
     def finish(self) -> None:
-        from megatron.training.global_vars import get_tensorboard_writer
-
         from megatron_paradyse.run.log import plan_switches, write_plot
+
+        from megatron.training.global_vars import get_tensorboard_writer
 
         writer = get_tensorboard_writer()
         if writer is not None:  # Megatron flushes at the end of training only, before its last evaluation
@@ -696,10 +696,10 @@ def _calibrate_once(job: Job) -> dict:
     the data cache or measured by every tensor-parallel group on itself, in the job's own processes
     (:func:`~megatron_paradyse.calibration.calibrate.startup_profile`), its layers timed as the job's meter will
     time them; every rank plans from rank 0's. A failure on any rank raises on every rank."""
-    from megatron.core import parallel_state as mpu
-
     from megatron_paradyse.calibration.calibrate import startup_profile
     from megatron_paradyse.mcore.model_shape import model_shape
+
+    from megatron.core import parallel_state as mpu
 
     transformer = job.model_config.transformer
     return startup_profile(

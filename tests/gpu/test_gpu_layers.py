@@ -68,10 +68,10 @@ def _tp1() -> Iterator[None]:
 def _layer(dtype: torch.dtype):
     """Megatron's layer from the Paradyse spec on this GPU (inside :func:`_tp1`), with its rotary table;
     random weights drawn in fp32 (the same values, rounded, in every dtype)."""
+    from megatron_paradyse.spec import get_paradyse_layer_spec
+
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.spec_utils import build_module
-
-    from megatron_paradyse.spec import get_paradyse_layer_spec
 
     config = MODEL.transformer_config(1, dtype)
     config.transformer_impl = "local"

@@ -18,6 +18,12 @@ from megatron_paradyse.mcore import compat
 
 compat.install()
 
+from megatron_paradyse.core.layout import SequenceLayout  # noqa: E402
+from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope  # noqa: E402
+from megatron_paradyse.core.plan import Plan  # noqa: E402
+from megatron_paradyse.mcore.chunked_loss import output_processor  # noqa: E402
+from megatron_paradyse.mcore.stock_spec import stock_block_spec as stock_block_spec  # noqa: E402 - re-exported for the tests
+
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
@@ -25,12 +31,6 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noq
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.spec_utils import import_module  # noqa: E402
 from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig  # noqa: E402
-
-from megatron_paradyse.core.layout import SequenceLayout  # noqa: E402
-from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope  # noqa: E402
-from megatron_paradyse.core.plan import Plan  # noqa: E402
-from megatron_paradyse.mcore.chunked_loss import output_processor  # noqa: E402
-from megatron_paradyse.mcore.stock_spec import stock_block_spec as stock_block_spec  # noqa: E402 - re-exported for the tests
 
 from helpers.numerics import rel_err as rel_err  # noqa: E402 - re-exported for the tests
 

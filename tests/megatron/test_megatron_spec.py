@@ -196,11 +196,12 @@ def _checkpoints(p: int, batch, models: dict, tmp: str) -> dict:
     """Paradyse weights into a stock model (state dict), and a Paradyse distributed checkpoint into
     fresh Paradyse and stock models: the same weights, keys and loss."""
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
 
     from megatron_paradyse.mcore.compat import cuda_to_cpu
     from megatron_paradyse.mcore.model_shape import model_shape
     from megatron_paradyse.spec import get_paradyse_layer_spec
+
+    from megatron.core import dist_checkpointing
 
     from helpers import megatron_harness as H
 
@@ -235,13 +236,13 @@ def _checkpoints(p: int, batch, models: dict, tmp: str) -> dict:
 def _optimizer_steps(tp: int, variant: str) -> dict:
     """Three steps of Megatron's DDP + fp32 Adam on a stock and a Paradyse model from the same weights;
     every data-parallel replica runs its own micro-batches, the Paradyse model a new plan every step."""
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     from megatron_paradyse.mcore.compat import cuda_to_cpu
     from megatron_paradyse.mcore.model_shape import model_shape
     from megatron_paradyse.spec import get_paradyse_layer_spec
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from helpers import megatron_harness as H
 
@@ -287,12 +288,12 @@ def _pipeline(rank: int, variant: str) -> dict:
     Each stage runs its own plan; the micro-batches differ in length (shapes are exchanged), so the
     first stage runs the forward of one while the backward of another is pending.
     """
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     from megatron_paradyse.mcore.compat import cuda_to_cpu
     from megatron_paradyse.mcore.model_shape import model_shape
     from megatron_paradyse.spec import get_paradyse_layer_spec
+
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from helpers import megatron_harness as H
 
@@ -355,9 +356,9 @@ def _pipeline(rank: int, variant: str) -> dict:
 
 def _vpp_plan_positions() -> dict:
     """(global layer number, plan index, stage layers) of every layer on this rank, PP=2 x VPP=2."""
-    from megatron.core import parallel_state
-
     from megatron_paradyse.spec import get_paradyse_layer_spec
+
+    from megatron.core import parallel_state
 
     from helpers import megatron_harness as H
 

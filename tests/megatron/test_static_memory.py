@@ -12,12 +12,12 @@ LAYOUTS = ((2, 1), (1, 2))  # (TP, PP) on 2 ranks
 
 
 def _held_and_counted(rank: int, world: int) -> list[tuple[str, int, int]]:
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-
     from megatron_paradyse.mcore.compat import cuda_to_cpu
     from megatron_paradyse.mcore.static_memory import OptimizerSetup, pipeline_footprints
     from megatron_paradyse.spec import get_paradyse_layer_spec
+
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
 
     from helpers import megatron_harness as h
 
@@ -67,9 +67,10 @@ def test_bytes_per_parameter_follow_megatron_mixed_precision_adam():
 
     compat.install()
     import torch
-    from megatron.core.transformer import TransformerConfig
 
     from megatron_paradyse.mcore.static_memory import OptimizerSetup, pipeline_footprints
+
+    from megatron.core.transformer import TransformerConfig
 
     config = TransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, params_dtype=torch.bfloat16, bf16=True
@@ -117,13 +118,14 @@ def _optimizer_step_peaks(rank: int, world: int) -> list[tuple[str, float, float
     import itertools
 
     import torch
-    from megatron.core import optimizer as megatron_optimizer
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_paradyse.core.memory import peak_bytes_of
     from megatron_paradyse.mcore.compat import cuda_to_cpu
     from megatron_paradyse.mcore.static_memory import OptimizerSetup, pipeline_footprints
+
+    from megatron.core import optimizer as megatron_optimizer
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from helpers import megatron_harness as h  # first: megatron-core's CPU patches
 
@@ -198,9 +200,9 @@ def test_the_optimizer_implementation_is_the_one_megatron_imported():
     from megatron_paradyse.mcore import compat
 
     compat.install()
-    import megatron.core.optimizer as megatron_optimizer
-
     from megatron_paradyse.mcore.static_memory import OptimizerSetup, megatron_optimizer_implementation
+
+    import megatron.core.optimizer as megatron_optimizer
 
     assert megatron_optimizer.USING_PYTORCH_OPTIMIZER
     assert [megatron_optimizer_implementation(device) for device in ("cuda", "cpu")] == ["foreach", "for-loop"]

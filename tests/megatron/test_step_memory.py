@@ -119,12 +119,6 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
     from megatron_paradyse.mcore import compat
 
     compat.install()
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
-
     from megatron_paradyse.core.memory import recurring_peak_bytes, storage_bytes
     from megatron_paradyse.core.micro_batch import MicroBatch
     from megatron_paradyse.core.plan import Plan
@@ -133,6 +127,12 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
     from megatron_paradyse.mcore.compat import cuda_to_cpu
     from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
     from megatron_paradyse.mcore.step_buffers import release_step_buffers
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
 
     from helpers import megatron_harness as H
 
@@ -300,8 +300,6 @@ def _pipeline_config(variant: str, dtype_name: str, **overrides):
 
 def _pipeline_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
     import torch
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_paradyse.core.memory import recurring_peak_bytes, storage_bytes
     from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
@@ -311,6 +309,9 @@ def _pipeline_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
     from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
     from megatron_paradyse.mcore.step_buffers import leaving_nothing, release_step_buffers
     from megatron_paradyse.run.stage_planning import forwards_in_flight, kept_between_micro_batches_bytes
+
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from helpers import megatron_harness as H
 
@@ -501,8 +502,6 @@ def _interleaved_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
     stage's peak, the model's peak of one chunk of the largest micro-batch alone, the same of the
     whole micro-batch, and what a stage keeps of the previous micro-batch."""
     import torch
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_paradyse.core.memory import recurring_peak_bytes
     from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
@@ -512,6 +511,9 @@ def _interleaved_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
     from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
     from megatron_paradyse.mcore.step_buffers import leaving_nothing, release_step_buffers
     from megatron_paradyse.run.stage_planning import forwards_in_flight, kept_between_micro_batches_bytes
+
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from helpers import megatron_harness as H
 

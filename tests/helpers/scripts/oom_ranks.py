@@ -47,10 +47,10 @@ def main(argv: list[str]) -> int:
     split = argv.index("--")
     args, entry_argv = parser.parse_args(argv[:split]), argv[split + 1 :]
     compat.install()  # before megatron.core is imported
-    from megatron.training import training  # noqa: F401 - imported once, before the fork
-
     from megatron_paradyse import pretrain_gpt
     from megatron_paradyse.run import training as paradyse_training  # noqa: F401
+
+    from megatron.training import training  # noqa: F401 - imported once, before the fork
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -102,9 +102,9 @@ def _rank(rank: int, args: argparse.Namespace, port: int, entry) -> None:
 
 
 def _inject(args: argparse.Namespace) -> None:
-    from megatron.training import get_args
-
     from megatron_paradyse.mcore import modules
+
+    from megatron.training import get_args
 
     message = f"injected by the test: out of memory in the {args.inject} (rank {args.rank}, iteration {args.iteration})"
 

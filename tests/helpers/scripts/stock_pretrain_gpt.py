@@ -17,6 +17,9 @@ compat.install()
 from functools import partial  # noqa: E402
 
 import torch  # noqa: E402
+
+from megatron_paradyse.run.startup import leaving_process_groups  # noqa: E402
+
 from megatron.core import mpu  # noqa: E402
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
@@ -28,8 +31,6 @@ from megatron.training import get_args, pretrain  # noqa: E402
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args  # noqa: E402
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.utils import get_blend_and_blend_per_split  # noqa: E402
-
-from megatron_paradyse.run.startup import leaving_process_groups  # noqa: E402
 
 BATCH_KEYS = ["attention_mask", "cu_seqlens", "cu_seqlens_padded", "labels", "loss_mask", "max_seqlen"]
 BATCH_KEYS += ["position_ids", "tokens"]
