@@ -5,7 +5,9 @@ training loop.
 
 The only package (with the training entry points and the benchmarks) that imports megatron-core: it
 installs the CPU shim (:mod:`~megatron_paradyse.mcore.compat`) on import, before any of its modules
-imports megatron-core, so they import it at module level.
+imports megatron-core, so they import it at module level. A module outside it that imports
+megatron-core imports this package (or one of its modules) first, at module level too
+(docs/architecture.md, "Which package may import which").
 """
 
 from megatron_paradyse.mcore import compat

@@ -41,6 +41,7 @@ import warnings
 from collections.abc import Iterator
 
 import torch
+import typing_extensions
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
@@ -113,8 +114,6 @@ class _TritonKernelStub:
 
 def _alias_typing_override() -> None:
     if not hasattr(typing, "override"):
-        import typing_extensions
-
         typing.override = typing_extensions.override
 
 

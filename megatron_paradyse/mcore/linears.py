@@ -22,8 +22,10 @@ from collections.abc import Iterator
 import torch
 from torch.distributed import ProcessGroup
 
-from megatron_paradyse.mcore import compat
 from megatron_paradyse.strategies.base import AttentionWeights, MLPWeights, ModelShape
+
+from megatron.core import ModelParallelConfig, parallel_state
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["gather_buffer_scope", "layer_linears", "reserve_gather_buffer"]
 
@@ -38,10 +40,6 @@ def layer_linears(
 ) -> tuple[AttentionWeights, MLPWeights]:
     """This rank's ``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2`` for ``group``, with
     uninitialised ``dtype`` parameters on ``device`` (the caller fills them)."""
-    compat.install()
-    from megatron.core import ModelParallelConfig
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
     p = group.size()
     config = ModelParallelConfig(
         tensor_model_parallel_size=p,
@@ -85,9 +83,6 @@ def gather_buffer_scope() -> Iterator[None]:
     """Measurements inside the block may make Megatron's global memory buffer (where Megatron's parallel
     state is not set up); one made inside is released at the end, so the process is left as it was:
     ``initialize_model_parallel`` refuses a buffer that already exists, and the device memory is freed."""
-    compat.install()
-    from megatron.core import parallel_state
-
     made_inside = parallel_state._GLOBAL_MEMORY_BUFFER is None
     try:
         yield
@@ -99,9 +94,6 @@ def gather_buffer_scope() -> Iterator[None]:
 def _global_buffer():
     """Megatron's global memory buffer; created here where Megatron's parallel state is not set up (the
     linears take their group explicitly, the buffer is all they need of that state)."""
-    compat.install()
-    from megatron.core import parallel_state
-
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
     return parallel_state.get_global_memory_buffer()

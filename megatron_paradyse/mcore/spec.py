@@ -27,6 +27,7 @@ import functools
 from megatron_paradyse.mcore.modules import ParadyseMLP, ParadyseSelfAttention, ParadyseTransformerLayer
 from megatron_paradyse.mcore.norm import sequence_parallel_norm
 
+from megatron.core.extensions.transformer_engine import HAVE_TE, TELayerNormColumnParallelLinear, TERowParallelLinear
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
@@ -76,8 +77,6 @@ def _transformer_engine_layer() -> ModuleSpec:
     """The layer with Transformer Engine's linear modules, as Megatron's TE GPT spec has them: the input
     and pre-MLP norms fused into ``linear_qkv`` and ``linear_fc1`` (checkpoint keys
     ``linear_qkv.layer_norm_weight``...), no key map. Unverified: TE does not run on the CPU test machine."""
-    from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear, TERowParallelLinear
-
     layer = paradyse_layer_spec.submodules
     attention = layer.self_attention
     attention = dataclasses.replace(
@@ -105,8 +104,6 @@ def _layer_spec(config: TransformerConfig) -> ModuleSpec:
     """The layer of ``config.transformer_impl``: Transformer Engine's modules where TE is installed."""
     if config.transformer_impl != "transformer_engine":
         return paradyse_layer_spec
-    from megatron.core.extensions.transformer_engine import HAVE_TE
-
     return _transformer_engine_layer() if HAVE_TE else paradyse_layer_spec
 
 

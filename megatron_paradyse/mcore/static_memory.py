@@ -38,6 +38,7 @@ import torch
 
 from megatron_paradyse.mcore.model_shape import stage_chunk_layers
 
+from megatron.core import optimizer
 from megatron.core.transformer import TransformerConfig
 
 __all__ = [
@@ -71,8 +72,6 @@ def torch_optimizer_implementation(device_type: str) -> str:
 def megatron_optimizer_implementation(device_type: str) -> str:
     """How Megatron's optimizer steps on a ``device_type`` machine (:data:`OPTIMIZER_IMPLEMENTATIONS`):
     ``fused`` where it imported Transformer Engine's or apex's fused optimizers, else torch's."""
-    from megatron.core import optimizer
-
     return torch_optimizer_implementation(device_type) if optimizer.USING_PYTORCH_OPTIMIZER else "fused"
 
 

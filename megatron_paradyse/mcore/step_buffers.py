@@ -20,14 +20,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.utils import get_attr_wrapped_model
+
 __all__ = ["leaving_nothing", "release_step_buffers"]
 
 
 def release_step_buffers() -> None:
     """Drop Megatron's global all-gather buffer and GPTModel's cached rotary tables."""
-    from megatron.core import parallel_state
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
     if parallel_state._GLOBAL_MEMORY_BUFFER is not None:
         buffers = parallel_state.get_global_memory_buffer().buffer
         for key in [key for key in buffers if key[0] == "mpu"]:
@@ -38,7 +39,6 @@ def release_step_buffers() -> None:
 def leaving_nothing(schedule: Callable) -> Callable:
     """Megatron's ``schedule`` (a ``forward_backward_func``), releasing the inputs its model chunks keep of
     the step's last micro-batch when it returns."""
-    from megatron.core.utils import get_attr_wrapped_model
 
     @functools.wraps(schedule)
     def run(*args, model, **kwargs):

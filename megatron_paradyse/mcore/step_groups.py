@@ -17,13 +17,13 @@ import torch.distributed as dist
 
 from megatron_paradyse.core.comm import StepGroup
 
+from megatron.core import parallel_state as mpu
+
 __all__ = ["step_groups"]
 
 
 def step_groups(args: argparse.Namespace) -> list[StepGroup]:
     """This rank's groups in one order on every rank (Megatron's parallel state must be initialised)."""
-    from megatron.core import parallel_state as mpu
-
     groups = [
         # Megatron's flags and checks, the planners' agreement
         StepGroup(dist.group.WORLD, "none"),

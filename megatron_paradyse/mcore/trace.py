@@ -24,9 +24,8 @@ Two layers can be traced (:data:`LayerKind`):
   :data:`megatron_paradyse.spec.paradyse_layer_spec` (the Paradyse layer, attention and MLP,
   ``sequence_parallel_norm``, Megatron's bias-dropout-add, RoPE through Megatron's
   ``apply_rotary_pos_emb`` with GPTModel's ``RotaryEmbedding`` table), inside
-  ``micro_batch_scope``, on Megatron's parallel state initialised over the process group. It reaches
-  up to the Megatron adapter (imported where the layer is built): the subject of the trace is the
-  layer training runs, whatever the cost models below it assume.
+  ``micro_batch_scope``, on Megatron's parallel state initialised over the process group: the subject of
+  the trace is the layer training runs, whatever the cost models below it assume.
 - ``"run_layer"``: :func:`mcore.bare_layer.run_layer`, the layer the cost models were checked against:
   the strategies between two LayerNorms, no RoPE.
 
@@ -52,12 +51,18 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.memory import GradientRoot, MemoryEvent, _StorageTracker, collective_buffers_freed_promptly
-from megatron_paradyse.core.plan import LayerOption
-from megatron_paradyse.mcore import compat
+from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
+from megatron_paradyse.core.plan import LayerOption, Plan
 from megatron_paradyse.mcore.bare_layer import make_layer_params, run_layer
 from megatron_paradyse.mcore.linears import gather_buffer_scope, reserve_gather_buffer
+from megatron_paradyse.mcore.spec import paradyse_layer_spec
 from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape
 from megatron_paradyse.strategies.dims import Dims
+
+from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import build_module
 
 __all__ = [
     "AllocatorPeaks",
@@ -121,9 +126,6 @@ class LayerModel:
         """Megatron's ``TransformerConfig`` of one such layer on ``p`` tensor-parallel ranks (sequence
         parallel, no dropout, fusions off as Megatron-Core's config defaults them; parameters in
         ``dtype`` and left uninitialised: memory does not depend on their values)."""
-        compat.install()
-        from megatron.core.transformer import TransformerConfig
-
         s = self.shape
         return TransformerConfig(
             num_layers=1,
@@ -361,15 +363,6 @@ class RankTracer:
         return run
 
     def _build_megatron(self) -> Callable:
-        # The Megatron adapter sits above the cost models; only this layer kind needs it.
-        compat.install()
-        from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
-        from megatron_paradyse.core.plan import Plan
-        from megatron_paradyse.mcore.spec import paradyse_layer_spec
-
-        from megatron.core import parallel_state
-        from megatron.core.transformer.spec_utils import build_module
-
         if parallel_state.model_parallel_is_initialized():
             raise RuntimeError("RankTracer: Megatron's parallel state is already initialised in this process")
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.p, create_gloo_process_groups=False)
@@ -394,8 +387,6 @@ class RankTracer:
         if self.layer != "megatron" or self.model.rotary_base is None:
             return None
         if padded_len not in self._rotary_tables:
-            from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
             rope = RotaryEmbedding(
                 kv_channels=self.model.shape.kv_channels,
                 rotary_percent=1.0,
