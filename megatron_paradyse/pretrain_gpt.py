@@ -45,6 +45,11 @@ Configuration errors print ``paradyse: error: ...`` and return 2 before Megatron
 several that fails at start-up (its config, cost profile or dataset) stops every rank within seconds:
 the ranks join the default process group first and agree (:mod:`megatron_paradyse.run.startup`); rank 0
 prints the one message, naming the rank and the cause.
+
+The modules that import ``megatron.training`` (:mod:`~megatron_paradyse.run.job`, the training run and
+hooks) are imported inside the functions, after :func:`main` has made the CUDA allocator's settings
+(:mod:`megatron_paradyse.core.allocator`): importing them imports Transformer Engine where it is
+installed, which may initialise CUDA.
 """
 
 from __future__ import annotations
@@ -53,14 +58,28 @@ import argparse
 import datetime
 import re
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_paradyse.config import ParadyseConfig, load_config
 from megatron_paradyse.core import allocator
+from megatron_paradyse.cost import ProfileError
 from megatron_paradyse.mcore import compat
-from megatron_paradyse.run.job import Job, add_paradyse_args
-from megatron_paradyse.run.startup import leaving_process_groups
+from megatron_paradyse.planner import InfeasibleSequenceError
+from megatron_paradyse.run.agreement import RankDisagreement
+from megatron_paradyse.run.fault import end_process
+from megatron_paradyse.run.startup import (
+    StartupError,
+    agree,
+    distributed_launch,
+    distributed_settings,
+    init_distributed,
+    leaving_process_groups,
+)
+
+if TYPE_CHECKING:
+    from megatron_paradyse.run.job import Job
 
 __all__ = ["main"]
 
@@ -77,11 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         with leaving_process_groups():
             return _failed_to_start(e, argv)
-    compat.install()
-    from megatron_paradyse.cost import ProfileError
-    from megatron_paradyse.planner import InfeasibleSequenceError
-    from megatron_paradyse.run.agreement import RankDisagreement
-    from megatron_paradyse.run.startup import StartupError
+    from megatron_paradyse.run.job import Job  # after the allocator's settings (the module's docstring)
 
     with compat.megatron_training_on_cpu(), leaving_process_groups():
         try:
@@ -108,14 +123,6 @@ def _failed_to_start(e: ValueError, flags: list[str]) -> int:
     """This rank cannot start (``flags``: its Megatron flags, as far as it knows them). One rank of
     several still joins the others (:mod:`megatron_paradyse.run.startup`), so that every rank stops now;
     rank 0 prints the one message."""
-    from megatron_paradyse.run.startup import (
-        StartupError,
-        agree,
-        distributed_launch,
-        distributed_settings,
-        init_distributed,
-    )
-
     if not distributed_launch():
         return _error(e)
     try:
@@ -131,6 +138,8 @@ def _failed_to_start(e: ValueError, flags: list[str]) -> int:
 
 def _paradyse_config(argv: list[str]) -> ParadyseConfig:
     """The ``--paradyse-config`` of ``argv``, loaded."""
+    from megatron_paradyse.run.job import add_paradyse_args  # after the allocator's settings
+
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_paradyse_args(parser)
     known, _ = parser.parse_known_args(argv)
@@ -141,7 +150,8 @@ def _paradyse_config(argv: list[str]) -> ParadyseConfig:
 
 def _print_help() -> int:
     """Megatron's flags and ours, as Megatron's parser describes them."""
-    compat.install()
+    from megatron_paradyse.run.job import add_paradyse_args
+
     from megatron.training.arguments import add_megatron_arguments
 
     parser = argparse.ArgumentParser(
@@ -161,7 +171,6 @@ def run(job: Job) -> None:
     """Join the ranks, then Megatron's ``pretrain()`` on the job's planned data, with this project's hooks
     in Megatron's training loop."""
     from megatron_paradyse.mcore import training_hooks  # imports megatron.training: after the allocator's settings
-    from megatron_paradyse.run.startup import agree, init_distributed
     from megatron_paradyse.run.training import TrainingRun
 
     from megatron.core.enums import ModelType
@@ -193,7 +202,5 @@ if __name__ == "__main__":
     if code and torch.distributed.is_initialized():
         # a rank that stops with an error leaves its process group's threads running, which the
         # interpreter's shutdown may abort on ("terminate called without an active exception", exit -6)
-        from megatron_paradyse.run.fault import end_process
-
         end_process(code)
     sys.exit(code)

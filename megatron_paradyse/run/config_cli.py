@@ -13,6 +13,9 @@ A bad config prints ``paradyse: error: ...`` (every problem, one per line) and e
 :func:`run_check_config`.
 :func:`calibration_argv` gives the ``paradyse calibrate`` arguments a config's job needs (used by
 ``scripts/slurm/calibrate.sbatch``), :func:`calibration_target` what that job computes.
+
+Megatron-LM's parser and the job's checks (megatron-core) are imported inside the functions that use
+them: ``paradyse``'s parser imports this module for every command.
 """
 
 from __future__ import annotations
@@ -108,9 +111,8 @@ def parse_megatron_args(flags: Sequence[str]) -> argparse.Namespace:
     Only parsing: Megatron's cross-checks (``validate_args``) need the job's world size and run when
     the job starts. Where a flag repeats, the last one wins, as on a command line.
     """
-    from megatron_paradyse.mcore import compat
+    from megatron_paradyse import mcore  # noqa: F401 - the CPU shim, before megatron
 
-    compat.install()  # before importing megatron
     from megatron.training.arguments import add_megatron_arguments
 
     return add_megatron_arguments(_RaisingParser(allow_abbrev=False)).parse_args(list(flags))

@@ -32,6 +32,10 @@ from megatron_paradyse.run.stage_planning import (
     step_stage_budgets,
 )
 
+from megatron.core import parallel_state
+from megatron.core.utils import get_pg_rank
+from megatron.training.global_vars import get_args
+
 __all__ = ["CONFIG_ENV", "stage_planner_of"]
 
 logger = logging.getLogger(__name__)
@@ -39,8 +43,6 @@ logger = logging.getLogger(__name__)
 
 def stage_planner_of(layer) -> StagePlanner:
     """The planner of the pipeline stage that holds ``layer`` (a Paradyse layer of a Megatron model)."""
-    from megatron.core.utils import get_pg_rank  # after mcore's shim, as the others below
-
     config = _paradyse_config()
     transformer = layer.config
     args = _megatron_args()
@@ -92,8 +94,6 @@ def _default_cache() -> Path:
 
 
 def _megatron_args() -> argparse.Namespace:
-    from megatron.training.global_vars import get_args
-
     try:
         return get_args()
     except AssertionError as e:
@@ -105,8 +105,6 @@ def _megatron_args() -> argparse.Namespace:
 
 
 def _data_parallel_rank() -> int:
-    from megatron.core import parallel_state
-
     return parallel_state.get_data_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
 
 

@@ -42,6 +42,9 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
 if TYPE_CHECKING:
     from megatron_paradyse.config import MemorySection
 
@@ -258,9 +261,6 @@ class FaultWatch:
     def start(self) -> None:
         """Start watching (every rank). Rank 0 also copies the loaded state to ``--save`` when that is
         another directory, so that a resume from there keeps the shrunk budget."""
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d
-
         self._store = distributed_c10d._get_default_store()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # Keys of this launch only: a store can outlive a launch (torchrun's shared rendezvous store keeps
@@ -316,8 +316,6 @@ class FaultWatch:
 
     def close(self) -> None:
         """Stop watching; rank 0 waits (bounded) until every rank has stopped."""
-        import torch.distributed as dist
-
         if self._thread is None:
             return
         try:
@@ -332,8 +330,6 @@ class FaultWatch:
         self._leave(self._store, "left")
 
     def _watch(self, store) -> None:
-        import torch.distributed as dist
-
         while True:
             try:
                 store.wait([self._wake_key], _WATCH_CHUNK)
@@ -356,8 +352,6 @@ class FaultWatch:
         """Count this rank out of the store. Its server may live in rank 0 (it does without torchrun), and
         a rank blocked in a wait on a vanished server fails noisily: so every other rank leaves without
         waiting, after its last use of the store, and rank 0 waits (bounded) until all have left."""
-        import torch.distributed as dist
-
         try:
             if store.add(self._key(name), 1) == self.world_size:
                 store.set(self._key(f"all_{name}"), b"1")

@@ -11,8 +11,10 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import io
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,7 +23,33 @@ import torch
 from megatron_paradyse.config import ParadyseConfig
 from megatron_paradyse.core.comm import warm_communicators
 from megatron_paradyse.core.memory import allocator_capacity_bytes, device_memory_bytes
+from megatron_paradyse.cost import load_profile
+from megatron_paradyse.data import ByteTokenizer, KmerTokenizer
+from megatron_paradyse.data.prepare import read_manifest
+from megatron_paradyse.data.subset import split_fractions
+from megatron_paradyse.mcore import compat
+from megatron_paradyse.mcore.model_shape import model_shape
+from megatron_paradyse.mcore.modules import config_problems
+from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
+from megatron_paradyse.mcore.static_memory import optimizer_problem
+from megatron_paradyse.mcore.step_groups import step_groups
+from megatron_paradyse.planner import layer_options
 from megatron_paradyse.run.fault import STATE_FILE, BudgetState, read_state
+from megatron_paradyse.run.stage_planning import (
+    cross_entropy_problem,
+    kept_between_micro_batches_bytes,
+    recompute_only,
+    stage_cost_models,
+    stage_footprints,
+    step_stage_budgets,
+)
+from megatron_paradyse.strategies import get_strategy
+
+from megatron.core.datasets import utils as dataset_utils
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.training import get_tokenizer
+from megatron.training.argument_utils import gpt_config_from_args
+from megatron.training.arguments import parse_and_validate_args, parse_args, validate_args
 
 __all__ = ["Job", "add_paradyse_args", "job_arguments", "dataset_tokenizer", "entry_defaults"]
 
@@ -75,9 +103,6 @@ def entry_defaults(config: ParadyseConfig, *, cuda: bool) -> list[str]:
 
 def dataset_tokenizer(config: ParadyseConfig) -> tuple[int | None, int | None]:
     """(vocabulary size, padding id) of the dataset's tokenizer, when the dataset says which it is."""
-    from megatron_paradyse.data import ByteTokenizer, KmerTokenizer
-    from megatron_paradyse.data.prepare import read_manifest
-
     if config.data.dataset == "code":
         tokenizer = ByteTokenizer()
         return tokenizer.vocab_size, tokenizer.pad_id
@@ -113,11 +138,6 @@ class Job:
     @classmethod
     def from_argv(cls, config: ParadyseConfig, argv: list[str]) -> Job:
         """Parse and check everything that can be checked without a process group."""
-        from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
-
-        from megatron.core.transformer.enums import AttnMaskType
-        from megatron.training.arguments import parse_and_validate_args
-
         cuda = torch.cuda.is_available()
         flags = [*config.megatron_args, *argv]
         _use_prebuilt_dataset_helpers()
@@ -153,8 +173,6 @@ class Job:
     def planner_config(self):
         """The config's planner section; at TP=1, plans choose recompute per layer only: one rank holds the
         whole sequence, and every strategy runs the same computation there."""
-        from megatron_paradyse.run.stage_planning import recompute_only
-
         return self.config.planner if self.tp > 1 else recompute_only(self.config.planner)
 
     @property
@@ -163,16 +181,12 @@ class Job:
 
     # -- planning ---------------------------------------------------------------------------------
     def footprints(self):
-        from megatron_paradyse.run.stage_planning import stage_footprints
-
         return stage_footprints(self.args, self.model_config.transformer, self.device.type)
 
     def check_static_memory(self) -> None:
         """Every pipeline stage's weights, gradients and optimizer state fit the budget with the optimizer
         step's working set, and with what the pipeline schedule keeps of one micro-batch into the next
         (:func:`~megatron_paradyse.run.stage_planning.step_stage_budgets`): else no micro-batch could train."""
-        from megatron_paradyse.run.stage_planning import kept_between_micro_batches_bytes, step_stage_budgets
-
         footprints = self.footprints()
         transformer = self.model_config.transformer
         budgets = step_stage_budgets(self.budget_bytes, footprints, self.args, transformer)
@@ -205,8 +219,6 @@ class Job:
         capacity (None on the CPU, where ``memory.budget_gib`` is the budget). At start-up, on every rank,
         once the model, its optimizer and the start-up calibration hold what they hold, and the step's
         communicators theirs (warmed here: else the first step's collectives would take it, at its peak)."""
-        from megatron_paradyse.mcore.step_groups import step_groups
-
         warm_communicators(step_groups(self.args), self.device)
         capacity = allocator_capacity_bytes(self.device, torch.distributed.group.WORLD)
         if capacity is not None:
@@ -216,8 +228,6 @@ class Job:
 
     def cost_models(self, profile: dict | None = None):
         """One cost model per pipeline stage (``profile``: instead of the configured one)."""
-        from megatron_paradyse.run.stage_planning import stage_cost_models
-
         profile = profile or self.profile
         if profile is None:
             return None
@@ -234,14 +244,6 @@ def job_arguments(
     (no tokenizer, no TensorBoard or W&B writer). ``world_size``: the job's ranks (None: one data-parallel
     replica, every model-parallel rank once; ``args.world_size`` says which). Raises ``ValueError`` with
     the job's own message."""
-    import io
-    import warnings
-
-    from megatron_paradyse.mcore import compat
-
-    compat.install()  # importing megatron.training needs it on CPU; a no-op with CUDA
-    from megatron.training.arguments import parse_args, validate_args
-
     flags = [*config.megatron_args, *argv]
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # Megatron lists every argument
         warnings.simplefilter("ignore")
@@ -269,10 +271,6 @@ def _model_config(args: argparse.Namespace, config: ParadyseConfig, flags: list[
     """Megatron's ``GPTModelConfig`` of validated ``args``, as this entry point runs it (``flags``: the
     config's ``megatron_args`` and the command line's; ``cuda``: on CUDA machines); ``ValueError`` with
     every problem the entry point or the Paradyse layers have with them."""
-    from megatron_paradyse.mcore.modules import config_problems
-
-    from megatron.training.argument_utils import gpt_config_from_args
-
     problems = _argument_problems(args, config, flags, cuda=cuda)
     if problems:
         raise ValueError("the Megatron arguments do not fit this entry point:\n  - " + "\n  - ".join(problems))
@@ -291,9 +289,6 @@ def _model_config(args: argparse.Namespace, config: ParadyseConfig, flags: list[
 def _argument_problems(args: argparse.Namespace, config: ParadyseConfig, flags: list[str], *, cuda: bool) -> list[str]:
     """What of Megatron's arguments this entry point cannot run (``flags``: the ones the user gave, the
     config's ``megatron_args`` and the command line's; ``cuda``: on CUDA machines)."""
-    from megatron_paradyse.mcore.static_memory import optimizer_problem
-    from megatron_paradyse.run.stage_planning import cross_entropy_problem
-
     problems = []
     longest = config.data.token_budget or config.data.max_len
     wanted = {
@@ -327,8 +322,6 @@ def _argument_problems(args: argparse.Namespace, config: ParadyseConfig, flags: 
             f"(validation steps per evaluation, N > 0), or leave --eval-interval out"
         )
     if args.split is not None:
-        from megatron_paradyse.data.subset import split_fractions
-
         try:
             split_fractions(args.split)
         except ValueError as e:
@@ -356,10 +349,6 @@ def _argument_problems(args: argparse.Namespace, config: ParadyseConfig, flags: 
 
 def _overlap_problems(args: argparse.Namespace, config: ParadyseConfig, transformer) -> list[str]:
     """What of Megatron's overlapped gradient reduction the plans would break."""
-    from megatron_paradyse.mcore.model_shape import model_shape
-    from megatron_paradyse.planner import layer_options
-    from megatron_paradyse.strategies import get_strategy
-
     if not (args.overlap_grad_reduce and transformer.qk_layernorm) or args.tensor_model_parallel_size == 1:
         return []
     options, _ = layer_options(config.planner, model_shape(transformer), args.tensor_model_parallel_size)
@@ -375,8 +364,6 @@ def _overlap_problems(args: argparse.Namespace, config: ParadyseConfig, transfor
 
 
 def _megatron_pad_id() -> int:
-    from megatron.training import get_tokenizer
-
     tokenizer = get_tokenizer()
     pad = getattr(tokenizer, "pad", None)
     return tokenizer.eod if pad is None or pad < 0 else pad
@@ -398,8 +385,6 @@ def _budget_bytes(config: ParadyseConfig, state: BudgetState | None, allocator_b
 
 
 def _read_profile(config: ParadyseConfig, args: argparse.Namespace) -> dict | None:
-    from megatron_paradyse.cost import load_profile
-
     if config.cost.profile is None:
         return None
     return load_profile(
@@ -425,11 +410,9 @@ def _use_prebuilt_dataset_helpers() -> None:
     """``initialize_megatron`` compiles Megatron's dataset helpers with ``make`` in the package folder;
     the megatron-core wheel ships them compiled and without the Makefile, so rank 0 would exit. Keep
     the compiled module when it imports (CUDA or not); a source checkout compiles as before."""
-    from megatron.core.datasets import utils
-
     try:
         from megatron.core.datasets import helpers_cpp  # noqa: F401
     except ImportError:
         return
-    if not (Path(utils.__file__).parent / "Makefile").exists():
-        utils.compile_helpers = lambda: None
+    if not (Path(dataset_utils.__file__).parent / "Makefile").exists():
+        dataset_utils.compile_helpers = lambda: None

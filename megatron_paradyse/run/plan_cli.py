@@ -11,14 +11,25 @@ them: :func:`~megatron_paradyse.run.job.job_arguments`), a cost profile (``--pro
 plan each pipeline stage would choose, its predicted time and peak per rank; the longest length each
 static strategy fits (Megatron's own TP+SP included) and the longest the planner fits; a plot and JSON
 on request. Nothing runs on a device: the answer is the analytic cost model's, priced by the profile.
+
+What imports megatron-core (the job's arguments, the stage planning, the datasets) is imported when a
+plan is made, inside the functions: ``paradyse``'s parser imports this module for every command.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
+from megatron_paradyse.config import load_config
+from megatron_paradyse.core.layout import SequenceLayout, padded_length
+from megatron_paradyse.core.plan import LayerOption
+from megatron_paradyse.cost import load_profile
+from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
+from megatron_paradyse.planner import InfeasibleSequenceError
+from megatron_paradyse.planner.buckets import LengthBuckets
 from megatron_paradyse.run.config_cli import world_size
 
 __all__ = ["add_plan_arguments", "run_plan"]
@@ -57,8 +68,6 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from megatron_paradyse.config import load_config
-
     config = load_config(args.config)
     job = _Job.from_config(config, args.megatron_flags, world_size=args.world_size, gpu=args.gpu, profile=args.profile)
     lengths = _lengths(args, config, job)
@@ -97,9 +106,6 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _decide(planner, length: int, job: _Job) -> dict:
-    from megatron_paradyse.core.layout import SequenceLayout
-    from megatron_paradyse.planner import InfeasibleSequenceError
-
     layout = SequenceLayout.build(length, job.tp, causal=job.causal)
     try:
         decision = planner.decide(layout)
@@ -126,8 +132,6 @@ class _Job:
     def from_config(
         cls, config, megatron_flags: list[str], *, world_size: int | None, gpu: str | None, profile: str | None
     ) -> _Job:
-        from megatron_paradyse.cost import load_profile
-        from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
         from megatron_paradyse.run.job import job_arguments
 
         # the job's own arguments and model; without its world size, on one data-parallel rank: the
@@ -159,9 +163,6 @@ class _Job:
 
     def planners(self, pair: str | None = None) -> list:
         """One planner per pipeline stage: the config's, or one that runs only ``pair`` on every layer."""
-        import dataclasses
-
-        from megatron_paradyse.core.plan import LayerOption
         from megatron_paradyse.run.stage_planning import stage_cost_models, stage_planner, step_stage_budgets
 
         planner_config = dataclasses.replace(self.config.planner, on_infeasible="stop")
@@ -205,9 +206,7 @@ def _lengths(args: argparse.Namespace, config, job: _Job) -> list[int]:
         if not values or min(values) < 1:
             raise ValueError(f"--lengths takes positive token counts, got {args.lengths!r}")
         return values
-    from megatron_paradyse.core.layout import padded_length
     from megatron_paradyse.data import DocumentDataset
-    from megatron_paradyse.planner.buckets import LengthBuckets
 
     cache = config.planner.cache
     buckets = LengthBuckets(cache.bucket, cache.bucket_tokens, cache.bucket_ratio)

@@ -16,6 +16,8 @@ from megatron_paradyse.mcore.model_shape import model_shape, rotary_dim
 from megatron_paradyse.mcore.static_memory import OptimizerSetup, megatron_optimizer_implementation, pipeline_footprints
 from megatron_paradyse.planner import Planner
 
+from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+
 __all__ = [
     "StageBudget",
     "cross_entropy_problem",
@@ -122,8 +124,6 @@ def forwards_in_flight(
     warm-up count of them, then one more before each backward."""
     if virtual_stages is None:
         return [min(pp - stage, micro_batches) for stage in range(pp)]
-    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches  # after mcore's shim
-
     most = []
     for stage in range(pp):
         group = types.SimpleNamespace(size=lambda: pp, rank=lambda stage=stage: stage)

@@ -31,14 +31,52 @@ from typing import NoReturn
 
 import torch
 
+from megatron_paradyse.calibration.calibrate import startup_profile
 from megatron_paradyse.config import ParadyseConfig
 from megatron_paradyse.core.allocator import expandable_segments_off
 from megatron_paradyse.core.memory import device_memory_bytes
+from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
+from megatron_paradyse.cost.correction import TimeCorrections
+from megatron_paradyse.data import DocumentDataset, DynamicSequenceLoader, LoaderConfig
+from megatron_paradyse.data.corpora import build_code_corpus, build_dna_corpus
+from megatron_paradyse.data.subset import DocumentSubset, split_documents, split_fractions, spread_by_length
 from megatron_paradyse.mcore import compat
 from megatron_paradyse.mcore.chunked_loss import output_processor
+from megatron_paradyse.mcore.model_shape import model_shape
 from megatron_paradyse.mcore.step_buffers import release_step_buffers
+from megatron_paradyse.planner.planner import ForwardOnlyCost
+from megatron_paradyse.run.agreement import check_ranks_agree
 from megatron_paradyse.run.fault import STATE_FILE, FaultWatch
 from megatron_paradyse.run.job import Job
+from megatron_paradyse.run.log import (
+    WARM_UP,
+    IterationLog,
+    MicroBatchLog,
+    MicroBatchMeter,
+    append_jsonl,
+    format_header,
+    format_rows,
+    plan_switches,
+    switches_in,
+    write_iteration,
+    write_plot,
+)
+from megatron_paradyse.run.planned_loader import PlannedMicroBatches, ResumeError
+from megatron_paradyse.run.stage_planning import (
+    forwards_in_flight,
+    stage_planner,
+    step_micro_batches,
+    step_stage_budgets,
+)
+from megatron_paradyse.run.startup import agree
+
+from megatron.core import parallel_state as mpu
+from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.core.utils import get_attr_wrapped_model
+from megatron.training import get_tokenizer
+from megatron.training.checkpointing import get_checkpoint_name
+from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
 __all__ = ["TrainingRun"]
 
@@ -67,8 +105,6 @@ class TrainingRun:
         self.time_corrections = None
         """What the training planners learned from measured micro-batches (``planner.learn_time``)."""
         if job.config.planner.learning.learn_time:
-            from megatron_paradyse.cost.correction import TimeCorrections
-
             self.time_corrections = TimeCorrections(job.config.planner.learning.learn_prior)
         self._planned: list = []
         """This iteration's training micro-batches, in forward order: what the measurements correct."""
@@ -93,10 +129,6 @@ class TrainingRun:
     def start_up(self) -> None:
         """On every rank, once the default process group exists: the dataset, opened and checked. Every
         rank raises :class:`~megatron_paradyse.run.startup.StartupError` if one fails."""
-        from megatron_paradyse.run.startup import agree
-
-        from megatron.training import get_tokenizer
-
         config, local_rank = self.job.config, self.job.args.local_rank
         problem = None
         if config.data.dataset in _BUILT_IN and local_rank in (0, None):
@@ -132,15 +164,6 @@ class TrainingRun:
         random order (a spread of lengths, whatever ``data.sampler`` is), and every evaluation restarts
         them (:meth:`begin_evaluation`), so its losses compare with the last one's.
         """
-        from megatron_paradyse.data import DynamicSequenceLoader, LoaderConfig
-        from megatron_paradyse.planner.planner import ForwardOnlyCost
-        from megatron_paradyse.run.log import MicroBatchMeter
-        from megatron_paradyse.run.planned_loader import PlannedMicroBatches
-        from megatron_paradyse.run.stage_planning import stage_planner, step_stage_budgets
-
-        from megatron.core import parallel_state as mpu
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
-
         job, config, args = self.job, self.job.config, self.job.args
         if not self._prepared:  # once per rank, whatever the number of virtual-pipeline chunks
             self._prepare()
@@ -227,12 +250,6 @@ class TrainingRun:
 
     def _prepare(self) -> None:
         """Once per rank, on every rank: the dataset, the profile, the start-up agreement check."""
-        from megatron_paradyse.mcore.model_shape import model_shape
-        from megatron_paradyse.run.agreement import check_ranks_agree
-        from megatron_paradyse.run.startup import agree
-
-        from megatron.core import parallel_state as mpu
-
         job = self.job
         self._prepared = True
         self.fault_watch.start()
@@ -284,12 +301,6 @@ class TrainingRun:
         say) still gives the model, the optimizer state and the iteration count; its consumed samples
         count another dataset's order, so the data starts from its beginning, with one line saying so.
         """
-        from megatron_paradyse.run.planned_loader import ResumeError
-        from megatron_paradyse.run.startup import agree
-
-        from megatron.core import parallel_state as mpu
-        from megatron.training.checkpointing import get_checkpoint_name
-
         args = self.job.args
         path = get_checkpoint_name(
             args.load,
@@ -329,10 +340,6 @@ class TrainingRun:
 
     # forward step -------------------------------------------------------------------------------
     def forward_step(self, data_iterator, model):
-        from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
-
-        from megatron.core.utils import get_attr_wrapped_model
-
         planned = next(data_iterator)
         chunk = get_attr_wrapped_model(model, "vp_stage") or 0
         index = None  # an evaluation's losses are Megatron's to add up
@@ -365,8 +372,6 @@ class TrainingRun:
 
     def _record(self, planned, model, measured: bool) -> None:
         """Log the micro-batch (once, from the first model chunk)."""
-        from megatron_paradyse.run.log import WARM_UP, MicroBatchLog
-
         if not self._checked_parameters:
             self._check_parameter_count(model)
         plan = planned.decision.plan
@@ -392,8 +397,6 @@ class TrainingRun:
     def _loss(self, loss_mask: torch.Tensor, index: int | None, output: torch.Tensor):
         """Megatron 0.19's per-token loss convention: (sum, tokens, report); ``index``: the micro-batch's
         position in this iteration's records (None for an evaluation's)."""
-        from megatron.core.rerun_state_machine import get_rerun_state_machine
-
         args = self.job.args
         mask = loss_mask.view(-1).float()
         loss = torch.sum(output.view(-1).float() * mask)
@@ -423,8 +426,6 @@ class TrainingRun:
     def _check_parameter_count(self, model) -> None:
         """The static bytes the planner budgets for come from a count; compare it with the model (a
         virtual-pipeline chunk holds only part of the stage: not checked)."""
-        from megatron.core import parallel_state as mpu
-
         self._checked_parameters = True
         held = sum(p.numel() for p in model.parameters())
         counted = self.footprints[mpu.get_pipeline_model_parallel_rank()].parameters
@@ -452,17 +453,6 @@ class TrainingRun:
 
     # iteration end ------------------------------------------------------------------------------
     def end_iteration(self, iteration: int, loss_dict: dict) -> None:
-        from megatron_paradyse.run.log import (
-            IterationLog,
-            append_jsonl,
-            format_header,
-            format_rows,
-            switches_in,
-            write_iteration,
-        )
-
-        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
-
         now = time.perf_counter()
         records, self.pending = self.pending, []
         measured = self.meter.collect() if self.meter is not None else []
@@ -507,9 +497,6 @@ class TrainingRun:
     def _learn_time(self, planned: list, measured: list[float | None]) -> None:
         """Correct the training planners' time model from this iteration's measured micro-batches; every
         rank takes part (one gather), and every rank's planners then plan with the same corrections."""
-        from megatron.core import parallel_state as mpu
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
-
         planner = self.iterators[0].planners[mpu.get_pipeline_model_parallel_rank()]
         for micro_batch, seconds in zip(planned, measured):
             if seconds is not None and seconds > 0:
@@ -552,10 +539,6 @@ class TrainingRun:
         )
 
     def finish(self) -> None:
-        from megatron_paradyse.run.log import plan_switches, write_plot
-
-        from megatron.training.global_vars import get_tensorboard_writer
-
         writer = get_tensorboard_writer()
         if writer is not None:  # Megatron flushes at the end of training only, before its last evaluation
             writer.flush()
@@ -585,8 +568,6 @@ _BUILT_IN = ("code", "dna")
 
 def _build_corpus(config: ParadyseConfig) -> str:
     """The prefix of the built-in corpus ``data.dataset``, built into ``data.cache_dir`` if it is not there."""
-    from megatron_paradyse.data.corpora import build_code_corpus, build_dna_corpus
-
     data = config.data
     if data.dataset == "code":
         return build_code_corpus(data.cache_dir)
@@ -595,9 +576,6 @@ def _build_corpus(config: ParadyseConfig) -> str:
 
 def _open_dataset(config: ParadyseConfig):
     """(the training documents, the whole dataset they come from)."""
-    from megatron_paradyse.data import DocumentDataset
-    from megatron_paradyse.data.subset import DocumentSubset, spread_by_length
-
     data = config.data
     # built: now only resolves (and checks) the cached prefix
     dataset = DocumentDataset(_build_corpus(config) if data.dataset in _BUILT_IN else data.dataset)
@@ -614,8 +592,6 @@ _DEFAULT_VALIDATION = 0.02
 def _split(documents, args, seed: int) -> dict:
     """The documents of training, validation and test, as ``--split`` shares them (every rank alike).
     Without ``--split`` and without evaluation (``--eval-iters 0``) all train."""
-    from megatron_paradyse.data.subset import DocumentSubset, split_documents, split_fractions
-
     if args.split is None and not args.eval_iters:
         return {"train": documents, "valid": None, "test": None}
     n = len(documents.lengths)
@@ -656,8 +632,6 @@ def _say_how_forwards_in_flight_are_budgeted(args, transformer, on_infeasible: s
     """Where the pipeline schedule keeps several forwards on a stage, say how the planner budgets them
     (:func:`~megatron_paradyse.run.stage_planning.forwards_in_flight`; by each step's longest micro-batch where the
     step is known before it runs, :meth:`PlannedMicroBatches.check_step`)."""
-    from megatron_paradyse.run.stage_planning import forwards_in_flight, step_micro_batches
-
     pp, virtual_stages, micro_batches = (
         args.pipeline_model_parallel_size,
         args.virtual_pipeline_model_parallel_size,
@@ -686,8 +660,6 @@ def _say_how_forwards_in_flight_are_budgeted(args, transformer, on_infeasible: s
 def _meters_memory(job: Job) -> bool:
     """Whether the job measures each micro-batch's peak: ``log.measure``, where a micro-batch's peak is its
     own (nothing else runs between its forward and backward: one pipeline stage)."""
-    from megatron.core import parallel_state as mpu
-
     return job.config.log.measure and mpu.get_pipeline_model_parallel_world_size() == 1
 
 
@@ -696,11 +668,6 @@ def _calibrate_once(job: Job) -> dict:
     the data cache or measured by every tensor-parallel group on itself, in the job's own processes
     (:func:`~megatron_paradyse.calibration.calibrate.startup_profile`), its layers timed as the job's meter will
     time them; every rank plans from rank 0's. A failure on any rank raises on every rank."""
-    from megatron_paradyse.calibration.calibrate import startup_profile
-    from megatron_paradyse.mcore.model_shape import model_shape
-
-    from megatron.core import parallel_state as mpu
-
     transformer = job.model_config.transformer
     return startup_profile(
         job.config.data.cache_dir,

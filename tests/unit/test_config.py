@@ -112,13 +112,12 @@ def test_start_up_sizes_the_budget_by_what_the_allocator_can_hold_and_keeps_a_sh
     smaller one a run shrank to after an out-of-memory error, and the static memory is checked again. The
     step's communicators are warmed before the measurement, so that it sees what NCCL holds."""
     from megatron_paradyse.config import MemorySection, ParadyseConfig
-    from megatron_paradyse.mcore import step_groups
     from megatron_paradyse.run import job as job_module
     from megatron_paradyse.run.fault import BudgetState
 
     gib = 2**30
     events = []
-    monkeypatch.setattr(step_groups, "step_groups", lambda args: ["the step's groups"])
+    monkeypatch.setattr(job_module, "step_groups", lambda args: ["the step's groups"])
     monkeypatch.setattr(job_module, "warm_communicators", lambda groups, device: events.append(("warmed", groups)))
     monkeypatch.setattr(
         job_module, "allocator_capacity_bytes", lambda device, group: events.append("measured") or 100 * gib
