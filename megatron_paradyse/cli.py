@@ -14,17 +14,20 @@ import os
 import sys
 import time
 
+import torch
+import torch.distributed as dist
+
+from megatron_paradyse.calibration.calibrate import calibrate, calibrate_on_group
+from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
+from megatron_paradyse.cost.profile import load_profile, save_profile
 from megatron_paradyse.run import config_cli, plan_cli
+from megatron_paradyse.run.demo import main as demo_main
+from megatron_paradyse.strategies import get_strategy, strategy_names
 
 __all__ = ["main"]
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    import torch
-
-    from megatron_paradyse.calibration.calibrate import calibrate
-    from megatron_paradyse.cost.profile import save_profile
-
     folder = os.path.dirname(os.path.abspath(args.output))
     if not os.access(folder, os.W_OK):  # before minutes of measuring, not after
         raise ValueError(f"cannot write the profile to {args.output}: {folder} is not a writable directory")
@@ -57,13 +60,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _calibrate_one_rank_of(p: list[int], links: str | None, device: str, settings: dict, *, show_progress: bool):
     """``--fake-group``: this process alone as rank 0 of a fake group of ``p`` ranks, on its GPU: one
     rank's compute at ``p`` ranks' shapes, the collectives and ring overlap from ``links``."""
-    import torch
-    import torch.distributed as dist
-
-    from megatron_paradyse.calibration.calibrate import calibrate_on_group
-    from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
-    from megatron_paradyse.cost.profile import load_profile
-    from megatron_paradyse.mcore.trace import fake_world
+    from megatron_paradyse.mcore.trace import fake_world  # megatron-core: not for the other commands
 
     if len(p) != 1:
         raise ValueError(f"--fake-group stands for one group size, got --p {','.join(map(str, p))}")
@@ -106,8 +103,6 @@ def _p_list(text: str) -> list[int]:
 
 
 def _cmd_strategies(args: argparse.Namespace) -> int:
-    from megatron_paradyse.strategies import get_strategy, strategy_names
-
     for sublayer in ("attention", "mlp"):
         for name in strategy_names(sublayer):
             print(f"{sublayer:<9} {name:<8} {get_strategy(sublayer, name).summary}")
@@ -172,8 +167,6 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:
-        from megatron_paradyse.run.demo import main as demo_main
-
         return demo_main(argv[1:])
     parser = _parser()
     # Megatron flags after "--" (every command takes them) are split off here: argparse gives a positional

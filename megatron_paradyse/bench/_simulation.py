@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_paradyse.config import MemorySection
+from megatron_paradyse.config import MemorySection, load_config
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.analytic import AnalyticCostModel
@@ -28,6 +28,7 @@ from megatron_paradyse.data.corpora import (
 )
 from megatron_paradyse.planner import InfeasibleSequenceError, Planner, PlannerConfig
 from megatron_paradyse.planner.buckets import LengthBuckets
+from megatron_paradyse.run.config_cli import model_shape_from_args, parse_megatron_args
 from megatron_paradyse.strategies import ModelShape
 
 __all__ = [
@@ -258,9 +259,6 @@ PAPER_THRESHOLD_SLACK = 512 * 2**20
 
 def load_paper_model(name: str, configs: Path = CONFIGS) -> ModelSpec:
     """The model, layers, mask, planner and margin of ``configs/paper-<name>.yaml``."""
-    from megatron_paradyse.config import load_config
-    from megatron_paradyse.run.config_cli import model_shape_from_args, parse_megatron_args
-
     path = configs / f"paper-{name}.yaml"
     config = load_config(path)
     args = parse_megatron_args(config.megatron_args)

@@ -51,7 +51,7 @@ from collections.abc import Iterator
 
 import torch
 
-from megatron_paradyse.attention import kernel_names
+from megatron_paradyse.attention import get_kernel, kernel_names
 from megatron_paradyse.bench.memory import (
     DTYPES,
     GIB,
@@ -247,8 +247,6 @@ def _outcome(trace: LayerTrace | None) -> str:
 
 
 def _kernel_name(cfg: AllocatorConfig) -> str:
-    from megatron_paradyse.attention import get_kernel
-
     return get_kernel(cfg.kernel, torch.device(cfg.device), cfg.dtype).name
 
 

@@ -32,8 +32,24 @@ import sys
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from megatron_paradyse.bench.e2e import demo_config
+from megatron_paradyse.core.memory import peak_bytes_of, storage_bytes
+from megatron_paradyse.core.micro_batch import MicroBatch
 from megatron_paradyse.core.multiprocess import run_on_ranks
+from megatron_paradyse.cost import AnalyticCostModel
+from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
+from megatron_paradyse.data import make_micro_batch
+from megatron_paradyse.mcore.chunked_loss import micro_batch_loss
+from megatron_paradyse.mcore.model_shape import model_shape, rotary_dim
+from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
+from megatron_paradyse.mcore.step_buffers import release_step_buffers
+from megatron_paradyse.planner import Planner, PlannerConfig
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 __all__ = ["main"]
 
@@ -66,27 +82,6 @@ LEVERS = {
 
 
 def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
-    from megatron_paradyse.mcore import compat
-
-    compat.install()
-    import torch.distributed as dist
-
-    from megatron_paradyse.bench.e2e import demo_config
-    from megatron_paradyse.core.memory import peak_bytes_of, storage_bytes
-    from megatron_paradyse.core.micro_batch import MicroBatch
-    from megatron_paradyse.cost import AnalyticCostModel
-    from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
-    from megatron_paradyse.data import make_micro_batch
-    from megatron_paradyse.mcore.chunked_loss import micro_batch_loss
-    from megatron_paradyse.mcore.model_shape import model_shape, rotary_dim
-    from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
-    from megatron_paradyse.mcore.step_buffers import release_step_buffers
-    from megatron_paradyse.planner import Planner, PlannerConfig
-
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
     p = settings.tp
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=p)
     model_parallel_cuda_manual_seed(SEED)

@@ -124,9 +124,30 @@ import torch
 import torch.distributed as dist
 
 from megatron_paradyse.bench.memory import PAIRINGS
-from megatron_paradyse.core.memory import storage_bytes
+from megatron_paradyse.calibration.calibrate import cached_quick_profile
+from megatron_paradyse.core.memory import peak_bytes_of, storage_bytes
+from megatron_paradyse.core.micro_batch import MicroBatch
 from megatron_paradyse.core.multiprocess import run_on_ranks
+from megatron_paradyse.core.plan import LayerOption, Plan
+from megatron_paradyse.cost import AnalyticCostModel, load_profile
+from megatron_paradyse.cost.correction import TimeCorrections
+from megatron_paradyse.data import DocumentDataset, make_micro_batch, pack
+from megatron_paradyse.data.corpora import build_code_corpus, build_dna_corpus
+from megatron_paradyse.data.subset import spread_by_length
+from megatron_paradyse.data.tokenizers import ByteTokenizer, KmerTokenizer
+from megatron_paradyse.mcore.chunked_loss import micro_batch_loss
+from megatron_paradyse.mcore.model_shape import model_shape, rotary_dim
+from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
+from megatron_paradyse.mcore.static_memory import OptimizerSetup, pipeline_footprints, torch_optimizer_implementation
 from megatron_paradyse.mcore.step_buffers import release_step_buffers
+from megatron_paradyse.mcore.stock_spec import stock_block_spec
+from megatron_paradyse.planner import Planner, PlannerConfig
+from megatron_paradyse.run.log import MicroBatchMeter
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
 
 __all__ = ["ArmResult", "CorpusResult", "SequenceResult", "main"]
 
@@ -150,8 +171,6 @@ SEED = 1234
 def demo_config(p: int):
     """The demo GPT's :data:`MODEL` as a Megatron ``TransformerConfig`` for TP=``p`` with sequence
     parallelism, fp32 on the CPU, no dropout."""
-    from megatron.core.transformer import TransformerConfig
-
     return TransformerConfig(
         **MODEL,
         use_cpu_initialization=True,
@@ -367,12 +386,6 @@ class Settings:
 
 
 def _bench_on_rank(rank: int, world_size: int, corpora: list[Corpus], settings: Settings) -> list[CorpusResult]:
-    from megatron_paradyse.mcore import compat
-
-    compat.install()
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=settings.tp)
     try:
         placement = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank())
@@ -388,20 +401,6 @@ class _CorpusBench:
     """The arms on one corpus, on this rank: models, batches, memory passes, timed passes."""
 
     def __init__(self, corpus: Corpus, settings: Settings) -> None:
-        from megatron_paradyse.cost import AnalyticCostModel
-        from megatron_paradyse.data import make_micro_batch
-        from megatron_paradyse.mcore.model_shape import model_shape, rotary_dim
-        from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
-        from megatron_paradyse.mcore.static_memory import (
-            OptimizerSetup,
-            pipeline_footprints,
-            torch_optimizer_implementation,
-        )
-        from megatron_paradyse.mcore.stock_spec import stock_block_spec
-
-        from megatron.core import parallel_state
-        from megatron.core.models.gpt import GPTModel
-
         p, dp = settings.tp, settings.dp
         self.corpus, self.p, self.settings = corpus, p, settings
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -476,8 +475,6 @@ class _CorpusBench:
                 if s.status == TRAINED and max(s.peak_bytes) > budget:
                     s.status = OOM
         if LEARNING in names:  # it trains what the adaptive arm holds within budget; its peaks come after
-            from megatron_paradyse.run.log import MicroBatchMeter
-
             self.learning_planner = self._planner(budget, learn=True)
             self.learning_meter = MicroBatchMeter(torch.device("cpu"), 0.0, memory=False)  # time only
             self.learning_meter.attach(self.paradyse)
@@ -517,9 +514,6 @@ class _CorpusBench:
         return (lean + fast) / 2, "midway between lean/lean's largest peak and tp_sp/tp_sp's on the longest sequence"
 
     def _planner(self, budget: float, *, learn: bool = False):
-        from megatron_paradyse.cost.correction import TimeCorrections
-        from megatron_paradyse.planner import Planner, PlannerConfig
-
         config = PlannerConfig(on_infeasible="skip", learn_time=learn)
         return Planner.for_model(
             config,
@@ -533,8 +527,6 @@ class _CorpusBench:
 
     def _arm_plan(self, name: str, planner, layout):
         """The plan of a micro-batch (None: Megatron's own layers); raises _Infeasible for the planner."""
-        from megatron_paradyse.core.plan import LayerOption, Plan
-
         if name == MEGATRON:
             return None
         if name in (ADAPTIVE, LEARNING):
@@ -615,8 +607,6 @@ class _CorpusBench:
     def _measured_peaks(self, model, optimizer, grads: torch.Tensor, batch: dict, plan) -> list[int]:
         """Every rank's peak of one step of ``plan`` (None: Megatron's layers) on ``batch``: what it holds
         before the step, plus the high-water mark of forward + backward + all-reduces or of Adam's step."""
-        from megatron_paradyse.core.memory import peak_bytes_of
-
         release_step_buffers()  # Megatron's all-gather buffer and rotary tables: the step's own
         resident = _resident_bytes(model, optimizer) + _input_bytes(batch, plan)
         forward_backward = peak_bytes_of(functools.partial(self._forward_backward, model, grads, batch, plan))
@@ -728,9 +718,6 @@ class _CorpusBench:
         """Mean loss per token of one micro-batch, backward, Megatron's TP all-reduce of the gradients of
         parameters every rank holds whole (norms, row-parallel biases), and the average over the DP ranks
         of every gradient (``grads``: the flat buffer they live in)."""
-        from megatron_paradyse.core.micro_batch import MicroBatch
-        from megatron_paradyse.mcore.chunked_loss import micro_batch_loss
-
         if plan is None:  # Megatron's own layers: natural token order (padding last), its causal mask
             natural = batch["natural"]
             per_token = model(natural["tokens"], natural["position_ids"], None, labels=natural["labels"])
@@ -951,11 +938,6 @@ def _arms(text: str | None, budget_mib: float | None, *, packed: bool) -> tuple[
 def _corpus(name: str, args: argparse.Namespace) -> Corpus:
     """``args.sequences`` documents of ``args.min_len..args.max_len`` tokens spread evenly in log length,
     in micro-batches of one document each or packed to ``args.pack`` tokens."""
-    from megatron_paradyse.data import DocumentDataset, pack
-    from megatron_paradyse.data.corpora import build_code_corpus, build_dna_corpus
-    from megatron_paradyse.data.subset import spread_by_length
-    from megatron_paradyse.data.tokenizers import ByteTokenizer, KmerTokenizer
-
     if name == "code":
         prefix, tokenizer = build_code_corpus(args.cache_dir), ByteTokenizer()
     else:
@@ -974,9 +956,6 @@ def _corpus(name: str, args: argparse.Namespace) -> Corpus:
 def _profile(args: argparse.Namespace) -> tuple[dict, str]:
     """The ``--profile`` given, or the quick one with its fitted correction, read from or calibrated into
     ``--cache-dir`` (:func:`~megatron_paradyse.calibration.calibrate.cached_quick_profile`)."""
-    from megatron_paradyse.calibration.calibrate import cached_quick_profile
-    from megatron_paradyse.cost import load_profile
-
     if args.profile is not None:
         return load_profile(args.profile, p=args.p, check_machine=False), str(args.profile)
     profile = cached_quick_profile(args.cache_dir, args.p, device="cpu", dtype=torch.float32)

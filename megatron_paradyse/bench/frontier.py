@@ -32,10 +32,12 @@ from pathlib import Path
 
 import torch
 
+from megatron_paradyse.config import load_config
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.cost.analytic import AnalyticCostModel
 from megatron_paradyse.cost.hardware import HARDWARE, NodeSpec, hardware_profile, stage_static_bytes
 from megatron_paradyse.planner import Planner
+from megatron_paradyse.run.config_cli import model_shape_from_args, parse_megatron_args
 from megatron_paradyse.strategies import ModelShape
 
 __all__ = ["FrontierResult", "frontier", "main", "print_frontier", "training_flops"]
@@ -90,9 +92,6 @@ def training_flops(shape: ModelShape, num_layers: int, tokens: int) -> float:
 
 
 def frontier(gpu: NodeSpec, configs: Path) -> FrontierResult:
-    from megatron_paradyse.config import load_config
-    from megatron_paradyse.run.config_cli import model_shape_from_args, parse_megatron_args
-
     config = load_config(configs / "llama3-8b.yaml")
     args = parse_megatron_args(config.megatron_args)
     shape = model_shape_from_args(args)

@@ -50,13 +50,27 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from megatron_paradyse.attention import get_kernel, segment_attention
 from megatron_paradyse.bench.memory import TRACE_MODELS
 from megatron_paradyse.core.host_sync import HostSyncs, cuda_sync_debug, wait_for_device
 from megatron_paradyse.core.layout import SequenceLayout
-from megatron_paradyse.mcore import compat
+from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
+from megatron_paradyse.core.plan import LayerOption, Plan
+from megatron_paradyse.cost.analytic import AnalyticCostModel
+from megatron_paradyse.cost.profile import ProfileError
+from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
+from megatron_paradyse.mcore.stock_spec import stock_block_spec
 from megatron_paradyse.mcore.trace import LayerModel, fake_world
 from megatron_paradyse.strategies import ModelShape
+
+from megatron.core import parallel_state
+from megatron.core.extensions.transformer_engine import HAVE_TE
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer.spec_utils import build_module
 
 MODELS = {
     "llama3-8b": TRACE_MODELS["llama3-8b"],
@@ -152,8 +166,6 @@ def _print_new_length_extras(
     the steady time: the Paradyse layer at ``n - 2``, its attention core at ``n - 4``, SDPA's cuDNN and
     flash backends at ``n - 6`` and ``n - 8`` ("-" where the backend does not take the shape; lengths
     under 10 are left out). Returns the layer's extras."""
-    from torch.nn.attention import SDPBackend
-
     probes = (
         ("paradyse layer", lambda m: pair.step("paradyse", m)),
         ("attention core", lambda m: _paradyse_attention(model, m, dtype, device)),
@@ -186,10 +198,6 @@ def _first_call_extra(run: Callable[[], None], device: torch.device, timer: _Tim
 
 def _predictor(path: str, model: LayerModel, dtype: torch.dtype, parser: argparse.ArgumentParser):
     """The cost model's time of the Paradyse layer under ``tp_sp/tp_sp`` at TP=1, for a token count."""
-    from megatron_paradyse.core.plan import LayerOption
-    from megatron_paradyse.cost.analytic import AnalyticCostModel
-    from megatron_paradyse.cost.profile import ProfileError
-
     try:
         cost = AnalyticCostModel.from_file(path, model.shape, 1, dtype=dtype)
     except (OSError, ProfileError, ValueError) as e:
@@ -202,25 +210,13 @@ class _LayerPair:
     """The Paradyse and the stock layer of ``model`` with the same weights, on TP=1 of the fake group."""
 
     def __init__(self, model: LayerModel, dtype: torch.dtype, device: torch.device) -> None:
-        compat.install()
-        from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
-        from megatron_paradyse.mcore.stock_spec import stock_block_spec
-
-        from megatron.core import parallel_state
-        from megatron.core.extensions.transformer_engine import HAVE_TE
-        from megatron.core.transformer.spec_utils import build_module
-
         self.model, self.dtype, self.device = model, dtype, device
         self.impl = "transformer_engine" if HAVE_TE and device.type == "cuda" else "local"
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
         parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
         model_parallel_cuda_manual_seed(0)  # the stock attention's dropout forks Megatron's RNG state
         config = model.transformer_config(1, dtype)
         config.transformer_impl = self.impl
         if self.impl == "transformer_engine":
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
             stock_spec = get_gpt_layer_with_transformer_engine_spec(normalization=model.normalization)
         else:
             stock_spec = stock_block_spec(config).layer_specs[0]
@@ -241,11 +237,6 @@ class _LayerPair:
 
     def step(self, which: str, n: int) -> Callable[[], None]:
         """One forward + backward of layer ``which`` on ``n`` tokens (inputs made once)."""
-        from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
-        from megatron_paradyse.core.plan import LayerOption, Plan
-
-        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
         hidden = self.model.shape.hidden_size
         x = torch.randn(n, 1, hidden, device=self.device, dtype=self.dtype).requires_grad_()
         dy = torch.randn_like(x)
@@ -268,8 +259,6 @@ class _LayerPair:
         return self
 
     def __exit__(self, *exc) -> None:
-        from megatron.core import parallel_state
-
         parallel_state.destroy_model_parallel()
 
 
@@ -285,8 +274,6 @@ def _qkv(shape: ModelShape, n: int, dtype: torch.dtype, device: torch.device) ->
 
 
 def _paradyse_attention(model: LayerModel, n: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
-    from megatron_paradyse.attention import get_kernel, segment_attention
-
     q, k, v = _qkv(model.shape, n, dtype, device)
     layout = SequenceLayout.build(n, 1, causal=True)
     cu_seqlens = layout.indices(device).cu_seqlens
@@ -301,8 +288,6 @@ def _paradyse_attention(model: LayerModel, n: int, dtype: torch.dtype, device: t
 
 def _sdpa(model: LayerModel, n: int, dtype: torch.dtype, device: torch.device, backend) -> Callable[[], None]:
     """Forward + backward of causal ``F.scaled_dot_product_attention`` on ``n`` tokens under ``backend``."""
-    from torch.nn.attention import sdpa_kernel
-
     q, k, v = _qkv(model.shape, n, dtype, device)
     dout = torch.randn_like(q)
 
@@ -315,8 +300,6 @@ def _sdpa(model: LayerModel, n: int, dtype: torch.dtype, device: torch.device, b
 
 def _sdpa_best(timer: _Timer, model: LayerModel, n: int, dtype: torch.dtype, device: torch.device) -> tuple[str, float]:
     """(backend, seconds) of the fastest SDPA backend that takes the shape."""
-    from torch.nn.attention import SDPBackend
-
     times = {}
     backends = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
     for backend in backends:

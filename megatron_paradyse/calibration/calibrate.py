@@ -52,8 +52,9 @@ from megatron_paradyse.core.memory import PeakMemory
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.offload import ActivationOffload
 from megatron_paradyse.core.plan import LayerOption
+from megatron_paradyse.cost.analytic import AnalyticCostModel
 from megatron_paradyse.cost.fitting import fit_nonnegative
-from megatron_paradyse.cost.profile import fingerprint
+from megatron_paradyse.cost.profile import ProfileError, fingerprint, load_profile, save_profile
 from megatron_paradyse.cost.terms import sublayer_terms
 from megatron_paradyse.strategies import ModelShape, strategy_names
 from megatron_paradyse.strategies.dims import Dims
@@ -765,7 +766,7 @@ def _correction_layers(
     group, shape: ModelShape, lengths, device: torch.device, dtype: torch.dtype, *, metered: bool = False
 ):
     """``(option, tokens, seconds)`` of each correction layer at each length, on ``group`` (a collective)."""
-    from megatron_paradyse.calibration.measure import measure_layer
+    from megatron_paradyse.calibration.measure import measure_layer  # megatron-core: only to fit the correction
 
     p = group.size()
     out = []
@@ -791,8 +792,6 @@ def _fit_correction(
     scheduler to run the rest). Where the layers' collectives took no time (``comm_measured=False``:
     a fake group), on the compute terms alone: ``k_comm`` 1, no time per synchronisation. ``metered``:
     the layers were timed under the memory meter (recorded, so that a profile says what its times hold)."""
-    from megatron_paradyse.cost.analytic import AnalyticCostModel
-
     model = AnalyticCostModel(profile, shape, p, dtype=dtype, use_correction=False)
     features, target = [], []
     for option, s, seconds in measured:
@@ -831,8 +830,6 @@ def _cached(path: Path, p: int, longest: int | None) -> dict[str, Any] | None:
     tokens (it measured as many or more), else None. A profile calibrated before offload, or before its
     GEMM shapes had their own rates (and a GPU's attention samples the model's heads), is made again: a
     cache is this module's, and what it measures better should not wait for someone to delete it."""
-    from megatron_paradyse.cost.profile import ProfileError, load_profile
-
     try:
         profile = load_profile(path, p=p, host_link=True)
     except ProfileError:
@@ -859,8 +856,6 @@ def cached_quick_profile(
     the one an earlier run saved in ``cache_dir`` (for the same model, up to ``longest`` tokens or more),
     else calibrated now on ``p`` ranks started for it (a minute or two on a CPU) and saved there. For a
     process outside any group (the benchmarks); a job's ranks use :func:`startup_profile`."""
-    from megatron_paradyse.cost.profile import save_profile
-
     path = _cache_path(cache_dir, p, device, dtype, shape)
     profile = _cached(path, p, longest)
     if profile is not None:
@@ -906,8 +901,6 @@ def startup_profile(
     at once (:func:`calibrate_on_group`: the job's own processes, GPUs and links; no process started),
     and the first rank saves its group's profile there and sends it to all. A failure on any rank
     raises on every rank."""
-    from megatron_paradyse.cost.profile import ProfileError, save_profile
-
     p = measure_group.size()
     metered = metered and PeakMemory.slows_work(device)
     path = _cache_path(cache_dir, p, device.type, dtype, shape, metered=metered)

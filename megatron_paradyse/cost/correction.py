@@ -39,6 +39,8 @@ import math
 from collections.abc import Iterable
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from megatron_paradyse.core.comm import all_gather_single
 from megatron_paradyse.core.layout import SequenceLayout
@@ -135,8 +137,6 @@ class TimeCorrections:
         ``most_entries`` (needed with ranks): the most (option, bucket) pairs a rank can have measured
         since the last agreement, the same number on every rank (the micro-batches it measured times the
         options a layer may take); it sizes the gathered buffer, so one collective does."""
-        import torch.distributed as dist
-
         mine = sorted((key, (s.weighted_log_ratio, s.weight)) for key, s in self._pending.items())
         self._pending.clear()
         if not (dist.is_available() and dist.is_initialized()):
@@ -199,9 +199,6 @@ def _gather_entries(mine: list, most_entries: int, group) -> list[list]:
     through one all-gather of ``most_entries + 1`` fixed-size rows per rank. The first row says how many
     entries follow and whether an option's name did not fit, so that a rank over either limit makes every
     rank raise the same error after the collective, instead of leaving the others waiting in it."""
-    import torch
-    import torch.distributed as dist
-
     rows = np.zeros(most_entries + 1, dtype=_ENTRY)
     names = [option.encode() for (option, _), _ in mine]
     too_long = any(len(name) > _ENTRY["option"].itemsize for name in names)

@@ -19,14 +19,17 @@ from typing import get_args
 
 import numpy as np
 
-from megatron_paradyse.data.samplers import Overflow, SamplerName
+from megatron_paradyse.data.balance import WorkModel
+from megatron_paradyse.data.corpora import build_code_corpus, build_dna_corpus
+from megatron_paradyse.data.indexed import DocumentDataset, validate
+from megatron_paradyse.data.loader import LoaderConfig, MicroBatchSampler, StreamPosition
+from megatron_paradyse.data.prepare import prepare, read_manifest
+from megatron_paradyse.data.samplers import Overflow, SamplerName, Spans
+from megatron_paradyse.data.stats import format_histogram
+from megatron_paradyse.data.tokenizers import get_tokenizer
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from megatron_paradyse.data.indexed import DocumentDataset
-    from megatron_paradyse.data.prepare import read_manifest
-    from megatron_paradyse.data.stats import format_histogram
-
     dataset = DocumentDataset(args.dataset)
     manifest = read_manifest(args.dataset)
     if manifest:
@@ -36,9 +39,6 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from megatron_paradyse.data.prepare import prepare
-    from megatron_paradyse.data.tokenizers import get_tokenizer
-
     start = time.perf_counter()
     result = prepare(
         args.input,
@@ -56,9 +56,6 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _build_corpus(args: argparse.Namespace) -> int:
-    from megatron_paradyse.data.corpora import build_code_corpus, build_dna_corpus
-    from megatron_paradyse.data.indexed import validate
-
     start = time.perf_counter()
     if args.corpus == "code":
         prefix = build_code_corpus(args.out_dir)
@@ -70,11 +67,6 @@ def _build_corpus(args: argparse.Namespace) -> int:
 
 
 def _balance(args: argparse.Namespace) -> int:
-    from megatron_paradyse.data.balance import WorkModel
-    from megatron_paradyse.data.indexed import DocumentDataset
-    from megatron_paradyse.data.loader import LoaderConfig, MicroBatchSampler, StreamPosition
-    from megatron_paradyse.data.samplers import Spans
-
     lengths = Spans.build(DocumentDataset(args.dataset).lengths, args.max_len, args.overflow).length
     work = WorkModel.from_transformer(args.hidden_size)
     print("DP imbalance = max/mean - 1 of the predicted work per rank; per step, and over the epoch (sum of")
