@@ -140,9 +140,11 @@ def model_grid(grid: Grid, shape: ModelShape, p: int, longest: int, device: str)
     layer's attention at 2.7x its time (a CPU's rate per head does not depend on the count). Elementwise
     samples of one activation at those token counts, up to :data:`SAMPLE_BYTES` (on an H200 the generic
     ones, 16 MB at most, are launch overhead: their fit priced no byte). The correction
-    is fitted on the model's own layers, at the grid's correction lengths and 4x the longest of them,
-    none over ``longest``: on an H200 the reference layer's are launch overhead, and a correction fitted
-    on them halved the model's compute (predicted 0.83 s for 2.72 s measured)."""
+    is fitted on the model's own layers, at the grid's correction lengths, none over ``longest``, and on
+    a GPU at 4x the longest of them too: on an H200 the reference layer's are launch overhead, and a
+    correction fitted on them halved the model's compute (predicted 0.83 s for 2.72 s measured). A CPU
+    computes at the grid's lengths already; a layer 4x longer there took nine tenths of a start-up
+    calibration (117 of 131 s for a p=2 job's twelve layers at 16K tokens)."""
     if longest < 1 or p < 1:
         raise ValueError(f"model_grid needs longest >= 1 and p >= 1, got longest={longest}, p={p}")
     cap = SAMPLE_FLOPS[device]
@@ -171,7 +173,8 @@ def model_grid(grid: Grid, shape: ModelShape, p: int, longest: int, device: str)
             heads = min(most_heads, int(cap // AttentionCall(1, 1, length, length, hn, causal).flops))
             if heads >= 1:
                 calls.append((heads, hn, length, length, causal))
-    corrections = sorted({min(n, longest) for n in (*grid.correction_lengths, 4 * max(grid.correction_lengths))})
+    launch_bound = () if device == "cpu" else (4 * max(grid.correction_lengths),)
+    corrections = sorted({min(n, longest) for n in (*grid.correction_lengths, *launch_bound)})
     activations = [m * shape.hidden_size * 4 for m in tokens if m * shape.hidden_size * 4 <= SAMPLE_BYTES[device]]
     return dataclasses.replace(
         grid,
