@@ -50,6 +50,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.training import get_tokenizer
 from megatron.training.argument_utils import gpt_config_from_args
 from megatron.training.arguments import parse_and_validate_args, parse_args, validate_args
+from megatron.training.global_vars import unset_global_variables
 
 __all__ = ["Job", "add_paradyse_args", "job_arguments", "dataset_tokenizer", "entry_defaults"]
 
@@ -143,6 +144,14 @@ class Job:
         _use_prebuilt_dataset_helpers()
         with _command_line([*entry_defaults(config, cuda=cuda), *flags]):
             args = _megatron_checked(lambda: parse_and_validate_args(extra_args_provider=add_paradyse_args))
+        try:
+            return cls._checked(config, args, flags, cuda=cuda)
+        except Exception:  # refused: Megatron's globals (its parsed arguments first) as they were before
+            unset_global_variables()
+            raise
+
+    @classmethod
+    def _checked(cls, config: ParadyseConfig, args: argparse.Namespace, flags: list[str], *, cuda: bool) -> Job:
         model_config = _model_config(args, config, flags, cuda=cuda)
         mask = AttnMaskType.causal if config.attention_mask == "causal" else AttnMaskType.no_mask
         model_config.transformer_layer_spec = functools.partial(get_paradyse_layer_spec, attn_mask_type=mask)

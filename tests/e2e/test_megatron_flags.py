@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_paradyse import pretrain_gpt
 from megatron_paradyse.cost.correction import TimeCorrections
 from megatron_paradyse.run.log import read_jsonl
 
@@ -42,21 +43,15 @@ def _refused(config: Path, flags: list[str], error: str) -> None:
     assert "initializing torch distributed" not in result.stdout
 
 
-def test_help_lists_megatrons_flags_and_ours(tmp_path):
+def test_help_lists_megatrons_flags_and_ours(tmp_path, capsys):
     for argv in (["--help"], ["--paradyse-config", str(tmp_path / "none.yaml"), "-h"]):
-        result = subprocess.run(
-            [sys.executable, "-m", "megatron_paradyse.pretrain_gpt", *argv],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert result.stdout.startswith("usage: pretrain_gpt ")
-        assert "paradyse:\n  megatron-paradyse (see docs/configs.md)\n\n  --paradyse-config FILE" in result.stdout
+        assert pretrain_gpt.main(argv) == 0
+        stdout = capsys.readouterr().out
+        assert stdout.startswith("usage: pretrain_gpt ")
+        assert "paradyse:\n  megatron-paradyse (see docs/configs.md)\n\n  --paradyse-config FILE" in stdout
         # Megatron's own, the one whose help text has a bare "%" among them
-        assert "--tensor-model-parallel-size" in result.stdout
-        assert "(e.g. 1.10 = 10%)" in " ".join(result.stdout.split())
+        assert "--tensor-model-parallel-size" in stdout
+        assert "(e.g. 1.10 = 10%)" in " ".join(stdout.split())
 
 
 def test_tp1_trains_choosing_recompute_only(tmp_path, cache_p2):

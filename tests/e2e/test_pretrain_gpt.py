@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -82,40 +80,38 @@ def test_a_config_error_is_a_message_and_exit_code_2(tmp_path, capsys):
     assert capsys.readouterr().err == "paradyse: error: --paradyse-config FILE is required (see docs/configs.md)\n"
 
 
-def _single_rank(config: Path, *flags: str) -> subprocess.CompletedProcess:
-    """``python -m megatron_paradyse.pretrain_gpt`` as rank 0 of 1, without torchrun."""
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    command = [sys.executable, "-m", "megatron_paradyse.pretrain_gpt", "--paradyse-config", str(config), *flags]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+def _refusal(capsys, config: Path, *flags: str) -> str:
+    """What ``pretrain_gpt.main`` prints to stderr as one process, not launched (no process group is
+    made when it refuses); it must refuse with exit code 2."""
+    assert pretrain_gpt.main(["--paradyse-config", str(config), *flags]) == 2
+    captured = capsys.readouterr()
+    assert not torch.distributed.is_initialized() and "initializing torch distributed" not in captured.out
+    return captured.err
 
 
-def test_megatron_arguments_that_cannot_work_are_refused_before_any_process_group(tmp_path, cache):
+def test_megatron_arguments_that_cannot_work_are_refused_before_any_process_group(tmp_path, cache, capsys):
     config = _write_config(tmp_path / "cfg.yaml", cache, data={"max_len": 512})
     one_rank = [*SMALL_GPT, "--tensor-model-parallel-size", "1", "--train-iters", "2"]
-    result = _single_rank(
-        config, *one_rank, "--micro-batch-size", "2", "--global-batch-size", "2", "--seq-length", "256"
+    stderr = _refusal(
+        capsys, config, *one_rank, "--micro-batch-size", "2", "--global-batch-size", "2", "--seq-length", "256"
     )
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.endswith(
+    assert stderr.endswith(
         "paradyse: error: the Megatron arguments do not fit this entry point:\n"
         "  - --micro-batch-size: a micro-batch is one row (one document or a packing); got 2, leave it out or set 1\n"
         "  - --seq-length 256 is shorter than the longest micro-batch, 512 tokens (data.token_budget or "
         "data.max_len); leave it out\n"
     )
-    assert "initializing torch distributed" not in result.stdout
 
-    result = _single_rank(config, *one_rank, "--eval-interval", "2")  # never silently without validation
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.endswith(
+    stderr = _refusal(capsys, config, *one_rank, "--eval-interval", "2")  # never silently without validation
+    assert stderr.endswith(
         "paradyse: error: the Megatron arguments do not fit this entry point:\n"
         "  - --eval-interval 2 without --eval-iters: no validation would run; add --eval-iters N (validation "
         "steps per evaluation, N > 0), or leave --eval-interval out\n"
     )
 
     # their memory is not counted
-    result = _single_rank(config, *one_rank, "--optimizer", "lion", "--qk-l2-norm", "--cross-entropy-loss-fusion")
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.endswith(
+    stderr = _refusal(capsys, config, *one_rank, "--optimizer", "lion", "--qk-l2-norm", "--cross-entropy-loss-fusion")
+    assert stderr.endswith(
         "paradyse: error: the Megatron arguments do not fit this entry point:\n"
         "  - --qk-l2-norm: the planner counts the memory of q/k norms of --normalization's kind (--qk-layernorm), "
         "not Megatron's L2 norm; got True, leave it out or set False\n"
@@ -127,8 +123,7 @@ def test_megatron_arguments_that_cannot_work_are_refused_before_any_process_grou
     # 1 MiB per rank: less than the weights, gradients and Adam state (16 B per parameter, fp32) and the
     # step's working set (torch's for-loop AdamW on CPU: three fp32 copies of the largest parameter)
     small = _write_config(tmp_path / "small.yaml", cache, data={"max_len": 512}, memory={"budget_gib": 1 / 1024})
-    result = _single_rank(small, *one_rank)
-    assert result.returncode == 2, result.stderr[-3000:]
+    stderr = _refusal(capsys, small, *one_rank)
     refused = re.search(
         r"paradyse: error: the memory budget \(0.000977 GiB per rank\) cannot hold what every plan holds:\n"
         r"  - pipeline stage 0: ([\d.e-]+) GiB of weights, gradients and optimizer state, and ([\d.e-]+) GiB more "
@@ -136,16 +131,14 @@ def test_megatron_arguments_that_cannot_work_are_refused_before_any_process_grou
         r"what would fit: more tensor- or pipeline-parallel ranks, the distributed optimizer over data-parallel ranks "
         r"\(--use-distributed-optimizer\), Transformer Engine or apex installed \(a fused optimizer step needs no "
         r"working set\), or a larger memory.budget_gib\n$",
-        result.stderr,
+        stderr,
     )
-    assert refused, result.stderr[-3000:]
+    assert refused, stderr[-3000:]
     step = float(refused.group(2)) * 2**30
     assert step == pytest.approx(3 * 4 * 384 * 64, rel=5e-3)  # the embedding: 258 tokens padded to 384 rows, fp32
-    assert "initializing torch distributed" not in result.stdout
 
-    result = _single_rank(config, *one_rank, "--save", str(tmp_path / "ckpt"))  # Megatron's own check
-    assert result.returncode == 2
-    assert result.stderr.endswith(
+    stderr = _refusal(capsys, config, *one_rank, "--save", str(tmp_path / "ckpt"))  # Megatron's own check
+    assert stderr.endswith(
         "paradyse: error: Megatron's argument check failed: assert args.save_interval is not None (arguments.py:1322)\n"
     )
 
