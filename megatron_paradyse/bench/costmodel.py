@@ -37,7 +37,8 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from megatron_paradyse.calibration.calibrate import REFERENCE_SHAPE, calibrate, correction_layers
+from megatron_paradyse.calibration.calibrate import calibrate
+from megatron_paradyse.calibration.grid import REFERENCE_SHAPE, correction_layers
 from megatron_paradyse.calibration.measure import measure_layer
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.multiprocess import run_on_ranks

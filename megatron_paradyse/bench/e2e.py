@@ -124,7 +124,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_paradyse.bench.memory import PAIRINGS
-from megatron_paradyse.calibration.calibrate import cached_quick_profile
+from megatron_paradyse.calibration.startup import cached_quick_profile
 from megatron_paradyse.core.memory import peak_bytes_of, storage_bytes
 from megatron_paradyse.core.micro_batch import MicroBatch
 from megatron_paradyse.core.multiprocess import run_on_ranks
@@ -955,7 +955,7 @@ def _corpus(name: str, args: argparse.Namespace) -> Corpus:
 
 def _profile(args: argparse.Namespace) -> tuple[dict, str]:
     """The ``--profile`` given, or the quick one with its fitted correction, read from or calibrated into
-    ``--cache-dir`` (:func:`~megatron_paradyse.calibration.calibrate.cached_quick_profile`)."""
+    ``--cache-dir`` (:func:`~megatron_paradyse.calibration.startup.cached_quick_profile`)."""
     if args.profile is not None:
         return load_profile(args.profile, p=args.p, check_machine=False), str(args.profile)
     profile = cached_quick_profile(args.cache_dir, args.p, device="cpu", dtype=torch.float32)

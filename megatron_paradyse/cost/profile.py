@@ -24,7 +24,7 @@ all times in seconds, sizes in bytes::
                             "fitted_on": ["tp_sp/tp_sp@512", ...],
                             "metered": bool},         # optional: its layers timed under the memory meter
       "model": null | {"shape": {...}, "p": int,      # optional: the model whose own GEMMs and attention
-                       "longest": int},               # were measured too (calibrate.model_grid)
+                       "longest": int},               # were measured too (calibration.grid.model_grid)
       "samples": {...}                                # the raw measurements the fits came from
     }
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_paradyse.calibration.calibrate import startup_profile
+from megatron_paradyse.calibration.startup import startup_profile
 from megatron_paradyse.config import DataSection, ParadyseConfig, load_config
 from megatron_paradyse.core.allocator import expandable_segments_off
 from megatron_paradyse.core.comm import StepGroup, warm_communicators

@@ -107,6 +107,7 @@ def test_bench_layer_prints_the_cost_models_time_beside_the_measured(tmp_path, m
     predicted/measured ratio. A profile it cannot read stops it before anything is timed."""
     from megatron_paradyse.bench.layer import MODELS
     from megatron_paradyse.calibration import calibrate as calibration
+    from megatron_paradyse.calibration import grid as grids
     from megatron_paradyse.core.layout import SequenceLayout
     from megatron_paradyse.core.plan import LayerOption
     from megatron_paradyse.cost.analytic import AnalyticCostModel
@@ -114,7 +115,7 @@ def test_bench_layer_prints_the_cost_models_time_beside_the_measured(tmp_path, m
 
     from helpers.cost_profiles import TINY_GRID
 
-    monkeypatch.setitem(calibration.GRIDS, "quick", TINY_GRID)
+    monkeypatch.setitem(grids.GRIDS, "quick", TINY_GRID)
     path = tmp_path / "profile.json"
     save_profile(calibration.calibrate((1,), grid="quick", dtype=torch.bfloat16, show_progress=False), path)
     result = _bench(

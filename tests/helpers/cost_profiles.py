@@ -4,7 +4,7 @@ a test."""
 
 from __future__ import annotations
 
-from megatron_paradyse.calibration import calibrate as calibration
+from megatron_paradyse.calibration import grid as grids
 from megatron_paradyse.cost.profile import PROFILE_SCHEMA, fingerprint
 from megatron_paradyse.strategies import ModelShape
 
@@ -48,7 +48,7 @@ def synthetic_profile(p_values=(2, 4)) -> dict:
     }
 
 
-TINY_GRID = calibration.Grid(
+TINY_GRID = grids.Grid(
     gemm_m=(32, 256),
     gemm_nk=((128, 128), (384, 128)),
     attention_blocks=((64, 2), (256, 1)),

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from megatron_paradyse.calibration import calibrate as calibration
+from megatron_paradyse.calibration import fit, samples, startup
+from megatron_paradyse.calibration import grid as grids
 from megatron_paradyse.core.memory import PeakMemory
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.cost.profile import load_profile
@@ -57,16 +59,16 @@ def _startup_on_tp_groups(rank: int, world: int, cache_dir: str, failing_ranks: 
     from megatron_paradyse.calibration import measure
     from megatron_paradyse.cost.profile import ProfileError
 
-    calibration.GRIDS["quick"] = TINY_GRID
+    grids.GRIDS["quick"] = TINY_GRID
     calibration.run_on_ranks = _refuse_to_start_processes
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     tp_group = pairs[rank // 2]
     if rank in failing_ranks:
-        get_kernel = calibration.get_kernel
-        calibration.get_kernel = lambda *args: _OutOfMemoryFrom256Tokens(get_kernel(*args))
+        get_kernel = samples.get_kernel
+        samples.get_kernel = lambda *args: _OutOfMemoryFrom256Tokens(get_kernel(*args))
 
     def profile(metered: bool = False) -> dict:
-        return calibration.startup_profile(
+        return startup.startup_profile(
             cache_dir,
             tp_group,
             dist.group.WORLD,
@@ -83,7 +85,7 @@ def _startup_on_tp_groups(rank: int, world: int, cache_dir: str, failing_ranks: 
         return str(e)
     measure.PeakMemory = _CountedMeterWindows
     metered = profile(metered=True)
-    calibration._measure_samples = _refuse_to_start_processes  # the last run measures nothing
+    calibration.measure_samples = _refuse_to_start_processes  # the last run measures nothing
     return first, profile(), metered, _CountedMeterWindows.entered
 
 
@@ -97,17 +99,15 @@ def test_a_job_calibrates_on_its_own_tensor_parallel_groups_and_every_rank_plans
     measured, cached, metered, windows = zip(*per_rank)
     assert all(p == measured[0] for p in measured) and all(p == cached[0] for p in cached)
     assert all(p == metered[0] for p in metered)
-    saved = (
-        tmp_path / f"cost-profile-quick-corrected-cpu-p2-{dtype}-model{calibration.model_key(CALIBRATED_LAYER)}.json"
-    )
+    saved = tmp_path / f"cost-profile-quick-corrected-cpu-p2-{dtype}-model{grids.model_key(CALIBRATED_LAYER)}.json"
     assert cached[0] == load_profile(saved, p=2)
     written = {"schema", "version", "created"}
     assert {k: v for k, v in cached[0].items() if k not in written} == json.loads(json.dumps(measured[0]))
     saved_metered = load_profile(saved.with_name(f"{saved.stem}-metered.json"), p=2)
     assert {k: v for k, v in saved_metered.items() if k not in written} == json.loads(json.dumps(metered[0]))
     # every timed run of every correction layer at every length, on each rank: a window of the meter
-    lengths = calibration.model_grid(TINY_GRID, CALIBRATED_LAYER, 2, 256, "cpu").correction_lengths
-    assert windows == (len(calibration.correction_layers()) * len(lengths) * 3,) * 4
+    lengths = grids.model_grid(TINY_GRID, CALIBRATED_LAYER, 2, 256, "cpu").correction_lengths
+    assert windows == (len(grids.correction_layers()) * len(lengths) * 3,) * 4
     assert (measured[0]["correction"]["metered"], metered[0]["correction"]["metered"]) == (False, True)
     profile = measured[0]
     assert (
@@ -120,9 +120,9 @@ def test_a_job_calibrates_on_its_own_tensor_parallel_groups_and_every_rank_plans
             "longest": 256,
         }
     )
-    assert set(profile["collectives"]) == {"2"} and profile["correction"]["compute"] >= calibration.MIN_SCALE
-    grid = calibration.model_grid(TINY_GRID, CALIBRATED_LAYER, 2, 256, "cpu")
-    assert [(g["m"], g["n"], g["k"]) for g in profile["samples"]["gemm"]] == calibration._gemm_shapes(grid)
+    assert set(profile["collectives"]) == {"2"} and profile["correction"]["compute"] >= fit.MIN_SCALE
+    grid = grids.model_grid(TINY_GRID, CALIBRATED_LAYER, 2, 256, "cpu")
+    assert [(g["m"], g["n"], g["k"]) for g in profile["samples"]["gemm"]] == samples.gemm_shapes(grid)
 
 
 @pytest.mark.parametrize(

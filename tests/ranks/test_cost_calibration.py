@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from megatron_paradyse.calibration import calibrate as calibration
+from megatron_paradyse.calibration import fit, samples, startup
+from megatron_paradyse.calibration import grid as grids
 from megatron_paradyse.cli import main as cli_main
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.multiprocess import run_on_ranks
@@ -35,7 +37,7 @@ OPTIONS = [
 
 
 def test_calibrate_writes_a_profile_the_model_reads(tmp_path, monkeypatch, capfd):
-    monkeypatch.setitem(calibration.GRIDS, "quick", TINY_GRID)
+    monkeypatch.setitem(grids.GRIDS, "quick", TINY_GRID)
     path = tmp_path / "profile.json"
     assert cli_main(["calibrate", "--output", str(path), "--p", "2", "--grid", "quick", "--fit-correction"]) == 0
     assert "[##############################] 29/29" in capfd.readouterr().err  # rank 0's progress bar finished
@@ -83,7 +85,7 @@ def test_calibrate_writes_a_profile_the_model_reads(tmp_path, monkeypatch, capfd
 
 def test_calibrate_for_one_rank(tmp_path, monkeypatch):
     """TP=1: kernels only, no collectives, nothing to overlap; the model prices p=1 from it."""
-    monkeypatch.setitem(calibration.GRIDS, "quick", TINY_GRID)
+    monkeypatch.setitem(grids.GRIDS, "quick", TINY_GRID)
     path = tmp_path / "profile.json"
     assert cli_main(["calibrate", "--output", str(path), "--p", "1", "--grid", "quick", "--quiet"]) == 0
     profile = load_profile(path, p=1, host_link=True)
@@ -97,7 +99,7 @@ def test_calibrate_for_one_rank(tmp_path, monkeypatch):
 def _sample_of_uneven_ranks(rank: int, world: int) -> float:
     import torch
 
-    return calibration._median_time(lambda: time.sleep(0.001 + 0.004 * rank), 3, torch.device("cpu"))
+    return samples.median_time(lambda: time.sleep(0.001 + 0.004 * rank), 3, torch.device("cpu"))
 
 
 def test_a_sample_is_the_slowest_ranks_time():
@@ -116,7 +118,7 @@ def test_a_models_grid_measures_every_gemm_its_layers_are_priced_with(p):
     """On an H200 the generic grid's GEMMs were all launch overhead: its fit priced no FLOP, and four
     Llama-3-8B layers at 64K tokens were predicted at 11.2 s against 2.7 s measured."""
     longest = 131072
-    grid = calibration.model_grid(TINY_GRID, LLAMA3_8B, p, longest, "cuda")
+    grid = grids.model_grid(TINY_GRID, LLAMA3_8B, p, longest, "cuda")
     measured = {(n, k) for _, n, k in grid.gemms}
     d = Dims(LLAMA3_8B, p, 8192, 1, 2)
     layout = SequenceLayout.build(8192, p, causal=True)
@@ -128,7 +130,7 @@ def test_a_models_grid_measures_every_gemm_its_layers_are_priced_with(p):
         for g in (*sub.gemms, *sub.recompute_gemms)
     }
     assert priced <= measured
-    cap = calibration.SAMPLE_FLOPS["cuda"]
+    cap = grids.SAMPLE_FLOPS["cuda"]
     ladder = [256 * 4**i for i in range(5)] + [longest]  # 256 to 65536 tokens, then the longest
     for n, k in measured:  # each shape from 256 tokens up to as many as the cap allows
         tokens = sorted(m for m, n2, k2 in grid.gemms if (n2, k2) == (n, k))
@@ -140,22 +142,22 @@ def test_a_models_grid_measures_every_gemm_its_layers_are_priced_with(p):
     # an H200 one head of 8K tokens left most of the GPU idle; a CPU's rate does not depend on the count
     assert blocks[8192, True] == blocks[8192, False] == 32 and blocks[32768, True] == 14
     assert blocks[32768, False] == 7  # and 131,072 tokens: one head is over the cap
-    cpu_blocks = calibration.model_grid(TINY_GRID, LLAMA3_8B, p, longest, "cpu").attention_calls
+    cpu_blocks = grids.model_grid(TINY_GRID, LLAMA3_8B, p, longest, "cpu").attention_calls
     assert {heads for heads, *_ in cpu_blocks} == {1}
     # the correction's layers: the grid's lengths, and on a GPU 4x the longest (the grid's are launch overhead)
     assert grid.correction_lengths == (64, 128, 512)
     # one activation (fp32 bytes) at each token count, up to 2 GiB: a 16 MB add is launch overhead on a GPU
     generic = {4 << 10, 256 << 10, 4 << 20, 16 << 20}
     assert grid.elementwise_bytes == tuple(sorted(generic | {m * 4096 * 4 for m in ladder}))
-    cpu = calibration.model_grid(TINY_GRID, LLAMA3_8B, p, longest, "cpu")  # up to 256 MiB
+    cpu = grids.model_grid(TINY_GRID, LLAMA3_8B, p, longest, "cpu")  # up to 256 MiB
     assert cpu.elementwise_bytes == tuple(sorted(generic | {m * 4096 * 4 for m in ladder[:4]}))
     assert cpu.correction_lengths == (64, 128)
-    assert calibration.model_grid(TINY_GRID, LLAMA3_8B, p, 100, "cuda").correction_lengths == (64, 100)
+    assert grids.model_grid(TINY_GRID, LLAMA3_8B, p, 100, "cuda").correction_lengths == (64, 100)
 
 
 def test_calibrate_measures_the_configs_model(tmp_path, monkeypatch, capsys):
     """``--config``: the model's own GEMMs and attention, up to its longest micro-batch, its TP size and dtype."""
-    monkeypatch.setitem(calibration.GRIDS, "quick", TINY_GRID)
+    monkeypatch.setitem(grids.GRIDS, "quick", TINY_GRID)
     config = tmp_path / "cfg.yaml"
     config.write_text(
         "data: {max_len: 1024}\n"
@@ -190,11 +192,11 @@ def test_calibrate_measures_the_configs_model(tmp_path, monkeypatch, capsys):
 def test_the_cached_profile_of_a_model_serves_every_length_it_measured(tmp_path, monkeypatch, capsys):
     """Start-up calibration (no cost.profile) keeps one profile per layer: calibrated up to 512 tokens, it
     serves a job whose longest micro-batch is 256, and is measured again, up to 1024, for one of 1024."""
-    monkeypatch.setitem(calibration.GRIDS, "quick", TINY_GRID)
+    monkeypatch.setitem(grids.GRIDS, "quick", TINY_GRID)
     shape = ModelShape(hidden_size=64, num_attention_heads=4, num_query_groups=4, kv_channels=16, ffn_hidden_size=128)
 
     def profile(longest: int) -> dict:
-        return calibration.cached_quick_profile(
+        return startup.cached_quick_profile(
             tmp_path, 1, device="cpu", dtype=torch.float32, shape=shape, longest=longest
         )
 
@@ -220,7 +222,7 @@ def _calibrate_as_one_of_eight(rank: int, world: int, links: dict) -> dict | str
 
     from megatron_paradyse.mcore.trace import fake_world
 
-    calibration.GRIDS["quick"] = TINY_GRID
+    grids.GRIDS["quick"] = TINY_GRID
     dist.destroy_process_group()
     with fake_world(0, 8):
         try:
@@ -261,15 +263,15 @@ def test_one_device_calibrates_the_compute_of_one_rank_of_eight_with_the_links_o
         "`paradyse calibrate --p 8`"
     )
     assert profile["concurrency"] == 8 and profile["model"]["p"] == 8 and profile["dtype"] == "bfloat16"
-    grid = calibration.model_grid(TINY_GRID, CALIBRATED_LAYER, 8, 512, "cpu")
-    assert [(g["m"], g["n"], g["k"]) for g in profile["samples"]["gemm"]] == calibration._gemm_shapes(grid)
+    grid = grids.model_grid(TINY_GRID, CALIBRATED_LAYER, 8, 512, "cpu")
+    assert [(g["m"], g["n"], g["k"]) for g in profile["samples"]["gemm"]] == samples.gemm_shapes(grid)
     assert profile["samples"]["collectives"] == {} and profile["collectives"] == {"8": links["collectives"]["8"]}
     assert profile["ring_overlap"] == links["ring_overlap"] == 0.9
     assert profile["links"] == {"fingerprint": links["fingerprint"], "grid": "published"}
     correction = profile["correction"]  # fitted on compute alone: the fake group's collectives took no time
     assert correction["comm"] == 1.0 and correction["per_sync_s"] == 0.0
-    assert correction["compute"] >= calibration.MIN_SCALE
-    layers = [f"{option}@{s}" for s in grid.correction_lengths for option in calibration.correction_layers()]
+    assert correction["compute"] >= fit.MIN_SCALE
+    layers = [f"{option}@{s}" for s in grid.correction_lengths for option in grids.correction_layers()]
     assert grid.correction_lengths == (64, 128) and correction["fitted_on"] == layers
 
 
@@ -312,7 +314,7 @@ def test_calibrating_one_rank_on_a_fake_group_refuses_what_it_cannot_measure(tmp
 def test_one_gpu_calibrates_a_rank_of_eight_of_the_configs_model(tmp_path, monkeypatch):
     """``paradyse calibrate --config --fake-group --links h100``: this GPU's compute at TP=8 shapes in bf16,
     the published node's links; the profile prices the config's model at p=8."""
-    monkeypatch.setitem(calibration.GRIDS, "quick", TINY_GRID)
+    monkeypatch.setitem(grids.GRIDS, "quick", TINY_GRID)
     config = tmp_path / "cfg.yaml"
     config.write_text(
         "data: {max_len: 4096}\n"
@@ -344,7 +346,7 @@ def test_attention_is_timed_on_blocks_laid_out_as_the_strategies_hand_them_over(
     recorder = DenseLayoutRecorder()
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
-        calibration._time_attention(recorder, 2, 8, 16, 16, True, 1, torch.device("cpu"), torch.float32, None)
+        samples.time_attention(recorder, 2, 8, 16, 16, True, 1, torch.device("cpu"), torch.float32, None)
     finally:
         torch.distributed.destroy_process_group()
     assert recorder.dense and set(recorder.dense) == {(True, True, True)}
