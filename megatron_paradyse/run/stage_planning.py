@@ -22,6 +22,7 @@ __all__ = [
     "StageBudget",
     "cross_entropy_problem",
     "forwards_in_flight",
+    "forwards_in_flight_message",
     "kept_between_micro_batches_bytes",
     "recompute_only",
     "stage_cost_models",
@@ -212,3 +213,31 @@ def recompute_only(planner_config):
     """At TP=1 one rank holds the whole sequence and every strategy runs the same computation: plans
     choose recompute per layer only."""
     return dataclasses.replace(planner_config, pairs=("tp_sp/tp_sp",), attention=None, mlp=None)
+
+
+def forwards_in_flight_message(args: argparse.Namespace, transformer, on_infeasible: str) -> str | None:
+    """Where the pipeline schedule keeps several forwards on a stage, the line that says how the planner
+    budgets them (:func:`forwards_in_flight`; by each step's longest micro-batch where the
+    step is known before it runs, :meth:`PlannedMicroBatches.check_step`)."""
+    pp, virtual_stages, micro_batches = (
+        args.pipeline_model_parallel_size,
+        args.virtual_pipeline_model_parallel_size,
+        step_micro_batches(args),
+    )
+    in_flight = forwards_in_flight(pp, micro_batches, virtual_stages, transformer.microbatch_group_size_per_vp_stage)
+    if max(in_flight) < 2:
+        return None
+    if virtual_stages is None:
+        schedule, held = "1F1B", "micro-batches"
+    else:
+        schedule, held = f"the interleaved schedule ({virtual_stages} chunks a stage)", "model chunks of micro-batches"
+    return (
+        f"paradyse: PP={pp}: with {micro_batches} micro-batches per step under {schedule}, pipeline stages "
+        f"0..{pp - 1} hold activations of up to {', '.join(map(str, in_flight))} {held} at once: each may hold "
+        + (
+            f"what the step's longest micro-batch (at most --seq-length {args.seq_length} tokens) holds"
+            if on_infeasible == "stop"
+            else f"what a micro-batch of --seq-length {args.seq_length} tokens holds"
+        )
+        + " under the fastest plan that fits that many of it, and peak in what the others leave"
+    )

@@ -25,6 +25,7 @@ import torch.distributed as dist
 __all__ = [
     "StartupError",
     "agree",
+    "attempt",
     "distributed_launch",
     "distributed_settings",
     "init_distributed",
@@ -109,3 +110,14 @@ def leaving_process_groups() -> Iterator[None]:
 def _leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def attempt(fn):
+    """``(fn(), None)``, or ``(None, what went wrong)`` for the errors of reading a file or a dataset: the
+    one-line description :func:`agree` shares."""
+    try:
+        return fn(), None
+    except ValueError as e:
+        return None, str(e)
+    except OSError as e:
+        return None, f"{type(e).__name__}: {e}"

@@ -31,21 +31,19 @@ from typing import NoReturn
 
 import torch
 
-from megatron_paradyse.calibration.calibrate import startup_profile
-from megatron_paradyse.config import ParadyseConfig
+from megatron_paradyse.calibration.startup import startup_profile
 from megatron_paradyse.core.allocator import expandable_segments_off
 from megatron_paradyse.core.memory import device_memory_bytes
 from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
 from megatron_paradyse.cost.correction import TimeCorrections
-from megatron_paradyse.data import DocumentDataset, DynamicSequenceLoader, LoaderConfig
-from megatron_paradyse.data.corpora import build_code_corpus, build_dna_corpus
-from megatron_paradyse.data.subset import DocumentSubset, split_documents, split_fractions, spread_by_length
+from megatron_paradyse.data import DynamicSequenceLoader, LoaderConfig
 from megatron_paradyse.mcore import compat
 from megatron_paradyse.mcore.chunked_loss import output_processor
 from megatron_paradyse.mcore.model_shape import model_shape
 from megatron_paradyse.mcore.step_buffers import release_step_buffers
 from megatron_paradyse.planner.planner import ForwardOnlyCost
 from megatron_paradyse.run.agreement import check_ranks_agree
+from megatron_paradyse.run.documents import BUILT_IN, build_corpus, open_documents, split_for_training, split_source
 from megatron_paradyse.run.fault import STATE_FILE, FaultWatch
 from megatron_paradyse.run.job import Job
 from megatron_paradyse.run.log import (
@@ -63,12 +61,11 @@ from megatron_paradyse.run.log import (
 )
 from megatron_paradyse.run.planned_loader import PlannedMicroBatches, ResumeError
 from megatron_paradyse.run.stage_planning import (
-    forwards_in_flight,
+    forwards_in_flight_message,
     stage_planner,
-    step_micro_batches,
     step_stage_budgets,
 )
-from megatron_paradyse.run.startup import agree
+from megatron_paradyse.run.startup import agree, attempt
 
 from megatron.core import parallel_state as mpu
 from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -131,15 +128,15 @@ class TrainingRun:
         rank raises :class:`~megatron_paradyse.run.startup.StartupError` if one fails."""
         config, local_rank = self.job.config, self.job.args.local_rank
         problem = None
-        if config.data.dataset in _BUILT_IN and local_rank in (0, None):
-            _, problem = _attempt(lambda: _build_corpus(config))
+        if config.data.dataset in BUILT_IN and local_rank in (0, None):
+            _, problem = attempt(lambda: build_corpus(config))
         agree(problem)  # then the other ranks of the node read what its first rank built
-        opened, problem = _attempt(lambda: _open_dataset(config))
+        opened, problem = attempt(lambda: open_documents(config))
         if problem is None:
             documents, whole = opened
-            _, problem = _attempt(lambda: whole.check_token_ids(get_tokenizer().vocab_size))
+            _, problem = attempt(lambda: whole.check_token_ids(get_tokenizer().vocab_size))
         if problem is None:
-            self.datasets, problem = _attempt(lambda: _split(documents, self.job.args, config.data.seed))
+            self.datasets, problem = attempt(lambda: split_for_training(documents, self.job.args, config.data.seed))
         agree(problem)
 
     # provider ----------------------------------------------------------------------------------
@@ -234,7 +231,8 @@ class TrainingRun:
                 flush=True,
             )
         if not self.iterators and torch.distributed.get_rank() == 0:  # once
-            _say_how_forwards_in_flight_are_budgeted(args, job.model_config.transformer, planner_config.on_infeasible)
+            if message := forwards_in_flight_message(args, job.model_config.transformer, planner_config.on_infeasible):
+                print(message, flush=True)
             missing = compat.missing_fused_libraries()
             if missing:
                 print(f"paradyse: {missing}", flush=True)
@@ -256,7 +254,7 @@ class TrainingRun:
         profile = job.profile if job.profile is not None else _calibrate_once(job)
         self.cost_models = job.cost_models(profile)
         self.footprints = job.footprints()
-        allocator_bytes, problem = _attempt(job.measure_budget)  # the same on every rank: agreed capacity
+        allocator_bytes, problem = attempt(job.measure_budget)  # the same on every rank: agreed capacity
         agree(problem)
         inputs = {
             "config": job.config,
@@ -271,7 +269,7 @@ class TrainingRun:
             counts = {name: 0 if docs is None else len(docs) for name, docs in self.datasets.items()}
             print(
                 f"paradyse: documents: {counts['train']} for training, {counts['valid']} for validation, "
-                f"{counts['test']} for test ({_split_source(job.args)}); validation micro-batches are planned "
+                f"{counts['test']} for test ({split_source(job.args)}); validation micro-batches are planned "
                 f"for forward-only passes and kept out of the table",
                 flush=True,
             )
@@ -563,100 +561,6 @@ class TrainingRun:
             print(f"paradyse: wrote {self.job.config.log.plot}", flush=True)
 
 
-_BUILT_IN = ("code", "dna")
-
-
-def _build_corpus(config: ParadyseConfig) -> str:
-    """The prefix of the built-in corpus ``data.dataset``, built into ``data.cache_dir`` if it is not there."""
-    data = config.data
-    if data.dataset == "code":
-        return build_code_corpus(data.cache_dir)
-    return build_dna_corpus(data.cache_dir, num_sequences=data.dna_sequences, max_len=data.max_len, seed=data.seed)
-
-
-def _open_dataset(config: ParadyseConfig):
-    """(the training documents, the whole dataset they come from)."""
-    data = config.data
-    # built: now only resolves (and checks) the cached prefix
-    dataset = DocumentDataset(_build_corpus(config) if data.dataset in _BUILT_IN else data.dataset)
-    if data.num_documents is None:
-        return dataset, dataset
-    docs = spread_by_length(dataset.lengths, data.num_documents, data.min_len, data.max_len)
-    return DocumentSubset(dataset, docs), dataset
-
-
-_DEFAULT_VALIDATION = 0.02
-"""Without ``--split``, validation takes this fraction of the documents (at least one), test none."""
-
-
-def _split(documents, args, seed: int) -> dict:
-    """The documents of training, validation and test, as ``--split`` shares them (every rank alike).
-    Without ``--split`` and without evaluation (``--eval-iters 0``) all train."""
-    if args.split is None and not args.eval_iters:
-        return {"train": documents, "valid": None, "test": None}
-    n = len(documents.lengths)
-    if args.split is None:
-        held = max(1, round(_DEFAULT_VALIDATION * n))
-        fractions = ((n - held) / n, held / n, 0.0)
-    else:
-        fractions = split_fractions(args.split)
-    parts = dict(zip(("train", "valid", "test"), split_documents(n, fractions, seed)))
-    needed = ["train"] + ["valid"] * bool(args.eval_iters)
-    empty = [name for name in needed if not len(parts[name])]
-    if empty:
-        raise ValueError(
-            f"{_split_source(args)} of {n} documents leaves none for {' and '.join(empty)}: give that split a "
-            f"larger share (--split), or use more documents (data.num_documents)"
-        )
-    return {name: DocumentSubset(documents, docs) if len(docs) else None for name, docs in parts.items()}
-
-
-def _split_source(args) -> str:
-    if args.split is None:
-        return f"the default split, {_DEFAULT_VALIDATION:.0%} of the documents for validation (at least one)"
-    return f"--split {args.split}"
-
-
-def _attempt(fn):
-    """``(fn(), None)``, or ``(None, what went wrong)`` for the errors of reading a file or a dataset: the
-    one-line description :func:`~megatron_paradyse.run.startup.agree` shares."""
-    try:
-        return fn(), None
-    except ValueError as e:
-        return None, str(e)
-    except OSError as e:
-        return None, f"{type(e).__name__}: {e}"
-
-
-def _say_how_forwards_in_flight_are_budgeted(args, transformer, on_infeasible: str) -> None:
-    """Where the pipeline schedule keeps several forwards on a stage, say how the planner budgets them
-    (:func:`~megatron_paradyse.run.stage_planning.forwards_in_flight`; by each step's longest micro-batch where the
-    step is known before it runs, :meth:`PlannedMicroBatches.check_step`)."""
-    pp, virtual_stages, micro_batches = (
-        args.pipeline_model_parallel_size,
-        args.virtual_pipeline_model_parallel_size,
-        step_micro_batches(args),
-    )
-    in_flight = forwards_in_flight(pp, micro_batches, virtual_stages, transformer.microbatch_group_size_per_vp_stage)
-    if max(in_flight) < 2:
-        return
-    if virtual_stages is None:
-        schedule, held = "1F1B", "micro-batches"
-    else:
-        schedule, held = f"the interleaved schedule ({virtual_stages} chunks a stage)", "model chunks of micro-batches"
-    print(
-        f"paradyse: PP={pp}: with {micro_batches} micro-batches per step under {schedule}, pipeline stages "
-        f"0..{pp - 1} hold activations of up to {', '.join(map(str, in_flight))} {held} at once: each may hold "
-        + (
-            f"what the step's longest micro-batch (at most --seq-length {args.seq_length} tokens) holds"
-            if on_infeasible == "stop"
-            else f"what a micro-batch of --seq-length {args.seq_length} tokens holds"
-        )
-        + " under the fastest plan that fits that many of it, and peak in what the others leave",
-        flush=True,
-    )
-
-
 def _meters_memory(job: Job) -> bool:
     """Whether the job measures each micro-batch's peak: ``log.measure``, where a micro-batch's peak is its
     own (nothing else runs between its forward and backward: one pipeline stage)."""
@@ -666,7 +570,7 @@ def _meters_memory(job: Job) -> bool:
 def _calibrate_once(job: Job) -> dict:
     """No ``cost.profile``: the quick profile with its correction fitted on the model's layers, read from
     the data cache or measured by every tensor-parallel group on itself, in the job's own processes
-    (:func:`~megatron_paradyse.calibration.calibrate.startup_profile`), its layers timed as the job's meter will
+    (:func:`~megatron_paradyse.calibration.startup.startup_profile`), its layers timed as the job's meter will
     time them; every rank plans from rank 0's. A failure on any rank raises on every rank."""
     transformer = job.model_config.transformer
     return startup_profile(
