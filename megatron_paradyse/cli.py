@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_paradyse.calibration.calibrate import calibrate, calibrate_on_group
-from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
+from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile, node_group
 from megatron_paradyse.cost.profile import load_profile, save_profile
 from megatron_paradyse.run import config_cli, plan_cli
 from megatron_paradyse.run.demo import main as demo_main
@@ -76,9 +76,10 @@ def _calibrate_one_rank_of(p: list[int], links: str | None, device: str, setting
             f"({', '.join(HARDWARE)})"
         )
     if links in HARDWARE:
-        if HARDWARE[links].p != p[0]:
-            raise ValueError(f"--links {links}: the published figures are for p={HARDWARE[links].p}, not {p[0]}")
-        link_profile = hardware_profile(HARDWARE[links])
+        try:
+            link_profile = hardware_profile(node_group(links, p[0]))
+        except ValueError as e:
+            raise ValueError(f"--links {links}: {e}") from None
     else:  # measured on the cluster, where this machine need not be
         link_profile = load_profile(links, p=p[0], check_machine=False)
     if not torch.cuda.is_available():

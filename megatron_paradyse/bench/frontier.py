@@ -13,7 +13,8 @@ the transformer layers alone (no vocabulary), the whole model with Megatron's ow
 model with the planner free to chunk the loss (:mod:`megatron_paradyse.mcore.chunked_loss`); then with
 host memory too, the planner free to offload recomputed layers' inputs (:mod:`megatron_paradyse.core.offload`,
 the config's ``planner.host_memory_gib`` per rank, over PCIe at the published rate); then the plan,
-predicted step time and the model FLOP utilisation it implies at 1M tokens, every lever allowed. Every
+predicted step time and the model FLOP utilisation it implies at 1M tokens, every lever allowed, and the
+utilisation at 128K tokens. Every
 column lets the planner run MLPs over sequence tiles (the config's ``planner.mlp_tile_tokens``,
 :mod:`megatron_paradyse.strategies.tiling`).
 
@@ -47,6 +48,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 LLAMA3_VOCAB = 128_256
 """Llama 3's tokenizer (Llama Team 2024)."""
 REPORT_TOKENS = 1_048_576
+LONG_TOKENS = 131_072
+"""A second length the utilisation is reported at (128K: where long-context training starts)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,6 +71,8 @@ class FrontierResult:
     """Predicted forward and backward time of the layers (and a chunked loss's recompute) at 1M tokens."""
     mfu_at_1m: float
     """:func:`training_flops` over that time and the node's peak."""
+    mfu_at_128k: float
+    """The same at :data:`LONG_TOKENS`, under the plan the planner chooses there."""
 
 
 def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
@@ -130,9 +135,14 @@ def frontier(gpu: NodeSpec, configs: Path) -> FrontierResult:
 
     chunking = config.planner.space.loss_chunk_tokens
     adaptive = planner(vocab, chunking, host_gib)
-    decision = adaptive.decide(SequenceLayout.build(REPORT_TOKENS, p, causal=True))
-    step_s = decision.plan.predicted_time_s
-    flops = training_flops(shape, layers, REPORT_TOKENS)
+
+    def utilisation(tokens: int) -> tuple[str, float, float]:
+        """(plan, predicted seconds, model FLOP utilisation) of one sequence of ``tokens``."""
+        plan = adaptive.decide(SequenceLayout.build(tokens, p, causal=True)).plan
+        seconds = plan.predicted_time_s
+        return plan.compact(), seconds, training_flops(shape, layers, tokens) / (seconds * p * gpu.peak_bf16_flops)
+
+    plan_at_1m, step_s, mfu_at_1m = utilisation(REPORT_TOKENS)
     return FrontierResult(
         gpu=gpu.name,
         layers_only_max_len=planner(0, 0).max_feasible_length(p, causal=True),
@@ -141,9 +151,10 @@ def frontier(gpu: NodeSpec, configs: Path) -> FrontierResult:
         max_len=adaptive.max_feasible_length(p, causal=True),
         host_gib_per_rank=host_gib,
         node_host_bytes=gpu.host_memory_bytes,
-        plan_at_1m=decision.plan.compact(),
+        plan_at_1m=plan_at_1m,
         step_s_at_1m=step_s,
-        mfu_at_1m=flops / (step_s * p * gpu.peak_bf16_flops),
+        mfu_at_1m=mfu_at_1m,
+        mfu_at_128k=utilisation(LONG_TOKENS)[2],
     )
 
 
@@ -155,6 +166,7 @@ def print_frontier(results: list[FrontierResult]) -> None:
         f"(of {results[0].node_host_bytes / 1e12:g} TB per node)"
     )
     head = ["gpu", "layers only", "Megatron's loss", "chunked loss", "+ offload", "plan at 1M tokens", "step s", "MFU"]
+    head += ["MFU at 128K"]
     rows = [
         [
             f.gpu,
@@ -165,6 +177,7 @@ def print_frontier(results: list[FrontierResult]) -> None:
             f.plan_at_1m,
             f"{f.step_s_at_1m:.1f}",
             f"{f.mfu_at_1m:.1%}",
+            f"{f.mfu_at_128k:.1%}",
         ]
         for f in results
     ]

@@ -33,7 +33,7 @@ import torch
 
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.cost import AnalyticCostModel, load_profile
-from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile, stage_static_bytes
+from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile, node_group, stage_static_bytes
 from megatron_paradyse.planner import Planner, PlannerConfig, solve_exact, solve_heuristic
 from megatron_paradyse.strategies import ModelShape
 
@@ -46,14 +46,11 @@ def build_cost_model(
     """The cost model the benchmark plans with, and a line saying what it is: priced by ``profile``
     (a calibrated profile's path, this machine or not) or else by ``gpu``'s published figures."""
     if profile is None:
-        node = HARDWARE[gpu]
-        if p != node.p:
-            raise ValueError(
-                f"the published figures are for p={node.p} GPUs of one node, not p={p}: pass --p {node.p}, or "
-                f"--profile with a profile calibrated for p={p}"
-            )
-        rates = hardware_profile(node)
-        description = f"analytic, {gpu} node from published figures (simulated, not measured)"
+        try:
+            rates = hardware_profile(node_group(gpu, p))
+        except ValueError as e:
+            raise ValueError(f"{e}: pass --profile with a profile calibrated for p={p}") from None
+        description = f"analytic, {gpu} node simulated from its figures (megatron_paradyse/cost/hardware.py)"
     else:
         rates = load_profile(profile, p=p, check_machine=False)
         description = f"analytic, calibrated profile {profile}"

@@ -25,6 +25,13 @@ citation). Sources:
   at "360 GB/s is exactly what we'd expect on H100".
 - [P2P-H100] NVIDIA/nccl-tests issue #268 (2024-11-19): ``sendrecv_perf`` between two NVLink-connected
   H100s plateaus at ~180 GB/s.
+- [CUDNN-H200] Measured here: ``benchmarks/results/attention-kernels_h200_20261126_a36467b.md``, a
+  Llama-3-8B attention core (32 query heads, 8 key heads, head dim 128, causal, bf16) forward + backward
+  on one H200 at 4K, 16K and 64K tokens, with cuDNN's fused attention (PyTorch's kernel from Hopper on,
+  the one the layers run there on square causal blocks) and with FlashAttention-2: cuDNN 1.8x faster,
+  FlashAttention-2 at 330 TFLOP/s at 64K tokens ([FA2]'s published H100 figure: 335).
+- [GEMM-H200] Measured here: ``benchmarks/results/calibrate_h200_20261127_d44f729.md``, Llama-3-8B's own
+  GEMM shapes of 1,024 rows and more on one H200 at 645 to 801 TFLOP/s forward and 627 to 746 backward.
 - [SMI] ``nvidia-smi`` memory.total as commonly reported: 81,920 MiB (A100-SXM4-80GB), 81,559 MiB
   (H100 80GB HBM3), 143,771 MiB (H200).
 
@@ -41,7 +48,8 @@ byte of what the cost terms count: an all-gather of ``N`` output bytes on ``p`` 
 ``N (p-1)/p / busbw``, a reduce-scatter of ``N`` input bytes and an all-to-all of ``N`` bytes per rank
 likewise, a broadcast or reduce of an ``N``-byte message ``N / busbw``; a ring hop of ``N`` bytes
 ``N / bw`` (all ranks send at once, each to its own neighbour). Figures are for ``p = 8`` GPUs of one
-node behind NVSwitch.
+node behind NVSwitch; a group of 1, 2 or 4 of them (:func:`node_group`) has the same bus bandwidth
+(*assumption*: every GPU reaches the NVSwitches over all its NVLinks, whatever the group's size).
 """
 
 from __future__ import annotations
@@ -53,7 +61,17 @@ from megatron_paradyse.cost.profile import PROFILE_SCHEMA, PROFILE_VERSION
 from megatron_paradyse.strategies import ModelShape
 from megatron_paradyse.strategies.terms import COLLECTIVE_KINDS
 
-__all__ = ["BYTES_PER_PARAM", "HARDWARE", "Link", "NodeSpec", "hardware_profile", "stage_static_bytes"]
+__all__ = [
+    "BYTES_PER_PARAM",
+    "GROUP_SIZES",
+    "HARDWARE",
+    "AttentionFigures",
+    "Link",
+    "NodeSpec",
+    "hardware_profile",
+    "node_group",
+    "stage_static_bytes",
+]
 
 _MIB = 2**20
 
@@ -66,6 +84,64 @@ _FLASH_RAMP = {
 }
 # [FA2] plots head dims 64 and 128; 64 runs below 128. *Assumption*: 85% of the head-dim-128 rate.
 _HEAD_DIM_64_FACTOR = 0.85
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class AttentionFigures:
+    """One attention kernel's rates on blocks of one mask, at head dim 128."""
+
+    kernel: str
+    forward_flops: float
+    """FLOP/s of the forward on long blocks ([FA2]'s count: ``4`` per visible pair and head dim)."""
+    backward_flops: float
+    """FLOP/s of the backward on long blocks (``10`` per visible pair and head dim)."""
+    ramp: tuple[tuple[int, float], ...]
+    """``(block length, fraction of the long-block rates)``, rising to 1."""
+    source: str
+
+
+def _forward_backward_split(forward_backward_flops: float) -> tuple[float, float]:
+    """Forward and backward FLOP/s whose forward + backward rate (3.5 units over ``1/f + 2.5/b``) is
+    ``forward_backward_flops``, in the ratio [FA2] measured on A100 (73% : 63% of the peak): the measured
+    figures time the two together."""
+    ratio = 0.73 / 0.63
+    forward = forward_backward_flops * (1 + 2.5 * ratio) / 3.5
+    return forward, forward / ratio
+
+
+def _flash_attention_2(forward_backward_flops: float, mask: str, source: str) -> AttentionFigures:
+    forward, backward = _forward_backward_split(forward_backward_flops)
+    return AttentionFigures(
+        kernel="flash_attn", forward_flops=forward, backward_flops=backward, ramp=_FLASH_RAMP[mask], source=source
+    )
+
+
+# [CUDNN-H200]: milliseconds of the Llama-3-8B core's forward + backward at each length, (cuDNN, FlashAttention-2)
+_H200_CORE_MS = {4096: (1.08, 2.00), 16384: (13.45, 24.32), 65536: (211.2, 373.6)}
+
+
+def _core_flops(tokens: int, milliseconds: float) -> float:
+    """FLOP/s of the measured core (32 heads, head dim 128, causal): ``14`` per visible pair and head dim."""
+    return 14 * tokens * (tokens + 1) / 2 * 32 * 128 / (milliseconds / 1e3)
+
+
+def _cudnn_causal_hopper() -> AttentionFigures:
+    """cuDNN's fused attention on causal square blocks, as measured on an H200 [CUDNN-H200]; under 4K tokens
+    (not measured) *assumption*: FlashAttention-2's causal ramp, scaled to the measured 4K point."""
+    rates = {n: _core_flops(n, cudnn) for n, (cudnn, _) in _H200_CORE_MS.items()}
+    longest = rates[max(rates)]
+    measured = [(n, rate / longest) for n, rate in sorted(rates.items())]
+    first, first_fraction = measured[0]
+    flash_at_first = dict(_FLASH_RAMP["causal"])[first]
+    below = [(n, f * first_fraction / flash_at_first) for n, f in _FLASH_RAMP["causal"] if n < first]
+    forward, backward = _forward_backward_split(longest)
+    return AttentionFigures(
+        kernel="cudnn",
+        forward_flops=forward,
+        backward_flops=backward,
+        ramp=(*below, *measured),
+        source="benchmarks/results/attention-kernels_h200_20261126_a36467b.md",
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,8 +166,8 @@ class NodeSpec:
     """Dense BF16 tensor-core peak."""
     gemm_efficiency: float
     """Fraction of the peak large BF16 GEMMs reach."""
-    attention_flops: dict[str, float]
-    """FlashAttention-2 ``forward`` and ``backward`` FLOP/s at head dim 128 and long blocks."""
+    attention: dict[str, AttentionFigures]
+    """The kernel that runs each mask's blocks (``causal``, ``full``) and its rates."""
     hbm_bytes_per_s: float
     hbm_efficiency: float
     """Fraction of the HBM peak that memory-bound kernels (copies, norms, adds) reach."""
@@ -154,10 +230,23 @@ def _bus_fraction(kind: str, p: int) -> float:
 
 _A100_PEAK = 312e12  # [A100]
 _H100_PEAK = 989e12  # [H100], [H200]: 1,979 with sparsity, halved
-# [FA2]: H100 forward + backward up to 335 TFLOP/s; split with A100's forward/backward ratio (73 : 63),
-# weighting the backward's 2.5x FLOPs: 3.5 / (1/f + 2.5/b) = 335 with f/b = 73/63.
-_FA2_RATIO = 0.73 / 0.63
-_H100_FA2_FORWARD = 335e12 * (1 + 2.5 * _FA2_RATIO) / 3.5
+_A100_FLASH = {  # [FA2] on A100: 73% (forward) and 63% (backward) of the peak
+    mask: AttentionFigures(
+        kernel="flash_attn",
+        forward_flops=0.73 * _A100_PEAK,
+        backward_flops=0.63 * _A100_PEAK,
+        ramp=ramp,
+        source="FlashAttention-2 (arXiv 2307.08691) 4.1",
+    )
+    for mask, ramp in _FLASH_RAMP.items()
+}
+# From Hopper on, square causal blocks run cuDNN's attention [CUDNN-H200]; full blocks and the ring's
+# rectangles FlashAttention-2 at [FA2]'s H100 forward + backward 335 TFLOP/s (330 measured on an H200).
+# *Assumption* for the H100: the H200's measured rates (the same tensor cores; attention is compute-bound).
+_HOPPER_ATTENTION = {
+    "causal": _cudnn_causal_hopper(),
+    "full": _flash_attention_2(335e12, "full", "FlashAttention-2 (arXiv 2307.08691) 4.1"),
+}
 
 # [PCIE] each way, *assumption*: 80% of it reached by pinned copies, on every GPU of the node at once,
 # 10 us per copy
@@ -174,7 +263,7 @@ HARDWARE: dict[str, NodeSpec] = {
         # *assumption*: 75%; [FA2]'s 72% MFU end to end, attention and memory-bound work included,
         # bounds large GEMMs from below
         gemm_efficiency=0.75,
-        attention_flops={"forward": 0.73 * _A100_PEAK, "backward": 0.63 * _A100_PEAK},  # [FA2]
+        attention=_A100_FLASH,
         hbm_bytes_per_s=2039e9,  # [A100]
         hbm_efficiency=0.85,  # *assumption*: a streaming copy's share of the HBM peak
         # [NCCL-A100] 230 GB/s; ring hop *assumption*: [P2P-H100]'s 180 GB/s scaled by 230/370;
@@ -189,32 +278,56 @@ HARDWARE: dict[str, NodeSpec] = {
         device_name="NVIDIA H100 80GB HBM3",
         memory_bytes=81559 * _MIB,  # [SMI]
         peak_bf16_flops=_H100_PEAK,
-        gemm_efficiency=0.70,  # *assumption*: power-limited H100 SXM GEMMs reach ~650-750 TFLOP/s
-        attention_flops={"forward": _H100_FA2_FORWARD, "backward": _H100_FA2_FORWARD / _FA2_RATIO},  # [FA2]
+        gemm_efficiency=0.70,  # 692 TFLOP/s: within [GEMM-H200]'s 627 to 801 (the same tensor cores)
+        attention=_HOPPER_ATTENTION,
         hbm_bytes_per_s=3.35e12,  # [H100]
         hbm_efficiency=0.85,
         links=_nvswitch_links(360e9, 180e9, 15e-6, 10e-6),  # [NCCL-H100], [P2P-H100]
         host_link=_PCIE5,
         host_memory_bytes=_DGX_MEMORY,
-        sources=("H100 datasheet", "FlashAttention-2 (arXiv 2307.08691) 4.1", "nccl-tests #212, #326, #268"),
+        sources=(
+            "H100 datasheet",
+            "FlashAttention-2 (arXiv 2307.08691) 4.1",
+            "nccl-tests #212, #326, #268",
+            "benchmarks/results/attention-kernels_h200_20261126_a36467b.md",
+            "benchmarks/results/calibrate_h200_20261127_d44f729.md",
+        ),
     ),
     "h200": NodeSpec(
         name="h200",
         device_name="NVIDIA H200",
         memory_bytes=143771 * _MIB,  # [SMI]
         peak_bf16_flops=_H100_PEAK,  # [H200]
-        gemm_efficiency=0.70,  # *assumption*: as H100 (same tensor cores)
-        # *assumption*: FlashAttention-2 is compute-bound at these lengths: H100's rates
-        attention_flops={"forward": _H100_FA2_FORWARD, "backward": _H100_FA2_FORWARD / _FA2_RATIO},
+        gemm_efficiency=0.70,  # [GEMM-H200]: 627 to 801 TFLOP/s measured
+        attention=_HOPPER_ATTENTION,
         hbm_bytes_per_s=4.8e12,  # [H200]
         hbm_efficiency=0.85,
         links=_nvswitch_links(360e9, 180e9, 15e-6, 10e-6),  # NVLink 4 as H100 [H200]
         host_link=_PCIE5,
         host_memory_bytes=_DGX_MEMORY,
-        sources=("H200 datasheet", "FlashAttention-2 (arXiv 2307.08691) 4.1", "nccl-tests #212, #326, #268"),
+        sources=(
+            "H200 datasheet",
+            "FlashAttention-2 (arXiv 2307.08691) 4.1",
+            "nccl-tests #212, #326, #268",
+            "benchmarks/results/attention-kernels_h200_20261126_a36467b.md",
+            "benchmarks/results/calibrate_h200_20261127_d44f729.md",
+        ),
     ),
 }
 """The GPU kinds the simulation covers, by short name."""
+
+
+GROUP_SIZES = (1, 2, 4, 8)
+"""The groups of one node's GPUs the figures cover."""
+
+
+def node_group(name: str, p: int) -> NodeSpec:
+    """``p`` GPUs of one node of kind ``name`` (:data:`HARDWARE`), ``p`` in :data:`GROUP_SIZES`."""
+    if p not in GROUP_SIZES:
+        raise ValueError(
+            f"the published figures are for groups of {', '.join(map(str, GROUP_SIZES))} GPUs of one node, not p={p}"
+        )
+    return dataclasses.replace(HARDWARE[name], p=p)
 
 
 def hardware_profile(spec: NodeSpec) -> dict[str, Any]:
@@ -224,7 +337,8 @@ def hardware_profile(spec: NodeSpec) -> dict[str, Any]:
     names the GPU, not this machine). GEMM time is ``launch + FLOPs / (efficiency x peak) + bytes /
     achieved HBM bandwidth`` (an additive roofline: above the true time near the ridge point);
     backward does twice the FLOPs and bytes. Attention per (visible pair x head dim) is ``4 / rate``
-    forward and ``10 / rate`` backward, ramped over block length as :data:`_FLASH_RAMP`.
+    forward and ``10 / rate`` backward, per mask the rates of the kernel that runs it
+    (:class:`AttentionFigures`), ramped over block length.
     """
     missing = [kind for kind in COLLECTIVE_KINDS if kind not in spec.links]
     if missing:
@@ -237,16 +351,17 @@ def hardware_profile(spec: NodeSpec) -> dict[str, Any]:
         "backward": {"coef": [2 * spec.gemm_launch_s, 2 * gemm_s_per_flop, 2 * s_per_byte]},
     }
     flops_per_unit = {"forward": 4.0, "backward": 10.0}  # per (visible pair x head dim) [FA2]
-    attention: dict[str, Any] = {"kernel": "flash_attn"}
+    kernels = sorted({figures.kernel for figures in spec.attention.values()})
+    attention: dict[str, Any] = {"kernel": "+".join(kernels)}
     for direction, flops in flops_per_unit.items():
         attention[direction] = {}
-        for mask, ramp in _FLASH_RAMP.items():
+        for mask, figures in spec.attention.items():
+            long_rate = figures.forward_flops if direction == "forward" else figures.backward_flops
             by_head_dim = {}
             for hn, factor in ((64, _HEAD_DIM_64_FACTOR), (128, 1.0)):
-                rate = factor * spec.attention_flops[direction]
                 by_head_dim[str(hn)] = {
-                    "lengths": [float(n) for n, _ in ramp],
-                    "per_unit_s": [flops / (rate * fraction) for _, fraction in ramp],
+                    "lengths": [float(n) for n, _ in figures.ramp],
+                    "per_unit_s": [flops / (factor * long_rate * fraction) for _, fraction in figures.ramp],
                 }
             attention[direction][mask] = {"per_call_s": spec.attention_call_s, "by_head_dim": by_head_dim}
     collectives = {}

@@ -27,7 +27,7 @@ from megatron_paradyse.config import load_config
 from megatron_paradyse.core.layout import SequenceLayout, padded_length
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost import load_profile
-from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
+from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile, node_group
 from megatron_paradyse.planner import InfeasibleSequenceError
 from megatron_paradyse.planner.buckets import LengthBuckets
 from megatron_paradyse.run.config_cli import world_size
@@ -142,10 +142,12 @@ class _Job:
         if budget is None:
             raise ValueError("set memory.budget_gib, or pass --gpu for a GPU's memory")
         if gpu is not None:
-            node = HARDWARE[gpu]
-            if tp != node.p:
-                raise ValueError(f"--gpu {gpu}: the published figures are for TP={node.p}, the config has TP={tp}")
-            rates, description = hardware_profile(node), f"{gpu} node, published figures (simulated, not measured)"
+            try:
+                rates = hardware_profile(node_group(gpu, tp))
+            except ValueError as e:
+                raise ValueError(f"--gpu {gpu}: {e} (TP={tp})") from None
+            group = "" if tp == HARDWARE[gpu].p else f" ({tp} of its GPUs)"
+            description = f"{gpu} node{group}, simulated from its figures (megatron_paradyse/cost/hardware.py)"
         else:
             path = profile or config.cost.profile
             if path is None:

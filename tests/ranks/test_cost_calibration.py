@@ -289,8 +289,8 @@ def test_one_device_calibrates_the_compute_of_one_rank_of_eight_with_the_links_o
             "on the cluster (`paradyse calibrate --p 8`) or a node's published figures (a100, h100, h200)",
         ),
         (
-            ["--device", "cuda", "--fake-group", "--p", "4", "--links", "h100"],
-            "--links h100: the published figures are for p=8, not 4",
+            ["--device", "cuda", "--fake-group", "--p", "16", "--links", "h100"],
+            "--links h100: the published figures are for groups of 1, 2, 4, 8 GPUs of one node, not p=16",
         ),
         (["--device", "cuda", "--fake-group", "--p", "4,8"], "--fake-group stands for one group size, got --p 4,8"),
         (["--links", "h100"], "--links gives the collectives of a fake group, which measures none: add --fake-group"),

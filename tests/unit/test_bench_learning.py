@@ -12,10 +12,11 @@ from megatron_paradyse.planner import PlannerConfig
 def test_learning_from_exact_measurements_recovers_most_of_what_the_models_error_costs():
     # the model errs by 10% per strategy; the steps are measured exactly. Learning corrects what runs: a
     # seed where the model underrates the truly fastest option, which then never runs, recovers less
-    # (seed 1 since zero3's backward collectives are priced behind its GEMMs: 1.066 against 1.089)
+    # (seeds 0, 1 and 5, where the model's error costs under 0.2%, since causal attention is priced at
+    # cuDNN's measured rate on the H100)
     ratios = learning.run_seed(3, 0.0, 0.1, 100, (2048, 131072), 8, PlannerConfig(learn_time=True))
     (model_all, model_late), (learn_all, learn_late) = ratios["model"], ratios["learn"]
-    assert model_all > 1.1  # planning on the model alone: over 10% slower than on the truth
+    assert model_all > 1.05  # planning on the model alone: over 5% slower than on the truth (1.074)
     assert learn_late < learn_all < model_all
     assert learn_late - 1 < (model_late - 1) / 2
 

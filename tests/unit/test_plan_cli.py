@@ -100,12 +100,20 @@ def test_plan_of_an_interleaved_pipeline_says_what_its_stages_hold(tmp_path, cap
         assert len(layers) == 16 and layers == layers[:4] * 4, layers
 
 
-def test_plan_refuses_what_it_cannot_price(tmp_path, capsys):
+def test_plan_prices_a_group_of_a_nodes_gpus_and_refuses_what_it_cannot_price(tmp_path, capsys):
+    llama = str(CONFIGS / "llama3-8b.yaml")
+    half = ["--", "--tensor-model-parallel-size", "4"]
+    assert paradyse(["plan", llama, "--gpu", "h100", "--lengths", "4096", *half]) == 0  # half the node
+    out = capsys.readouterr().out
+    assert out.startswith("cost model: h100 node (4 of its GPUs), simulated from its figures")
+    assert "TP=4 PP=1 DP=1" in out
     with pytest.raises(SystemExit) as exit_status:
-        paradyse(["plan", str(CONFIGS / "tiny-cpu.yaml"), "--gpu", "h100", "--lengths", "1024"])
+        sixteen = ["--tensor-model-parallel-size", "16", "--num-query-groups", "16"]  # a model 16 ranks can split
+        paradyse(["plan", llama, "--gpu", "h100", "--lengths", "4096", "--", *sixteen])
     assert exit_status.value.code == 2
-    assert "paradyse: error: --gpu h100: the published figures are for TP=8, the config has TP=4" in (
-        capsys.readouterr().err
+    assert capsys.readouterr().err.endswith(
+        "paradyse: error: --gpu h100: the published figures are for groups of 1, 2, 4, 8 GPUs of one node, not "
+        "p=16 (TP=16)\n"
     )
 
 

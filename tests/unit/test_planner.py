@@ -529,15 +529,15 @@ def test_decisions_never_get_faster_as_lengths_grow_on_random_monotone_costs():
 def test_bench_prints_the_headline_last(capsys):
     assert planner_bench.main(["--layers", "8", "--uncached-calls", "5", "--cached-calls", "20"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0] == "cost model: analytic, h100 node from published figures (simulated, not measured)"
+    assert lines[0] == "cost model: analytic, h100 node simulated from its figures (megatron_paradyse/cost/hardware.py)"
     assert re.fullmatch(r"planner_us_cached=\d+\.\d\d planner_us_uncached=\d+", lines[-1])
 
 
 def test_bench_refuses_a_group_the_published_figures_do_not_cover(capsys):
-    assert planner_bench.main(["--p", "4"]) == 2
+    assert planner_bench.main(["--p", "16"]) == 2
     assert capsys.readouterr().err == (
-        "error: the published figures are for p=8 GPUs of one node, not p=4: pass --p 8, or --profile with a "
-        "profile calibrated for p=4\n"
+        "error: the published figures are for groups of 1, 2, 4, 8 GPUs of one node, not p=16: pass --profile "
+        "with a profile calibrated for p=16\n"
     )
 
 
@@ -568,7 +568,7 @@ def test_a_resumed_planner_keeps_the_chunked_loss_of_its_previous_plan():
     checkpointed state carries the loss option, so a resumed run keeps it too."""
     layout = lambda tokens: SequenceLayout.build(tokens, 8, causal=True)  # noqa: E731
     planner = llama3_8b_head_planner(8192)
-    assert planner.decide(layout(100_000)).plan.loss_chunk_tokens == 8192
+    assert planner.decide(layout(80_000)).plan.loss_chunk_tokens == 8192
     state = planner.state_dict()
     assert state["previous_stage"] == {"loss_chunk_tokens": 8192, "sequence_buffer": True}
     kept = planner.decide(layout(64_000))
