@@ -28,8 +28,7 @@ from megatron_paradyse.run.stage_planning import (
     recompute_only,
     stage_cost_models,
     stage_footprints,
-    stage_planner,
-    step_stage_budgets,
+    stage_planners,
 )
 
 from megatron.core import parallel_state
@@ -51,18 +50,18 @@ def stage_planner_of(layer) -> StagePlanner:
     profile = _profile(config, p, transformer, args.seq_length, device, layer.tp_group)
     pp_rank = get_pg_rank(layer.pg_collection.pp)
     footprints = stage_footprints(args, transformer, device.type)
-    cost = stage_cost_models(args, transformer, profile, footprints)[pp_rank]
+    costs = stage_cost_models(args, transformer, profile, footprints)
     budget = _budget_bytes(config, device, layer.tp_group)
-    budget = step_stage_budgets(budget, footprints, args, transformer)[pp_rank]
     # Megatron's own forward step computes the loss: whole, never in chunks
     planner_config = dataclasses.replace(config.planner, loss_chunk_tokens=0)
     if p == 1:
         planner_config = recompute_only(planner_config)
+    planner = stage_planners(planner_config, args, transformer, costs, footprints, budget)[pp_rank]
     printing = torch.distributed.get_rank(layer.tp_group) == 0 and _data_parallel_rank() == 0
     reserving_more = device.type == "cuda" and expandable_segments_off()
     if reserving_more and printing:  # CUDA is up: too late to turn them on here
         logger.warning("paradyse: stage %d: %s", pp_rank, reserving_more)
-    return StagePlanner(stage_planner(planner_config, cost, footprints[pp_rank], budget, args), pp_rank, printing)
+    return StagePlanner(planner, pp_rank, printing)
 
 
 CONFIG_ENV = "PARADYSE_CONFIG"

@@ -165,7 +165,7 @@ class _Job:
 
     def planners(self, pair: str | None = None) -> list:
         """One planner per pipeline stage: the config's, or one that runs only ``pair`` on every layer."""
-        from megatron_paradyse.run.stage_planning import stage_cost_models, stage_planner, step_stage_budgets
+        from megatron_paradyse.run.stage_planning import stage_cost_models, stage_planners
 
         planner_config = dataclasses.replace(self.config.planner, on_infeasible="stop")
         if pair is not None:
@@ -183,10 +183,7 @@ class _Job:
             )
         footprints = self.footprints()
         costs = stage_cost_models(self.args, self.transformer, self.profile, footprints)
-        budgets = step_stage_budgets(self.budget_bytes, footprints, self.args, self.transformer)
-        return [
-            stage_planner(planner_config, c, f, budget, self.args) for c, f, budget in zip(costs, footprints, budgets)
-        ]
+        return stage_planners(planner_config, self.args, self.transformer, costs, footprints, self.budget_bytes)
 
 
 def _padded_vocab(args: argparse.Namespace, config) -> int:

@@ -1,8 +1,9 @@
 """The planners of a Megatron job's pipeline stages, from its arguments: each stage's static memory
 (:func:`stage_footprints`), cost model (:func:`stage_cost_models`), budget over a step's schedule
-(:func:`step_stage_budgets`) and planner (:func:`stage_planner`). One assembly for the training entry
-point (:mod:`megatron_paradyse.run.job`, :mod:`~megatron_paradyse.run.training`), the drop-in spec
-(:mod:`megatron_paradyse.run.drop_in`) and ``paradyse plan`` (:mod:`~megatron_paradyse.run.plan_cli`).
+(:func:`step_stage_budgets`) and planner (:func:`stage_planners`, for training steps or forward-only
+ones). One assembly for the training entry point (:mod:`megatron_paradyse.run.job`,
+:mod:`~megatron_paradyse.run.training`), the drop-in spec (:mod:`megatron_paradyse.run.drop_in`) and
+``paradyse plan`` (:mod:`~megatron_paradyse.run.plan_cli`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from megatron_paradyse.cost import AnalyticCostModel
 from megatron_paradyse.mcore.model_shape import model_shape, rotary_dim
 from megatron_paradyse.mcore.static_memory import OptimizerSetup, megatron_optimizer_implementation, pipeline_footprints
 from megatron_paradyse.planner import Planner
+from megatron_paradyse.planner.planner import ForwardOnlyCost
 
 from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
 
@@ -27,7 +29,7 @@ __all__ = [
     "recompute_only",
     "stage_cost_models",
     "stage_footprints",
-    "stage_planner",
+    "stage_planners",
     "step_micro_batches",
     "step_stage_budgets",
 ]
@@ -169,25 +171,42 @@ def step_stage_budgets(
     ]
 
 
-def stage_planner(
-    planner_config, cost_model, footprint, budget: StageBudget, args: argparse.Namespace, *, time_corrections=None
-):
-    """The planner of one pipeline stage of the job with Megatron's validated ``args``: its layers
-    (``footprint``), in model chunks where the schedule interleaves them, priced by ``cost_model``, to
-    ``budget`` (:func:`step_stage_budgets`) for micro-batches up to ``--seq-length`` tokens."""
-    return Planner.for_model(
-        planner_config,
-        cost_model,
-        shape=cost_model.shape,
-        p=args.tensor_model_parallel_size,
-        num_layers=footprint.layers,
-        budget_bytes=budget.bytes,
-        chunk_layers=footprint.chunk_layers,
-        forwards_in_flight=budget.forwards_in_flight,
-        longest_tokens=args.seq_length,
-        reserved_bytes_per_token=budget.kept_bytes_per_token,
-        time_corrections=time_corrections,
-    )
+def stage_planners(
+    planner_config,
+    args: argparse.Namespace,
+    transformer,
+    cost_models,
+    footprints,
+    budget_bytes: float,
+    *,
+    forward_only: bool = False,
+    time_corrections=None,
+) -> list[Planner]:
+    """One planner per pipeline stage of the job with Megatron's validated ``args``: each stage's layers
+    (``footprints``: :func:`stage_footprints`), in model chunks where the schedule interleaves them, priced
+    by its cost model (:func:`stage_cost_models`), to its share of ``budget_bytes`` over a step
+    (:func:`step_stage_budgets`), for micro-batches up to ``--seq-length`` tokens. ``forward_only``: for
+    validation and test steps (:class:`~megatron_paradyse.planner.planner.ForwardOnlyCost`, no recompute)."""
+    budgets = step_stage_budgets(budget_bytes, footprints, args, transformer, forward_only=forward_only)
+    if forward_only:
+        planner_config = planner_config.forward_only()
+        cost_models = [ForwardOnlyCost(cost) for cost in cost_models]
+    return [
+        Planner.for_model(
+            planner_config,
+            cost,
+            shape=cost.shape,
+            p=args.tensor_model_parallel_size,
+            num_layers=footprint.layers,
+            budget_bytes=budget.bytes,
+            chunk_layers=footprint.chunk_layers,
+            forwards_in_flight=budget.forwards_in_flight,
+            longest_tokens=args.seq_length,
+            reserved_bytes_per_token=budget.kept_bytes_per_token,
+            time_corrections=time_corrections,
+        )
+        for cost, footprint, budget in zip(cost_models, footprints, budgets)
+    ]
 
 
 def step_micro_batches(args: argparse.Namespace) -> int:

@@ -41,7 +41,6 @@ from megatron_paradyse.mcore import compat
 from megatron_paradyse.mcore.chunked_loss import output_processor
 from megatron_paradyse.mcore.model_shape import model_shape
 from megatron_paradyse.mcore.step_buffers import release_step_buffers
-from megatron_paradyse.planner.planner import ForwardOnlyCost
 from megatron_paradyse.run.agreement import check_ranks_agree
 from megatron_paradyse.run.documents import BUILT_IN, build_corpus, open_documents, split_for_training, split_source
 from megatron_paradyse.run.fault import STATE_FILE, FaultWatch
@@ -60,11 +59,7 @@ from megatron_paradyse.run.log import (
     write_plot,
 )
 from megatron_paradyse.run.planned_loader import PlannedMicroBatches, ResumeError
-from megatron_paradyse.run.stage_planning import (
-    forwards_in_flight_message,
-    stage_planner,
-    step_stage_budgets,
-)
+from megatron_paradyse.run.stage_planning import forwards_in_flight_message, stage_planners
 from megatron_paradyse.run.startup import agree, attempt
 
 from megatron.core import parallel_state as mpu
@@ -189,26 +184,17 @@ class TrainingRun:
             dp_size=dp_size,
         )
         planner_config = job.planner_config
-        if evaluation:
-            planner_config = planner_config.forward_only()
         learning = self.time_corrections is not None and not evaluation
-        cost_models = self.cost_models
-        if evaluation:
-            cost_models = [ForwardOnlyCost(cost) for cost in cost_models]
-        budgets = step_stage_budgets(
-            job.budget_bytes, self.footprints, args, job.model_config.transformer, forward_only=evaluation
+        planners = stage_planners(
+            planner_config,
+            args,
+            job.model_config.transformer,
+            self.cost_models,
+            self.footprints,
+            job.budget_bytes,
+            forward_only=evaluation,
+            time_corrections=self.time_corrections if learning else None,
         )
-        planners = [
-            stage_planner(
-                planner_config,
-                cost,
-                footprint,
-                budget,
-                args,
-                time_corrections=self.time_corrections if learning else None,
-            )
-            for cost, footprint, budget in zip(cost_models, self.footprints, budgets)
-        ]
         stage = mpu.get_pipeline_model_parallel_rank()
         iterator = PlannedMicroBatches(
             loader,
