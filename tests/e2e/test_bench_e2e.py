@@ -29,7 +29,10 @@ import re
 
 import pytest
 
+from megatron_paradyse.bench import _e2e_arms as e2e_arms
+from megatron_paradyse.bench import _e2e_results as e2e_results
 from megatron_paradyse.bench import e2e
+from megatron_paradyse.bench.memory import PAIRINGS
 from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
 from megatron_paradyse.cost.profile import save_profile
 
@@ -88,29 +91,29 @@ def test_small_run_output_and_accounting(run):
     budget_mib = result["budget_bytes"] / 2**20
     assert re.search(rf"^== dna corpus: 6 documents of \d+\.\.\d+ tokens; budget {budget_mib:.1f} MiB", out, re.M)
     arms = result["arms"]
-    assert list(arms) == [*e2e.PAIRINGS, e2e.MEGATRON, e2e.ADAPTIVE, e2e.LEARNING]
+    assert list(arms) == [*PAIRINGS, e2e_results.MEGATRON, e2e_results.ADAPTIVE, e2e_results.LEARNING]
     for name in arms:
         assert re.search(rf"^{re.escape(name)}\s+\d/6\s+\d+\s", out, re.M), name
     for arm in arms.values():
         assert all(len(s["document_tokens"]) == 1 and len(s["document_tokens"][0]) == 1 for s in arm["sequences"])
 
     _check_budget_accounting(result, ranks=P)
-    assert arms["tp_sp/tp_sp"]["sequences"][-1]["status"] == e2e.OOM
-    assert all(s["status"] == e2e.TRAINED for s in arms["lean/lean"]["sequences"])
+    assert arms["tp_sp/tp_sp"]["sequences"][-1]["status"] == e2e_results.OOM
+    assert all(s["status"] == e2e_results.TRAINED for s in arms["lean/lean"]["sequences"])
 
     results = _corpus_result(result)
     ratios = results.ratios()
     keys = ("adaptive_vs_best_static", "adaptive_vs_megatron", "max_len_ratio", "adaptive_vs_best_per_bucket_max")
     printed = [float(v) for v in last.groups()]
     assert printed[:4] == pytest.approx([round(ratios[k], 3) for k in keys], abs=1e-3, nan_ok=True)
-    errors = results.arms[e2e.ADAPTIVE].peak_errors()
+    errors = results.arms[e2e_results.ADAPTIVE].peak_errors()
     assert errors and printed[4] == pytest.approx(100 * max(map(abs, errors)), abs=0.01)
     # per power-of-two bin: adaptive over the fastest static arm that trains the whole bin
-    adaptive = results.arms[e2e.ADAPTIVE]
+    adaptive = results.arms[e2e_results.ADAPTIVE]
     worst = math.nan
     for low in (64, 128, 256, 512):
         inside = [i for i, s in enumerate(adaptive.sequences) if low <= s.tokens < 2 * low]
-        whole = [results.arms[n] for n in e2e.PAIRINGS if all(i in results.arms[n].trained() for i in inside)]
+        whole = [results.arms[n] for n in PAIRINGS if all(i in results.arms[n].trained() for i in inside)]
         both = [i for i in inside if i in adaptive.trained()]
         if inside and whole and both:
             best = min(sum(a.sequences[i].time_s for i in inside) for a in whole)
@@ -119,12 +122,12 @@ def test_small_run_output_and_accounting(run):
             worst = ratio if math.isnan(worst) else max(worst, ratio)
     assert ratios["adaptive_vs_best_per_bucket_max"] == pytest.approx(worst, nan_ok=True)
     assert re.search(r"^adaptive / the fastest static arm of each length bin: \[", out, re.M)
-    static_longest = max(results.arms[n].longest() for n in e2e.PAIRINGS)
-    assert ratios["max_len_ratio"] == results.arms[e2e.ADAPTIVE].longest() / static_longest
-    learning = results.arms[e2e.LEARNING]
+    static_longest = max(results.arms[n].longest() for n in PAIRINGS)
+    assert ratios["max_len_ratio"] == results.arms[e2e_results.ADAPTIVE].longest() / static_longest
+    learning = results.arms[e2e_results.LEARNING]
     both = learning.trained().keys() & adaptive.trained().keys()
     learn_vs_adaptive = learning.time_on(both) / adaptive.time_on(both)
-    learn_worst_bin = max(ratio for *_, ratio in results.per_bucket(e2e.LEARNING) if not math.isnan(ratio))
+    learn_worst_bin = max(ratio for *_, ratio in results.per_bucket(e2e_results.LEARNING) if not math.isnan(ratio))
     assert printed[5:] == pytest.approx([learn_vs_adaptive, learn_worst_bin], abs=1e-3)
     _check_learning_arm(out, result)
 
@@ -132,7 +135,7 @@ def test_small_run_output_and_accounting(run):
     _check_each_arm_trains_its_own_weights(results)
 
 
-def _check_each_arm_trains_its_own_weights(results: e2e.CorpusResult) -> None:
+def _check_each_arm_trains_its_own_weights(results: e2e_results.CorpusResult) -> None:
     """The arms take turns on one model, each with its own weights and Adam: two arms end with the same
     weights (rank 0's checksum, to float rounding: about 1e-7 apart here) exactly when they trained the
     same sequences (one step more moves it by about 1e-4)."""
@@ -155,8 +158,8 @@ def test_adaptive_stays_within_budget(run, packed_dp_run):
     for out, result in (run, packed_dp_run):
         step_mem_err = float(re.fullmatch(LAST_LINE, out.strip().splitlines()[-1]).group(5))
         assert step_mem_err <= STEP_MEMORY_TOLERANCE_PERCENT, out
-        for name in (e2e.ADAPTIVE, e2e.LEARNING):  # the learning arm: every plan it ran, measured after
-            over = [s for s in result["arms"][name]["sequences"] if s["status"] == e2e.OOM]
+        for name in (e2e_results.ADAPTIVE, e2e_results.LEARNING):  # the learning arm: every plan it ran, measured after
+            over = [s for s in result["arms"][name]["sequences"] if s["status"] == e2e_results.OOM]
             assert not over, [
                 (s["document_tokens"], s["plans"], s["peak_bytes"], s["predicted_peak_bytes"]) for s in over
             ]
@@ -172,11 +175,11 @@ def test_packed_documents_on_two_dp_ranks(packed_dp_run):
     assert not math.isnan(float(last.group(3)))
     assert (result["tp"], result["dp"], result["pack_tokens"]) == (P, DP, PACK)
     arms = result["arms"]
-    assert list(arms) == [*e2e.PAIRINGS, e2e.ADAPTIVE, e2e.LEARNING]
+    assert list(arms) == [*PAIRINGS, e2e_results.ADAPTIVE, e2e_results.LEARNING]
     _check_budget_accounting(result, ranks=P * DP)
 
     # Packed: consecutive documents in curriculum order, several in some micro-batches, none over the budget.
-    steps = [s["document_tokens"] for s in arms[e2e.ADAPTIVE]["sequences"]]
+    steps = [s["document_tokens"] for s in arms[e2e_results.ADAPTIVE]["sequences"]]
     assert all(s["document_tokens"] == step for arm in arms.values() for s, step in zip(arm["sequences"], steps))
     micro_batches = [micro_batch for step in steps for micro_batch in step]
     packed = re.search(
@@ -191,7 +194,7 @@ def test_packed_documents_on_two_dp_ranks(packed_dp_run):
     # DP: every step holds one micro-batch per DP rank, each trained by its DP rank; the replicas agree.
     assert len(steps) >= 2 and all(len(step) == DP for step in steps)
     for name, arm in arms.items():
-        trained = [s for s in arm["sequences"] if s["status"] == e2e.TRAINED]
+        trained = [s for s in arm["sequences"] if s["status"] == e2e_results.TRAINED]
         assert trained, name
         for s in trained:
             assert len(s["peak_bytes"]) == P * DP and len(s["losses"]) == DP, (name, s)
@@ -208,17 +211,17 @@ def test_packed_documents_on_two_dp_ranks(packed_dp_run):
 def _check_learning_arm(out: str, result: dict) -> None:
     """The adaptive+learn arm trains what the adaptive arm trains within budget, records the plan of every
     step it timed and the peak of the plan of highest peak (within the budget), and prints what it learned."""
-    adaptive, learning = (result["arms"][name]["sequences"] for name in (e2e.ADAPTIVE, e2e.LEARNING))
+    adaptive, learning = (result["arms"][name]["sequences"] for name in (e2e_results.ADAPTIVE, e2e_results.LEARNING))
     assert [s["status"] for s in learning] == [s["status"] for s in adaptive]
     for s in learning:
-        if s["status"] == e2e.TRAINED:
+        if s["status"] == e2e_results.TRAINED:
             assert len(s["times_s"]) == 1 and len(s["plans_run"]) == LEARN_PASSES + 1
             assert tuple(s["plans"]) in map(tuple, s["plans_run"])
             assert len(s["predicted_peak_bytes"]) == len(s["plans"]) and not s["creates_optimizer_state"]
     learned = re.search(r"^adaptive\+learn: time corrections learned \(option x\[bucket: factor\]\): (.*)$", out, re.M)
-    assert learned and learned.group(1) == result["arms"][e2e.LEARNING]["time_corrections"]
+    assert learned and learned.group(1) == result["arms"][e2e_results.LEARNING]["time_corrections"]
     assert re.fullmatch(r"(\S+ x\[\d+:[\d.e+-]+(, \d+:[\d.e+-]+)*\](; )?)+", learned.group(1)), learned.group(1)
-    steps = sum(s["status"] == e2e.TRAINED for s in learning) * (LEARN_PASSES + 1)
+    steps = sum(s["status"] == e2e_results.TRAINED for s in learning) * (LEARN_PASSES + 1)
     assert re.search(rf"^adaptive\+learn plans, last repeat: .*; explored in \d+ of {steps} steps$", out, re.M)
 
 
@@ -227,16 +230,16 @@ def _check_budget_accounting(result: dict, *, ranks: int) -> None:
     budget = result["budget_bytes"]
     for name, arm in result["arms"].items():
         for s in arm["sequences"]:
-            if s["status"] == e2e.INFEASIBLE:
-                assert name in (e2e.ADAPTIVE, e2e.LEARNING) and not s["peak_bytes"]
+            if s["status"] == e2e_results.INFEASIBLE:
+                assert name in (e2e_results.ADAPTIVE, e2e_results.LEARNING) and not s["peak_bytes"]
                 continue
             assert len(s["peak_bytes"]) == ranks
             over = max(s["peak_bytes"]) > budget
-            assert s["status"] == (e2e.OOM if over else e2e.TRAINED), (name, s)
+            assert s["status"] == (e2e_results.OOM if over else e2e_results.TRAINED), (name, s)
             assert len(s["times_s"]) == (0 if over else 1)
 
 
-def _compare_losses_across_arms(results: e2e.CorpusResult) -> int:
+def _compare_losses_across_arms(results: e2e_results.CorpusResult) -> int:
     """Every arm trains the same model: the same history of trained sequences gives the same loss.
     Returns how many pairs of arms were compared."""
     by_history: dict[tuple, list[tuple[str, float]]] = {}
@@ -253,17 +256,17 @@ def _compare_losses_across_arms(results: e2e.CorpusResult) -> int:
     return compared
 
 
-def _corpus_result(data: dict) -> e2e.CorpusResult:
+def _corpus_result(data: dict) -> e2e_results.CorpusResult:
     arms = {
-        name: e2e.ArmResult(
+        name: e2e_results.ArmResult(
             arm["name"],
-            [e2e.SequenceResult(**s) for s in arm["sequences"]],
+            [e2e_results.SequenceResult(**s) for s in arm["sequences"]],
             arm["resident_bytes"],
             weight_checksums=tuple(arm["weight_checksums"]),
         )
         for name, arm in data["arms"].items()
     }
-    return e2e.CorpusResult(**{**data, "arms": arms})
+    return e2e_results.CorpusResult(**{**data, "arms": arms})
 
 
 @pytest.mark.parametrize(
@@ -287,9 +290,9 @@ def test_bad_arguments_exit_2_before_any_work(argv, message, capsys):
 def test_no_arm_always_follows_the_same_arm_in_the_timed_passes():
     """The arms take turns at each step of each repeat, in orders that differ from step to step."""
     names = ["tp_sp/tp_sp", "ulysses/zero3", "ring/zero3", "lean/lean", "megatron", "adaptive", "adaptive+learn"]
-    orders = [e2e._arm_order(names, repeat, step) for repeat in range(3) for step in range(16)]
+    orders = [e2e_arms.arm_order(names, repeat, step) for repeat in range(3) for step in range(16)]
     assert all(sorted(order) == sorted(names) for order in orders)
-    assert orders == [e2e._arm_order(names, r, s) for r in range(3) for s in range(16)]  # the same on every rank
+    assert orders == [e2e_arms.arm_order(names, r, s) for r in range(3) for s in range(16)]  # the same on every rank
     before_adaptive = [order[order.index("adaptive") - 1] for order in orders]  # cyclically: a rotation fails
     assert set(before_adaptive) == set(names) - {"adaptive"}, orders
     assert len({tuple(order) for order in orders}) == len(orders)
