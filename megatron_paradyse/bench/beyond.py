@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_paradyse.bench.e2e import demo_config
+from megatron_paradyse.bench._e2e_arms import demo_config
 from megatron_paradyse.core.memory import peak_bytes_of, storage_bytes
 from megatron_paradyse.core.micro_batch import MicroBatch
 from megatron_paradyse.core.multiprocess import run_on_ranks
