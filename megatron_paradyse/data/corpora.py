@@ -38,6 +38,7 @@ __all__ = [
     "GITHUBCODE_SHARES",
     "GRCH38_MAX_LEN",
     "GRCH38_SHARES",
+    "NotBuilt",
     "binned_lengths",
     "build_code_corpus",
     "build_dna_corpus",
@@ -57,6 +58,10 @@ _FIRST_BIN_LOW = 512
 _BASE_PROBS = (0.295, 0.205, 0.205, 0.295)  # A, C, G, T: 41% GC
 
 
+class NotBuilt(LookupError):
+    """A corpus asked for without building it (``build=False``) is not in its folder yet."""
+
+
 def _cached(prefix: Path, params: dict) -> bool:
     """True when ``prefix`` holds a complete dataset whose manifest records ``params``."""
     try:
@@ -69,12 +74,17 @@ def _cached(prefix: Path, params: dict) -> bool:
     return True
 
 
-def build_code_corpus(out_dir: str | os.PathLike, *, stdlib: str | os.PathLike | None = None) -> str:
-    """The standard library's ``.py`` files as byte-level documents; returns the dataset prefix."""
+def build_code_corpus(
+    out_dir: str | os.PathLike, *, stdlib: str | os.PathLike | None = None, build: bool = True
+) -> str:
+    """The standard library's ``.py`` files as byte-level documents; returns the dataset prefix (``build``:
+    write it if it is not there, else raise :class:`NotBuilt`)."""
     stdlib = Path(stdlib or sysconfig.get_paths()["stdlib"])
     params = {"corpus": "code", "python": platform.python_version(), "stdlib": str(stdlib)}
     prefix = Path(out_dir) / f"code-python{platform.python_version()}-byte"
     if not _cached(prefix, params):
+        if not build:
+            raise NotBuilt(prefix)
         texts = folder_texts(stdlib, "*.py", exclude=("site-packages", "dist-packages"))
         result = write_dataset(texts, prefix, ByteTokenizer(), source=str(stdlib), extra_manifest=params)
         logger.info("code corpus: %d files, %d tokens -> %s", result.info.num_documents, result.info.num_tokens, prefix)
@@ -110,13 +120,21 @@ def binned_lengths(
 
 
 def build_dna_corpus(
-    out_dir: str | os.PathLike, *, num_sequences: int = 1000, max_len: int = GRCH38_MAX_LEN, seed: int = 0
+    out_dir: str | os.PathLike,
+    *,
+    num_sequences: int = 1000,
+    max_len: int = GRCH38_MAX_LEN,
+    seed: int = 0,
+    build: bool = True,
 ) -> str:
-    """Synthetic DNA with GRCh38's length histogram, 3-mer tokens; returns the dataset prefix."""
+    """Synthetic DNA with GRCh38's length histogram, 3-mer tokens; returns the dataset prefix (``build``:
+    write it if it is not there, else raise :class:`NotBuilt`)."""
     params = {"corpus": "dna-synthetic", "num_sequences": num_sequences, "max_len": max_len, "seed": seed}
     prefix = Path(out_dir) / f"dna3-synthetic-n{num_sequences}-max{max_len}-seed{seed}"
     if _cached(prefix, params):
         return str(prefix)
+    if not build:
+        raise NotBuilt(prefix)
     tokenizer = KmerTokenizer(3)
     lengths = dna_lengths(num_sequences, max_len, seed)
     rng = np.random.default_rng([seed, 1])

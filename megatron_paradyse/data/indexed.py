@@ -25,7 +25,7 @@ import torch
 
 from megatron_paradyse.mcore.indexed import DType, IndexedDataset, IndexedDatasetBuilder
 
-__all__ = ["DocumentDataset", "IndexInfo", "validate", "write_documents"]
+__all__ = ["DocumentDataset", "IndexInfo", "missing_files", "validate", "write_documents"]
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document-index count
@@ -48,12 +48,27 @@ def _paths(path_prefix: str | os.PathLike) -> tuple[Path, Path]:
     return Path(prefix + ".idx"), Path(prefix + ".bin")
 
 
+def missing_files(path_prefix: str | os.PathLike) -> str | None:
+    """What is missing of the dataset ``{prefix}.bin``/``{prefix}.idx``, said for a reader (a typo in the
+    path is the commonest data mistake), or None when both files are there."""
+    prefix = os.fspath(path_prefix)
+    missing = [str(p) for p in reversed(_paths(prefix)) if not p.is_file()]
+    if len(missing) == 2:
+        return (
+            f"no dataset at {prefix}: neither {missing[0]} nor {missing[1]} exists (a dataset is named by the path "
+            f"of its .bin and .idx files without the suffix)"
+        )
+    if missing:
+        return f"the dataset {prefix} is incomplete: {missing[0]} does not exist"
+    return None
+
+
 def validate(path_prefix: str | os.PathLike) -> IndexInfo:
     """Check that ``{prefix}.idx`` and ``{prefix}.bin`` form one consistent, complete dataset."""
     idx_path, bin_path = _paths(path_prefix)
-    missing = [str(p) for p in (idx_path, bin_path) if not p.is_file()]
+    missing = missing_files(path_prefix)
     if missing:
-        raise FileNotFoundError(f"indexed dataset {os.fspath(path_prefix)!r}: missing {' and '.join(missing)}")
+        raise FileNotFoundError(missing)
     idx_size, bin_size = idx_path.stat().st_size, bin_path.stat().st_size
     if idx_size < _HEADER.size:
         raise ValueError(f"{idx_path} is truncated: {idx_size} bytes, shorter than the {_HEADER.size}-byte header")
@@ -128,6 +143,11 @@ class DocumentDataset:
     def __init__(self, path_prefix: str | os.PathLike) -> None:
         self.path_prefix = os.fspath(path_prefix)
         self.info = validate(self.path_prefix)
+        if not self.info.num_tokens:  # megatron-core cannot map an empty .bin
+            raise ValueError(
+                f"the dataset {self.path_prefix} has no tokens ({self.info.num_documents} documents, every one "
+                f"empty): prepare it again from texts that are not empty, or name another dataset"
+            )
         self._megatron = IndexedDataset(self.path_prefix, mmap=True)
         doc_idx = self._megatron.document_indices
         seq_starts = np.zeros(self.info.num_sequences + 1, dtype=np.int64)

@@ -4,9 +4,12 @@ config before a job starts.
 Checks everything :func:`~megatron_paradyse.config.load_config` checks (keys, types, ranges, strategy
 names), then parses the config's ``megatron_args`` (and the job's command-line flags, after ``--``) with
 Megatron-LM's own argument parser, so a misspelt Megatron flag fails here rather than on every rank of a
-job; where the flags name a model, it runs what the job's ranks check before joining a process group
-(:func:`~megatron_paradyse.run.job.job_arguments`). ``--print-config`` prints the resolved config
-(paths made absolute) as YAML; loading that output gives the same config.
+job; where the flags name a model, it runs what the job's ranks check before their first step, with the
+job's code, on a machine of this one's kind or of ``--device``'s: the arguments
+(:func:`~megatron_paradyse.run.job.job_arguments`), the tokenizer, the budget, cost profile and static
+memory (:meth:`~megatron_paradyse.run.job.Job.checked`), the dataset
+(:func:`~megatron_paradyse.run.documents.training_documents`). ``--print-config`` prints the resolved
+config (paths made absolute) as YAML; loading that output gives the same config.
 
 A bad config prints ``paradyse: error: ...`` (every problem, one per line) and exits with status 2;
 ``paradyse``'s parser (``megatron_paradyse/cli.py``) wires :func:`add_check_config_arguments` and
@@ -50,6 +53,11 @@ def add_check_config_arguments(parser: argparse.ArgumentParser) -> None:
         type=world_size,
         help="the job's ranks, for Megatron's checks that depend on it (default: one data-parallel replica)",
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="check the job as it starts on machines of this kind (default: this machine's kind)",
+    )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML")
     parser.add_argument(
         "megatron_flags",
@@ -74,8 +82,6 @@ def run_check_config(args: argparse.Namespace) -> int:
     """The command, for ``paradyse``'s parser: raises :class:`ConfigError` for a bad config, or for one
     whose job would stop before it starts. Flags that name no model (a config completed by the job's
     command line) are parsed, not checked as a job's."""
-    from megatron_paradyse.run.job import job_arguments
-
     config = load_config(args.config)
     flags = [*config.megatron_args, *args.megatron_flags]
     try:
@@ -89,13 +95,64 @@ def run_check_config(args: argparse.Namespace) -> int:
             "--num-attention-heads), so the job's start-up checks did not run: give the job's flags after '--'"
         )
     else:
-        try:
-            job, _ = job_arguments(config, args.megatron_flags, world_size=args.world_size)
-        except ValueError as e:
-            raise ConfigError(f"{args.config}: its job would stop at start-up (as on GPUs): {e}") from e
-        checked = f"its job's arguments checked as its ranks check them, at {job.world_size} ranks"
+        from megatron_paradyse.run.job import quiet_megatron
+
+        with quiet_megatron():
+            checked = _check_job(config, args)
     print(format_config(config) if args.print_config else f"{args.config}: valid ({checked})\n", end="")
     return 0
+
+
+def _check_job(config: ParadyseConfig, args: argparse.Namespace) -> str:
+    """What the job's ranks check before their first step, on a machine of ``args.device``'s kind: its
+    arguments, then its budget, cost profile and static memory, and its dataset (opened, token ids against
+    the tokenizer's vocabulary, the splits); :class:`ConfigError` with every problem a rank would stop on,
+    in the job's own words. Returns what was checked."""
+    import torch
+
+    from megatron_paradyse import mcore  # noqa: F401 - the CPU shim, before megatron
+    from megatron_paradyse.core.memory import device_memory_bytes
+    from megatron_paradyse.data.corpora import NotBuilt
+    from megatron_paradyse.run.documents import training_documents
+    from megatron_paradyse.run.job import Job, job_arguments
+    from megatron_paradyse.run.startup import attempt
+
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = args.device or here
+    machine = "on a GPU" if kind == "cuda" else "on a machine without CUDA"
+    stopped = f"{args.config}: its job would stop at start-up ({machine})"
+    try:
+        job_args, model_config = job_arguments(
+            config, args.megatron_flags, world_size=args.world_size, cuda=kind == "cuda"
+        )
+    except ValueError as e:
+        raise ConfigError(f"{stopped}: {e}") from e
+    # Megatron's start-up builds the tokenizer, which pads the vocabulary (args.padded_vocab_size) too
+    tokenizer, problem = attempt(lambda: build_tokenizer(job_args))
+    if problem:
+        raise ConfigError(f"{stopped}: its tokenizer: {problem}")
+    device = torch.device("cuda", torch.cuda.current_device()) if kind == here == "cuda" else torch.device(kind)
+    device_bytes = device_memory_bytes(device) if kind == here else None
+    job, problem = attempt(
+        lambda: Job.checked(
+            config, job_args, model_config, device=device, device_bytes=device_bytes, check_machine=kind == here
+        )
+    )
+    problems = [problem] if problem else []
+    unchecked = []
+    if job is not None and job.budget_bytes is None:
+        unchecked.append("static memory not checked: the budget is the GPU's memory, measured at start-up")
+    try:
+        _, problem = attempt(lambda: training_documents(config, job_args, tokenizer.vocab_size, build=False))
+        problems += [problem] if problem else []
+    except NotBuilt as e:
+        unchecked.append(f"dataset not checked: its job builds the {config.data.dataset} corpus into {e} at start-up")
+    if problems:  # each as the job says it; the job stops at the first
+        raise ConfigError(f"{stopped}: " + (problems[0] if len(problems) == 1 else "\n  - ".join(["", *problems])))
+    checked = f"checked as its job's ranks check it {machine}, at {job_args.world_size} ranks"
+    return "; ".join([checked, *unchecked])
 
 
 class _RaisingParser(argparse.ArgumentParser):

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import importlib.util
 import io
+import logging
 import sys
 import traceback
 import warnings
@@ -25,6 +26,7 @@ from megatron_paradyse.core.comm import warm_communicators
 from megatron_paradyse.core.memory import allocator_capacity_bytes, device_memory_bytes
 from megatron_paradyse.cost import load_profile
 from megatron_paradyse.data import ByteTokenizer, KmerTokenizer
+from megatron_paradyse.data.indexed import missing_files
 from megatron_paradyse.data.prepare import read_manifest
 from megatron_paradyse.data.subset import split_fractions
 from megatron_paradyse.mcore import compat
@@ -34,6 +36,7 @@ from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
 from megatron_paradyse.mcore.static_memory import optimizer_problem
 from megatron_paradyse.mcore.step_groups import step_groups
 from megatron_paradyse.planner import layer_options
+from megatron_paradyse.run.documents import BUILT_IN
 from megatron_paradyse.run.fault import STATE_FILE, BudgetState, read_state
 from megatron_paradyse.run.stage_planning import (
     cross_entropy_problem,
@@ -52,7 +55,7 @@ from megatron.training.argument_utils import gpt_config_from_args
 from megatron.training.arguments import parse_and_validate_args, parse_args, validate_args
 from megatron.training.global_vars import unset_global_variables
 
-__all__ = ["Job", "add_paradyse_args", "job_arguments", "dataset_tokenizer", "entry_defaults"]
+__all__ = ["Job", "add_paradyse_args", "job_arguments", "dataset_tokenizer", "entry_defaults", "quiet_megatron"]
 
 _GIB = 2**30
 
@@ -110,6 +113,10 @@ def dataset_tokenizer(config: ParadyseConfig) -> tuple[int | None, int | None]:
     if config.data.dataset == "dna":
         tokenizer = KmerTokenizer(3)
         return tokenizer.vocab_size, tokenizer.pad_id
+    missing = missing_files(config.data.dataset)
+    if missing:
+        built_in = ", ".join(BUILT_IN)
+        raise ValueError(f"data.dataset: {missing}; nor is {config.data.dataset!r} a built-in corpus ({built_in})")
     manifest = read_manifest(config.data.dataset)
     if manifest is None:
         return None, None
@@ -126,13 +133,12 @@ class Job:
     """Megatron's ``GPTModelConfig`` (``.transformer`` is the ``TransformerConfig``)."""
     profile: dict | None
     """The cost profile read from ``cost.profile``; None: calibrated at start-up."""
-    budget_bytes: float
+    budget_bytes: float | None
     """The budget plans must fit: the configured one, or the smaller one saved after an out-of-memory error.
     On CUDA, sized by the device's whole memory until start-up measures what the caching allocator can
-    hold (:meth:`measure_budget`): an upper bound, enough to refuse at once what could never fit."""
+    hold (:meth:`measure_budget`): an upper bound, enough to refuse at once what could never fit. None
+    only where a job is checked away from its GPU (``paradyse check-config --device cuda``)."""
     device: torch.device
-    pad_id: int
-    """Token id of padding (never attended to, never in the loss)."""
     budget_state: BudgetState | None = None
     """What ``paradyse_state.json`` in the ``--load`` directory holds (None: there is none)."""
 
@@ -145,18 +151,30 @@ class Job:
         with _command_line([*entry_defaults(config, cuda=cuda), *flags]):
             args = _megatron_checked(lambda: parse_and_validate_args(extra_args_provider=add_paradyse_args))
         try:
-            return cls._checked(config, args, flags, cuda=cuda)
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+            model_config = _model_config(args, config, flags, cuda=cuda)
+            return cls.checked(config, args, model_config, device=device, device_bytes=device_memory_bytes(device))
         except Exception:  # refused: Megatron's globals (its parsed arguments first) as they were before
             unset_global_variables()
             raise
 
     @classmethod
-    def _checked(cls, config: ParadyseConfig, args: argparse.Namespace, flags: list[str], *, cuda: bool) -> Job:
-        model_config = _model_config(args, config, flags, cuda=cuda)
+    def checked(
+        cls,
+        config: ParadyseConfig,
+        args: argparse.Namespace,
+        model_config,
+        *,
+        device: torch.device,
+        device_bytes: int | None,
+        check_machine: bool = True,
+    ) -> Job:
+        """The job of validated ``args`` and their ``model_config`` on ``device`` (``device_bytes``: its
+        memory, None where it is not known): its budget, profile and static memory checked, as a rank checks
+        them before joining a process group (``check_machine``: hold the profile to this machine, as
+        ``cost.check_machine`` says; False where the job runs on another kind of machine)."""
         mask = AttnMaskType.causal if config.attention_mask == "causal" else AttnMaskType.no_mask
         model_config.transformer_layer_spec = functools.partial(get_paradyse_layer_spec, attn_mask_type=mask)
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        pad_id = dataset_tokenizer(config)[1]
         budget_state = read_state(args.load)
         if budget_state is not None:
             budget_state.check_retries(config.memory.oom_retries, Path(args.load) / STATE_FILE)
@@ -164,15 +182,22 @@ class Job:
             config=config,
             args=args,
             model_config=model_config,
-            profile=_read_profile(config, args),
-            budget_bytes=_budget_bytes(config, budget_state, device_memory_bytes(device)),
+            profile=_read_profile(config, args, check_machine=check_machine),
+            budget_bytes=_budget_bytes(config, budget_state, device_bytes),
             device=device,
-            pad_id=_megatron_pad_id() if pad_id is None else pad_id,
             budget_state=budget_state,
         )
-        job.check_static_memory()  # fail here, on every rank, not after start-up
+        if job.budget_bytes is not None:  # None: a GPU's, measured at start-up
+            job.check_static_memory()  # fail here, on every rank, not after start-up
         job.cost_models()  # the profile fits the model (group size, dtype): fail here, not after start-up
         return job
+
+    @functools.cached_property
+    def pad_id(self) -> int:
+        """Token id of padding (never attended to, never in the loss): the dataset's, else Megatron's
+        tokenizer's."""
+        pad_id = dataset_tokenizer(self.config)[1]
+        return _megatron_pad_id() if pad_id is None else pad_id
 
     @property
     def tp(self) -> int:
@@ -244,25 +269,38 @@ class Job:
 
 
 def job_arguments(
-    config: ParadyseConfig, argv: list[str], *, world_size: int | None = None
+    config: ParadyseConfig, argv: list[str], *, world_size: int | None = None, cuda: bool = True
 ) -> tuple[argparse.Namespace, object]:
     """Megatron's arguments and model config (``GPTModelConfig``) of a job started with ``config`` and the
-    command-line flags ``argv`` on CUDA machines, checked as its ranks check them before joining a process
-    group (Megatron's own validation, what this entry point and the Paradyse layers can run), here and
-    without a GPU: what ``paradyse check-config`` checks and ``paradyse plan`` plans. Nothing global is set
-    (no tokenizer, no TensorBoard or W&B writer). ``world_size``: the job's ranks (None: one data-parallel
-    replica, every model-parallel rank once; ``args.world_size`` says which). Raises ``ValueError`` with
-    the job's own message."""
+    command-line flags ``argv`` on CUDA machines (``cuda=False``: on machines without CUDA), checked as its
+    ranks check them before joining a process group (Megatron's own validation, what this entry point and
+    the Paradyse layers can run), here, whatever this machine has: what ``paradyse check-config`` checks and
+    ``paradyse plan`` plans. Nothing global is set (no tokenizer, no TensorBoard or W&B writer).
+    ``world_size``: the job's ranks (None: one data-parallel replica, every model-parallel rank once;
+    ``args.world_size`` says which). Raises ``ValueError`` with the job's own message."""
     flags = [*config.megatron_args, *argv]
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # Megatron lists every argument
-        warnings.simplefilter("ignore")
-        with compat.megatron_training_on_cpu(), _command_line([*entry_defaults(config, cuda=True), *flags]):
+    with quiet_megatron():
+        with compat.megatron_training_on_cpu(), _command_line([*entry_defaults(config, cuda=cuda), *flags]):
             args = parse_args(add_paradyse_args)
             model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
             args.world_size = world_size or model_parallel * args.context_parallel_size
             _megatron_checked(lambda: validate_args(args))
-            model_config = _model_config(args, config, flags, cuda=True)
+            model_config = _model_config(args, config, flags, cuda=cuda)
     return args, model_config
+
+
+@contextlib.contextmanager
+def quiet_megatron() -> Iterator[None]:
+    """Megatron's start-up code in a command that prints only its answer: no argument listing (stdout),
+    warnings or INFO logs (the tokenizer's padding, the dataset's index)."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        disabled = logging.root.manager.disable
+        logging.disable(max(disabled, logging.INFO))
+        try:
+            yield
+        finally:
+            logging.disable(disabled)
 
 
 def _megatron_checked(validate: Callable[[], argparse.Namespace]) -> argparse.Namespace:
@@ -393,13 +431,13 @@ def _budget_bytes(config: ParadyseConfig, state: BudgetState | None, allocator_b
     return budget if state is None else min(budget, state.budget_bytes)
 
 
-def _read_profile(config: ParadyseConfig, args: argparse.Namespace) -> dict | None:
+def _read_profile(config: ParadyseConfig, args: argparse.Namespace, *, check_machine: bool) -> dict | None:
     if config.cost.profile is None:
         return None
     return load_profile(
         config.cost.profile,
         p=args.tensor_model_parallel_size,
-        check_machine=config.cost.check_machine,
+        check_machine=config.cost.check_machine and check_machine,
         host_link=config.planner.space.host_memory_gib > 0,
     )
 

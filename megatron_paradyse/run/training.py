@@ -42,7 +42,7 @@ from megatron_paradyse.mcore.chunked_loss import output_processor
 from megatron_paradyse.mcore.model_shape import model_shape
 from megatron_paradyse.mcore.step_buffers import release_step_buffers
 from megatron_paradyse.run.agreement import check_ranks_agree
-from megatron_paradyse.run.documents import BUILT_IN, build_corpus, open_documents, split_for_training, split_source
+from megatron_paradyse.run.documents import BUILT_IN, build_corpus, split_source, training_documents
 from megatron_paradyse.run.fault import STATE_FILE, FaultWatch
 from megatron_paradyse.run.job import Job
 from megatron_paradyse.run.log import (
@@ -126,12 +126,7 @@ class TrainingRun:
         if config.data.dataset in BUILT_IN and local_rank in (0, None):
             _, problem = attempt(lambda: build_corpus(config))
         agree(problem)  # then the other ranks of the node read what its first rank built
-        opened, problem = attempt(lambda: open_documents(config))
-        if problem is None:
-            documents, whole = opened
-            _, problem = attempt(lambda: whole.check_token_ids(get_tokenizer().vocab_size))
-        if problem is None:
-            self.datasets, problem = attempt(lambda: split_for_training(documents, self.job.args, config.data.seed))
+        self.datasets, problem = attempt(lambda: training_documents(config, self.job.args, get_tokenizer().vocab_size))
         agree(problem)
 
     # provider ----------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 import yaml
 
+from megatron_paradyse import pretrain_gpt
+from megatron_paradyse.cli import main as paradyse
 from megatron_paradyse.data import write_documents
 
 from helpers import entry_point
@@ -134,38 +136,114 @@ def test_a_config_one_rank_cannot_read_and_a_bad_profile_value_stop_every_rank(t
         f"rank 1: cannot read the paradyse config {missing}: No such file or directory (every rank of 2 stops)",
     )
 
-    data = json.loads(quick_profile_p2.read_text())
-    data["attention"]["forward"]["causal"]["per_call_s"] = "fast"
-    data["collectives"]["2"]["all_gather"]["per_byte_s"] = float("nan")
-    bad = tmp_path / "bad-profile.json"
-    bad.write_text(json.dumps(data))
-    config = _config(tmp_path / "bad", cost={"profile": str(bad), "check_machine": False})
+    config, message = _bad_profile_values(tmp_path / "bad", quick_profile_p2)
     results = _launch(2, lambda rank: ["--paradyse-config", str(config), *SMALL_GPT])
-    _assert_every_rank_stops(
-        results,
-        f"cost profile {bad} has values a cost model cannot use: attention.forward.causal.per_call_s must be a "
-        "number, got 'fast'; collectives.2.all_gather.per_byte_s must be finite, got nan; recalibrate with "
-        "`paradyse calibrate`",
-    )
+    _assert_every_rank_stops(results, message)
 
 
 def test_token_ids_outside_the_vocabulary_stop_every_rank(tmp_path, quick_profile_p2):
-    prefix = tmp_path / "data" / "bytes"
+    config, message = _ids_outside_the_vocabulary(tmp_path, quick_profile_p2)
+    results = _launch(2, lambda rank: ["--paradyse-config", str(config), *SMALL_GPT])
+    _assert_every_rank_stops(results, message)
+
+
+def test_a_dataset_path_with_no_files_is_refused_before_any_process_group(tmp_path, quick_profile_p2, capsys):
+    config, message = _no_dataset_there(tmp_path, quick_profile_p2)
+    assert pretrain_gpt.main(["--paradyse-config", str(config), *SMALL_GPT]) == 2
+    assert capsys.readouterr().err == f"paradyse: error: {message}\n"
+
+
+def test_datasets_with_nothing_to_train_on_stop_every_rank(tmp_path, quick_profile_p2):
+    """An empty dataset on rank 0, one of one-token documents on rank 1: each rank's problem is named."""
+    cases = [case(tmp_path / f"rank{rank}", quick_profile_p2) for rank, case in enumerate(NOTHING_TO_TRAIN_ON)]
+    results = _launch(2, lambda rank: ["--paradyse-config", str(cases[rank][0]), *SMALL_GPT])
+    _assert_every_rank_stops(results, f"rank 0: {cases[0][1]}; rank 1: {cases[1][1]} (every rank of 2 stops)")
+
+
+def test_check_config_stops_on_what_the_job_stops_on(tmp_path, quick_profile_p2, capsys):
+    """Every bad input above that every rank of a job stops on, ``paradyse check-config`` refuses, on this
+    machine, in the job's words."""
+    for name, case in BAD_INPUTS.items():
+        config, message = case(tmp_path / name, quick_profile_p2)
+        with pytest.raises(SystemExit) as exit_status:
+            paradyse(["check-config", str(config), "--", *SMALL_GPT])
+        assert exit_status.value.code == 2, name
+        stopped = f"{config}: its job would stop at start-up (on a machine without CUDA): {message}"
+        assert capsys.readouterr() == ("", f"paradyse: error: {stopped}\n"), name
+
+
+# -- bad inputs: (config, what the job says) --------------------------------------------------------
+def _bad_profile_values(folder: Path, profile: Path) -> tuple[Path, str]:
+    data = json.loads(profile.read_text())
+    data["attention"]["forward"]["causal"]["per_call_s"] = "fast"
+    data["collectives"]["2"]["all_gather"]["per_byte_s"] = float("nan")
+    folder.mkdir(parents=True)
+    bad = folder / "bad-profile.json"
+    bad.write_text(json.dumps(data))
+    return _config(folder, cost={"profile": str(bad), "check_machine": False}), (
+        f"cost profile {bad} has values a cost model cannot use: attention.forward.causal.per_call_s must be a "
+        "number, got 'fast'; collectives.2.all_gather.per_byte_s must be finite, got nan; recalibrate with "
+        "`paradyse calibrate`"
+    )
+
+
+def _dataset_config(folder: Path, profile: Path, documents: list, *, vocab_size: int = 100) -> tuple[Path, Path]:
+    """(a config training on ``documents``, written with a byte tokenizer's manifest of ``vocab_size``
+    ids, its dataset's prefix)."""
+    prefix = folder / "data" / "docs"
+    write_documents(prefix, documents, vocab_size=256)
+    manifest = {"tokenizer": "byte", "vocab_size": vocab_size, "eod_id": vocab_size - 1, "pad_id": vocab_size - 2}
+    Path(f"{prefix}.json").write_text(json.dumps(manifest))
+    cost = {"profile": str(profile), "check_machine": False}
+    return _config(folder, cost=cost, data={"dataset": str(prefix), "max_len": 1024}), prefix
+
+
+def _ids_outside_the_vocabulary(folder: Path, profile: Path) -> tuple[Path, str]:
     rng = np.random.default_rng(0)
     documents = [rng.integers(0, 100, size=n) for n in (300, 500, 700)]
     documents[1][123] = 130  # one id past the vocabulary of 100 the manifest gives
-    write_documents(prefix, documents, vocab_size=256)
-    manifest = {"tokenizer": "byte", "vocab_size": 100, "eod_id": 99, "pad_id": 98}
-    Path(f"{prefix}.json").write_text(json.dumps(manifest))
-    config = _config(tmp_path, cost={"profile": str(quick_profile_p2), "check_machine": False})
-    config.write_text(config.read_text().replace("dataset: code", f"dataset: {prefix}"))
-    results = _launch(2, lambda rank: ["--paradyse-config", str(config), *SMALL_GPT])
-    _assert_every_rank_stops(
-        results,
+    config, prefix = _dataset_config(folder, profile, documents)
+    return config, (
         f"dataset {prefix}: document 1 has token id 130 (at its token 123), outside the tokenizer's vocabulary "
         "[0, 100); prepare the dataset with the tokenizer the run uses (--tokenizer-type, --vocab-size, or the "
-        "dataset's manifest)",
+        "dataset's manifest)"
     )
+
+
+def _no_dataset_there(folder: Path, profile: Path) -> tuple[Path, str]:
+    prefix = folder / "data" / "typo"
+    cost = {"profile": str(profile), "check_machine": False}
+    return _config(folder, cost=cost, data={"dataset": str(prefix)}), (
+        f"data.dataset: no dataset at {prefix}: neither {prefix}.bin nor {prefix}.idx exists (a dataset is named "
+        f"by the path of its .bin and .idx files without the suffix); nor is '{prefix}' a built-in corpus (code, dna)"
+    )
+
+
+def _empty_dataset(folder: Path, profile: Path) -> tuple[Path, str]:
+    config, prefix = _dataset_config(folder, profile, [np.zeros(0, dtype=np.int64)] * 3)
+    return config, (
+        f"the dataset {prefix} has no tokens (3 documents, every one empty): prepare it again from texts that are "
+        "not empty, or name another dataset"
+    )
+
+
+def _one_token_documents(folder: Path, profile: Path) -> tuple[Path, str]:
+    config, prefix = _dataset_config(folder, profile, [np.array([7])] * 5)
+    return config, (
+        f"the dataset {prefix}: each of its 5 documents is shorter than 2 tokens, and a token is learnt from the "
+        "one before it: there is nothing to train on"
+    )
+
+
+NOTHING_TO_TRAIN_ON = (_empty_dataset, _one_token_documents)
+BAD_INPUTS = {
+    "profile values": _bad_profile_values,
+    "vocabulary": _ids_outside_the_vocabulary,
+    "no dataset": _no_dataset_there,
+    "empty dataset": _empty_dataset,
+    "one-token documents": _one_token_documents,
+}
+"""What every rank of a job refuses alike, checked by the job (the tests above) and by check-config."""
 
 
 def test_a_rank_leaves_its_process_groups_when_its_work_ends_without_a_failure():

@@ -125,7 +125,7 @@ def test_start_up_sizes_the_budget_by_what_the_allocator_can_hold_and_keeps_a_sh
     checked = []
     monkeypatch.setattr(job_module.Job, "check_static_memory", lambda self: checked.append(self.budget_bytes))
     config = ParadyseConfig(memory=MemorySection(margin=0.03))
-    fields = dict(config=config, args=None, model_config=None, profile=None, device=None, pad_id=0)
+    fields = dict(config=config, args=None, model_config=None, profile=None, device=None)
     job = job_module.Job(budget_bytes=0.97 * 120 * gib, **fields)
     assert (job.measure_budget(), job.budget_bytes, checked) == (100 * gib, 97 * gib, [97 * gib])
     assert events == [("warmed", ["the step's groups"]), "measured"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import re
 from pathlib import Path
 
@@ -91,27 +92,39 @@ def test_a_valid_config_is_printed_resolved_and_reads_back_the_same(tmp_path, ca
     assert format_config(config).startswith("planner:\n  method: exact\n  attention: null\n")
 
 
-def test_a_config_whose_job_would_stop_at_start_up_is_refused_with_the_jobs_own_message(capsys):
-    """``check-config`` runs the checks every rank of the job runs before joining a process group (Megatron's
-    argument validation, the entry point's and the Paradyse layers' refusals), on a machine without a GPU,
-    at one data-parallel replica or ``--world-size``; the job's command-line flags come after ``--``."""
-    config = str(CONFIGS / "llama-7b.yaml")
+def test_a_config_whose_job_would_stop_at_start_up_is_refused_with_the_jobs_own_message(tmp_path, capsys):
+    """``check-config`` runs the checks every rank of the job runs before its first step (Megatron's argument
+    validation, the entry point's and the Paradyse layers' refusals, the budget, the cost profile, the
+    dataset) on this machine, or on one of ``--device``'s kind, at one data-parallel replica or
+    ``--world-size``; the job's command-line flags come after ``--``."""
+    settings = yaml.safe_load((CONFIGS / "llama-7b.yaml").read_text())
+    del settings["cost"]  # the job then calibrates at start-up
+    config = tmp_path / "llama-7b.yaml"
+    config.write_text(yaml.safe_dump(settings))
 
-    def refused(*argv: str) -> str:
+    def refused(*argv: str, device: str | None = "cuda") -> str:
         with pytest.raises(SystemExit) as exit_status:
-            paradyse(["check-config", config, *argv])
+            paradyse(["check-config", str(config), *(["--device", device] if device else []), *argv])
         assert exit_status.value.code == 2
         out, err = capsys.readouterr()
-        assert out == "" and err.startswith(f"paradyse: error: {config}: its job would stop at start-up (as on GPUs): ")
-        return err.split("(as on GPUs): ", 1)[1]
+        machine = "on a GPU" if device == "cuda" else "on a machine without CUDA"
+        stopped = f"paradyse: error: {config}: its job would stop at start-up ({machine}): "
+        assert out == "" and err.startswith(stopped)
+        return err.removeprefix(stopped)
 
-    assert paradyse(["check-config", config]) == 0
-    assert (
-        capsys.readouterr().out
-        == f"{config}: valid (its job's arguments checked as its ranks check them, at 8 ranks)\n"
+    # on this machine, without CUDA, as its job would run here: the budget is the configured one
+    assert refused(device=None) == (
+        "the Megatron arguments do not fit this entry point:\n"
+        "  - memory.budget_gib is required on a machine without CUDA (the config's memory section)\n"
     )
-    assert paradyse(["check-config", config, "--world-size", "32"]) == 0
-    assert capsys.readouterr().out.endswith("at 32 ranks)\n")
+    assert paradyse(["check-config", str(config), "--device", "cuda"]) == 0
+    assert capsys.readouterr().out == (
+        f"{config}: valid (checked as its job's ranks check it on a GPU, at 8 ranks; static memory not checked: the "
+        f"budget is the GPU's memory, measured at start-up; dataset not checked: its job builds the code corpus into "
+        f"{tmp_path / 'data' / 'code'}-python{platform.python_version()}-byte at start-up)\n"
+    )
+    assert paradyse(["check-config", str(config), "--device", "cuda", "--world-size", "32"]) == 0
+    assert ", at 32 ranks;" in capsys.readouterr().out
     # Megatron's own checks: the world size, the model's heads over the tensor-parallel ranks
     assert refused("--world-size", "12") == (
         "Megatron's argument check failed: world size (12) is not divisible by total_model_size (total_model_size=8)\n"

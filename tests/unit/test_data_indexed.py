@@ -161,8 +161,19 @@ def test_corrupt_index(small, offset, value, message):
 def test_missing_file(small):
     prefix, _ = small
     os.remove(prefix + ".bin")
-    with pytest.raises(FileNotFoundError, match=re.escape(f"missing {prefix}.bin")):
+    with pytest.raises(
+        FileNotFoundError, match=re.escape(f"the dataset {prefix} is incomplete: {prefix}.bin does not")
+    ):
         DocumentDataset(prefix)
+
+
+def test_a_dataset_without_tokens_is_refused_before_megatron_maps_it(tmp_path, recwarn):
+    prefix = tmp_path / "empty"
+    write_documents(prefix, [np.zeros(0, dtype=np.int64)] * 2, vocab_size=256)
+    message = f"the dataset {prefix} has no tokens (2 documents, every one empty): prepare it again from texts"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        DocumentDataset(prefix)
+    assert not recwarn.list  # nothing half-made left to warn as it is collected
 
 
 def test_prepare_folder_keeps_bytes_and_order(tmp_path):

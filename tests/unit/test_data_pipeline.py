@@ -297,4 +297,4 @@ def test_command_line(tmp_path, capsys):
     assert main(["balance", prefix, "--p", "2", "--dp-size", "2", "--max-len", "6400", "--sampler", "curriculum"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].split()[0] == "curriculum"
     assert main(["stats", str(tmp_path / "nothing")]) == 2
-    assert "error: indexed dataset" in capsys.readouterr().err
+    assert f"error: no dataset at {tmp_path / 'nothing'}: neither" in capsys.readouterr().err
