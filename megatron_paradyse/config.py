@@ -184,6 +184,8 @@ def load_config(path: str | Path) -> ParadyseConfig:
         raise ConfigError(f"cannot read the paradyse config {path}: {e.strerror}") from e
     try:
         data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader
+    except _RepeatedKey as e:
+        raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {e}") from e
     if data is None:
@@ -197,9 +199,26 @@ def load_config(path: str | Path) -> ParadyseConfig:
     return _resolve_paths(config, path.parent)
 
 
+class _RepeatedKey(yaml.YAMLError):
+    """A key given twice in one mapping."""
+
+
 class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader, reading numbers in exponent form without a dot as floats: PyYAML follows
-    YAML 1.1, where ``1e-30`` is a string; YAML 1.2 (and every user) reads it as a number."""
+    YAML 1.1, where ``1e-30`` is a string; YAML 1.2 (and every user) reads it as a number. A key given
+    twice in one mapping is refused: PyYAML would keep the second and drop the first's section silently."""
+
+    def construct_mapping(self, node, deep=False):
+        lines: dict = {}
+        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # "<<: *defaults" and the keys after it that override its keys
+            key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+            if key in lines:
+                where = f"lines {lines[key]} and {line}" if lines[key] != line else f"both on line {line}"
+                raise _RepeatedKey(f"key {key!r} appears twice ({where}); merge the two")
+            lines[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(

@@ -50,6 +50,21 @@ def test_unreadable_and_malformed_files_are_named(tmp_path):
         load_config(_write(tmp_path, "- planner\n"))
 
 
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path):
+    """YAML would keep the second section and drop the first's keys silently."""
+    path = _write(tmp_path, "memory:\n  budget_gib: 1\ndata: {max_len: 512}\nmemory:\n  margin: 0.1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: key 'memory' appears twice (lines 1 and 4); merge the two"
+    with pytest.raises(ConfigError) as err:
+        load_config(_write(tmp_path, "planner: {space: {host_memory_gib: 1, host_memory_gib: 2}}\n"))
+    assert str(err.value).endswith(": key 'host_memory_gib' appears twice (both on line 1); merge the two")
+    # a key after a merge ("<<: *anchor") overrides the merged one: not a repeat (validation goes on)
+    merged = "memory: &base {budget_gib: 1, margin: 0.1}\ndata: {<<: *base, margin: 0.2}\n"
+    with pytest.raises(ConfigError, match=r"\n  data.margin: unknown key"):
+        load_config(_write(tmp_path, merged))
+
+
 def test_paths_resolve_relative_to_the_config_file(tmp_path):
     cfg = load_config(_write(tmp_path, "cost: {profile: prof/cpu.json}\ndata: {dataset: corpora/mine}\n"))
     assert cfg.cost.profile == str(tmp_path / "prof/cpu.json")
