@@ -41,10 +41,11 @@ Around ``pretrain()``:
   step from the last checkpoint, up to ``memory.oom_retries`` times per iteration
   (:mod:`megatron_paradyse.run.fault`).
 
-Configuration errors print ``paradyse: error: ...`` and return 2 before Megatron starts. A rank of
-several that fails at start-up (its config, cost profile or dataset) stops every rank within seconds:
-the ranks join the default process group first and agree (:mod:`megatron_paradyse.run.startup`); rank 0
-prints the one message, naming the rank and the cause.
+Configuration errors print ``paradyse: error: ...`` and return 2 before Megatron starts, a flag
+Megatron's parser refuses included (one line, not its usage: :mod:`~megatron_paradyse.run.megatron_flags`).
+A rank of several that fails at start-up (its config, its flags, cost profile or dataset) stops every
+rank within seconds: the ranks join the default process group first and agree
+(:mod:`megatron_paradyse.run.startup`); rank 0 prints the one message, naming the rank and the cause.
 
 The modules that import ``megatron.training`` (:mod:`~megatron_paradyse.run.job`, the training run and
 hooks) are imported inside the functions, after :func:`main` has made the CUDA allocator's settings
@@ -54,7 +55,6 @@ installed, which may initialise CUDA.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import re
 import sys
@@ -69,6 +69,7 @@ from megatron_paradyse.mcore import compat
 from megatron_paradyse.planner import InfeasibleSequenceError
 from megatron_paradyse.run.agreement import RankDisagreement
 from megatron_paradyse.run.fault import end_process
+from megatron_paradyse.run.megatron_flags import RaisingParser, megatron_parser
 from megatron_paradyse.run.startup import (
     StartupError,
     agree,
@@ -140,7 +141,7 @@ def _paradyse_config(argv: list[str]) -> ParadyseConfig:
     """The ``--paradyse-config`` of ``argv``, loaded."""
     from megatron_paradyse.run.job import add_paradyse_args  # after the allocator's settings
 
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser = RaisingParser(add_help=False, allow_abbrev=False)  # "--paradyse-config" without a file: one line
     add_paradyse_args(parser)
     known, _ = parser.parse_known_args(argv)
     if known.paradyse_config is None:
@@ -152,12 +153,9 @@ def _print_help() -> int:
     """Megatron's flags and ours, as Megatron's parser describes them."""
     from megatron_paradyse.run.job import add_paradyse_args
 
-    from megatron.training.arguments import add_megatron_arguments
-
-    parser = argparse.ArgumentParser(
-        prog="pretrain_gpt", description="Megatron-LM arguments, and megatron-paradyse's", allow_abbrev=False
+    parser = megatron_parser(
+        add_paradyse_args, prog="pretrain_gpt", description="Megatron-LM arguments, and megatron-paradyse's"
     )
-    add_paradyse_args(add_megatron_arguments(parser))
     for action in parser._actions:
         if action.help:
             # megatron-core 0.19 writes a bare "%" in a help text (10%), which argparse reads as a format

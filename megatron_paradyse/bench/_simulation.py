@@ -28,7 +28,8 @@ from megatron_paradyse.data.corpora import (
 )
 from megatron_paradyse.planner import InfeasibleSequenceError, Planner, PlannerConfig
 from megatron_paradyse.planner.buckets import LengthBuckets
-from megatron_paradyse.run.config_cli import model_shape_from_args, parse_megatron_args
+from megatron_paradyse.run.config_cli import model_shape_from_args
+from megatron_paradyse.run.megatron_flags import parse_megatron_args
 from megatron_paradyse.strategies import ModelShape
 
 __all__ = [

@@ -38,7 +38,8 @@ from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.cost.analytic import AnalyticCostModel
 from megatron_paradyse.cost.hardware import HARDWARE, NodeSpec, hardware_profile, stage_static_bytes
 from megatron_paradyse.planner import Planner
-from megatron_paradyse.run.config_cli import model_shape_from_args, parse_megatron_args
+from megatron_paradyse.run.config_cli import model_shape_from_args
+from megatron_paradyse.run.megatron_flags import parse_megatron_args
 from megatron_paradyse.strategies import ModelShape
 
 __all__ = ["FrontierResult", "frontier", "main", "print_frontier", "training_flops"]

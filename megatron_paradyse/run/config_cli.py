@@ -31,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from megatron_paradyse.config import ConfigError, ParadyseConfig, load_config, section_keys
+from megatron_paradyse.run.megatron_flags import parse_megatron_args
 from megatron_paradyse.strategies import ModelShape
 
 __all__ = [
@@ -40,7 +41,6 @@ __all__ = [
     "calibration_target",
     "format_config",
     "model_shape_from_args",
-    "parse_megatron_args",
     "run_check_config",
     "world_size",
 ]
@@ -80,15 +80,11 @@ def world_size(text: str) -> int:
 
 def run_check_config(args: argparse.Namespace) -> int:
     """The command, for ``paradyse``'s parser: raises :class:`ConfigError` for a bad config, or for one
-    whose job would stop before it starts. Flags that name no model (a config completed by the job's
-    command line) are parsed, not checked as a job's."""
+    whose job would stop before it starts, ``ValueError`` for a Megatron flag its parser refuses (the job's
+    own line). Flags that name no model (a config completed by the job's command line) are parsed, not
+    checked as a job's."""
     config = load_config(args.config)
-    flags = [*config.megatron_args, *args.megatron_flags]
-    try:
-        parsed = parse_megatron_args(flags)
-    except ValueError as e:
-        where = "megatron_args and the flags after '--'" if args.megatron_flags else "megatron_args"
-        raise ConfigError(f"{args.config}:\n  {where}: {e}") from e
+    parsed = parse_megatron_args(args.megatron_flags, config_flags=config.megatron_args)
     if None in (parsed.num_layers, parsed.hidden_size, parsed.num_attention_heads):
         checked = (
             "Megatron's parser takes its flags; they name no model (--num-layers, --hidden-size, "
@@ -155,26 +151,6 @@ def _check_job(config: ParadyseConfig, args: argparse.Namespace) -> str:
     return "; ".join([checked, *unchecked])
 
 
-class _RaisingParser(argparse.ArgumentParser):
-    """Megatron's parser, raising its errors rather than printing its whole usage and exiting."""
-
-    def error(self, message: str):
-        raise ValueError(f"{message} (Megatron-LM's argument parser)")
-
-
-def parse_megatron_args(flags: Sequence[str]) -> argparse.Namespace:
-    """``flags`` parsed by Megatron-LM's own parser; ``ValueError`` for an unknown flag or a bad value.
-
-    Only parsing: Megatron's cross-checks (``validate_args``) need the job's world size and run when
-    the job starts. Where a flag repeats, the last one wins, as on a command line.
-    """
-    from megatron_paradyse import mcore  # noqa: F401 - the CPU shim, before megatron
-
-    from megatron.training.arguments import add_megatron_arguments
-
-    return add_megatron_arguments(_RaisingParser(allow_abbrev=False)).parse_args(list(flags))
-
-
 def model_shape_from_args(args: argparse.Namespace) -> ModelShape:
     """The transformer layer of parsed Megatron flags, with Megatron's defaults (``kv_channels = h / n``,
     ``ffn_hidden_size = 4h``, MHA unless ``--group-query-attention``)."""
@@ -203,7 +179,7 @@ class CalibrationTarget:
 
 def calibration_target(config_path: str | Path, megatron_flags: Sequence[str] = ()) -> CalibrationTarget:
     config = load_config(config_path)
-    args = parse_megatron_args([*config.megatron_args, *megatron_flags])
+    args = parse_megatron_args(megatron_flags, config_flags=config.megatron_args)
     if args.hidden_size is None or args.num_attention_heads is None:
         raise ConfigError(
             f"{config_path}: calibration measures the model's own work, and the config's megatron_args (with the "

@@ -38,6 +38,7 @@ from megatron_paradyse.mcore.step_groups import step_groups
 from megatron_paradyse.planner import layer_options
 from megatron_paradyse.run.documents import BUILT_IN
 from megatron_paradyse.run.fault import STATE_FILE, BudgetState, read_state
+from megatron_paradyse.run.megatron_flags import parse_megatron_args
 from megatron_paradyse.run.stage_planning import (
     cross_entropy_problem,
     kept_between_micro_batches_bytes,
@@ -147,6 +148,7 @@ class Job:
         """Parse and check everything that can be checked without a process group."""
         cuda = torch.cuda.is_available()
         flags = [*config.megatron_args, *argv]
+        parse_megatron_args(argv, add_paradyse_args, config_flags=config.megatron_args)  # one line, not its usage
         _use_prebuilt_dataset_helpers()
         with _command_line([*entry_defaults(config, cuda=cuda), *flags]):
             args = _megatron_checked(lambda: parse_and_validate_args(extra_args_provider=add_paradyse_args))
@@ -279,6 +281,7 @@ def job_arguments(
     ``world_size``: the job's ranks (None: one data-parallel replica, every model-parallel rank once;
     ``args.world_size`` says which). Raises ``ValueError`` with the job's own message."""
     flags = [*config.megatron_args, *argv]
+    parse_megatron_args(argv, add_paradyse_args, config_flags=config.megatron_args)  # one line, not its usage
     with quiet_megatron():
         with compat.megatron_training_on_cpu(), _command_line([*entry_defaults(config, cuda=cuda), *flags]):
             args = parse_args(add_paradyse_args)

@@ -13,7 +13,6 @@ A rank that ends its work leaves the process groups itself (:func:`leaving_proce
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import os
@@ -21,6 +20,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+
+from megatron_paradyse.run.megatron_flags import RaisingParser
 
 __all__ = [
     "StartupError",
@@ -46,11 +47,15 @@ def distributed_settings(flags: Sequence[str]) -> tuple[str, datetime.timedelta]
     """(backend, timeout) of the default process group, as Megatron reads them from ``flags``
     (``--distributed-backend``, ``--distributed-timeout-minutes``; the last occurrence wins). A rank whose
     config could not be read knows only its command line: the defaults are Megatron's (NCCL where CUDA
-    is, 10 minutes), with gloo on a machine without CUDA, as this package's entry point passes there."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    is, 10 minutes), with gloo on a machine without CUDA, as this package's entry point passes there; so
+    are they where a value is bad (what this rank reports, as Megatron's parser refuses it too)."""
+    parser = RaisingParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--distributed-backend", default="nccl" if torch.cuda.is_available() else "gloo")
     parser.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
-    known, _ = parser.parse_known_args(list(flags))
+    try:
+        known, _ = parser.parse_known_args(list(flags))
+    except ValueError:
+        known = parser.parse_args([])
     return known.distributed_backend, datetime.timedelta(minutes=known.distributed_timeout_minutes)
 
 

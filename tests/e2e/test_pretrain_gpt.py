@@ -78,6 +78,8 @@ def test_a_config_error_is_a_message_and_exit_code_2(tmp_path, capsys):
 
     assert pretrain_gpt.main(["--num-layers", "2"]) == 2
     assert capsys.readouterr().err == "paradyse: error: --paradyse-config FILE is required (see docs/configs.md)\n"
+    assert pretrain_gpt.main(["--num-layers", "2", "--paradyse-config"]) == 2
+    assert capsys.readouterr().err == "paradyse: error: argument --paradyse-config: expected one argument\n"
 
 
 def _refusal(capsys, config: Path, *flags: str) -> str:
@@ -141,6 +143,17 @@ def test_megatron_arguments_that_cannot_work_are_refused_before_any_process_grou
     assert stderr.endswith(
         "paradyse: error: Megatron's argument check failed: assert args.save_interval is not None (arguments.py:1322)\n"
     )
+
+
+def test_a_flag_megatrons_parser_refuses_is_one_line_not_its_usage(tmp_path, capsys):
+    """Megatron's parser would print its usage (700 lines) before its reason, on every rank."""
+    config = _write_config(tmp_path / "cfg.yaml", tmp_path, megatron_args=["--hiden-size", "64"])
+    assert _refusal(capsys, config, "--num-layer", "2", "--lr", "1e-3") == (
+        "paradyse: error: --hiden-size (in the config's megatron_args): not a Megatron flag; did you mean "
+        "--hidden-size?; --num-layer: not a Megatron flag; did you mean --num-layers?\n"
+    )
+    config = _write_config(tmp_path / "cfg.yaml", tmp_path)
+    assert _refusal(capsys, config, "--lr", "abc") == "paradyse: error: argument --lr: invalid float value: 'abc'\n"
 
 
 # -- training on gloo ranks ---------------------------------------------------------------------

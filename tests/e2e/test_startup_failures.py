@@ -9,6 +9,7 @@ torchrun would end them itself and hide a rank left waiting for the distributed 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import shutil
@@ -172,6 +173,13 @@ def test_check_config_stops_on_what_the_job_stops_on(tmp_path, quick_profile_p2,
         assert capsys.readouterr() == ("", f"paradyse: error: {stopped}\n"), name
 
 
+def test_a_misspelt_megatron_flag_is_one_line_from_rank_0_not_megatrons_usage(tmp_path):
+    config = _config(tmp_path)
+    results = _launch(2, lambda rank: ["--paradyse-config", str(config), *SMALL_GPT, "--num-layer", "2"])
+    _assert_every_rank_stops(results, "--num-layer: not a Megatron flag; did you mean --num-layers?")
+    assert not any("usage:" in r["out"] + r["err"] for r in results), [r["err"][-500:] for r in results]
+
+
 # -- bad inputs: (config, what the job says) --------------------------------------------------------
 def _bad_profile_values(folder: Path, profile: Path) -> tuple[Path, str]:
     data = json.loads(profile.read_text())
@@ -244,6 +252,15 @@ BAD_INPUTS = {
     "one-token documents": _one_token_documents,
 }
 """What every rank of a job refuses alike, checked by the job (the tests above) and by check-config."""
+
+
+def test_a_rank_whose_timeout_flag_is_bad_joins_the_others_with_the_defaults_to_say_so():
+    """Megatron's parser refuses the value (the problem this rank reports); the rank's own reading of it
+    must not print a usage and exit before the others hear of it."""
+    from megatron_paradyse.run.startup import distributed_settings
+
+    bad = ["--distributed-backend", "gloo", "--distributed-timeout-minutes", "abc"]
+    assert distributed_settings(bad)[1] == datetime.timedelta(minutes=10)
 
 
 def test_a_rank_leaves_its_process_groups_when_its_work_ends_without_a_failure():

@@ -92,6 +92,22 @@ def test_a_valid_config_is_printed_resolved_and_reads_back_the_same(tmp_path, ca
     assert format_config(config).startswith("planner:\n  method: exact\n  attention: null\n")
 
 
+def test_check_config_and_plan_refuse_a_megatron_flag_in_the_jobs_one_line(tmp_path, capsys):
+    """The line a job's rank 0 prints for a flag Megatron's parser refuses, not the parser's usage."""
+    path = tmp_path / "cfg.yaml"
+    path.write_text('megatron_args: [--num-layers, "2"]\n')
+    refusals = {
+        ("--num-layer", "2"): "--num-layer: not a Megatron flag; did you mean --num-layers?",
+        ("--lr", "abc"): "argument --lr: invalid float value: 'abc'",
+    }
+    for command in (["check-config", str(path)], ["plan", str(path), "--lengths", "1024"]):
+        for flags, error in refusals.items():
+            with pytest.raises(SystemExit) as exit_status:
+                paradyse([*command, "--", *flags])
+            assert exit_status.value.code == 2
+            assert capsys.readouterr() == ("", f"paradyse: error: {error}\n")
+
+
 def test_a_config_whose_job_would_stop_at_start_up_is_refused_with_the_jobs_own_message(tmp_path, capsys):
     """``check-config`` runs the checks every rank of the job runs before its first step (Megatron's argument
     validation, the entry point's and the Paradyse layers' refusals, the budget, the cost profile, the

@@ -9,7 +9,8 @@ import pytest
 
 from megatron_paradyse.config import load_config
 from megatron_paradyse.planner import layer_options
-from megatron_paradyse.run.config_cli import model_shape_from_args, parse_megatron_args
+from megatron_paradyse.run.config_cli import model_shape_from_args
+from megatron_paradyse.run.megatron_flags import parse_megatron_args
 
 from helpers.paths import ROOT
 
