@@ -46,6 +46,7 @@ Megatron's parser refuses included (one line, not its usage: :mod:`~megatron_par
 A rank of several that fails at start-up (its config, its flags, cost profile or dataset) stops every
 rank within seconds: the ranks join the default process group first and agree
 (:mod:`megatron_paradyse.run.startup`); rank 0 prints the one message, naming the rank and the cause.
+Errors every rank meets alike later are printed by rank 0 alone too.
 
 The modules that import ``megatron.training`` (:mod:`~megatron_paradyse.run.job`, the training run and
 hooks) are imported inside the functions, after :func:`main` has made the CUDA allocator's settings
@@ -106,12 +107,12 @@ def main(argv: list[str] | None = None) -> int:
             return _failed_to_start(e, [*(config.megatron_args if config else ()), *argv])
         try:
             run(job)
-        except StartupError as e:  # the same message on every rank: one is enough
+        except (StartupError, InfeasibleSequenceError, RankDisagreement, ProfileError) as e:
+            # Raised on every rank at the same point, from what every rank knows alike: start-up's agreement,
+            # the planners of every stage checking the whole global batch (or the data's shortest sample)
+            # before any forward, the inputs' digests and the calibration gathered from every rank. Rank 0
+            # says it once (of the digests' problems, a rank that could not read its profile adds why).
             return _error(e) if torch.distributed.get_rank() == 0 else 2
-        except (InfeasibleSequenceError, RankDisagreement, ProfileError) as e:
-            # Raised on every rank at the same point (before any forward of the step, at start-up):
-            # a message, not a traceback.
-            return _error(e)
     return 0
 
 

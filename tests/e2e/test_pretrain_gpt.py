@@ -215,8 +215,9 @@ def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_s
     )
     assert message, second.stderr[-3000:]
     assert files[3] <= int(message.group(1)) < files[4]
-    # The ranks stop with the message and exit code 2, not a traceback (the one traceback is torchrun's
-    # own report; it ends the other rank once the first has exited, so that one may not get to print).
+    # Every rank knows it alike (each checks the global batch on every stage): rank 0 alone says it, the
+    # ranks stop with exit code 2, not a traceback (the one traceback is torchrun's own report).
+    assert second.stderr.count("paradyse: error:") == 1, second.stderr[-3000:]
     root_cause = second.stderr[second.stderr.index("Root Cause (first observed failure)") :]
     assert re.search(r"exitcode\s*: 2\b", root_cause), root_cause
     assert "InfeasibleSequenceError" not in second.stderr
