@@ -69,7 +69,7 @@ from megatron_paradyse.cost import ProfileError
 from megatron_paradyse.mcore import compat
 from megatron_paradyse.planner import InfeasibleSequenceError
 from megatron_paradyse.run.agreement import RankDisagreement
-from megatron_paradyse.run.fault import end_process
+from megatron_paradyse.run.fault import children_die_with_this_process, end_process
 from megatron_paradyse.run.megatron_flags import RaisingParser, megatron_parser
 from megatron_paradyse.run.startup import (
     StartupError,
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if {"-h", "--help"} & set(argv):
         return _print_help()
     allocator.prefer_expandable_segments()  # before anything initialises CUDA
+    children_die_with_this_process()  # before Megatron starts any: a rank killed cannot end them itself
     try:
         config = _paradyse_config(argv)
     except ValueError as e:

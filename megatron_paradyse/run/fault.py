@@ -29,12 +29,15 @@ has stopped watching. The keys carry a token rank 0 draws at start-up: a store c
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -55,6 +58,7 @@ __all__ = [
     "BudgetState",
     "FaultWatch",
     "OutOfMemoryEvent",
+    "children_die_with_this_process",
     "end_process",
     "read_state",
     "write_state",
@@ -401,3 +405,35 @@ def end_process(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+_PR_SET_PDEATHSIG = 1
+"""prctl(2): the signal a process gets when its parent dies."""
+
+
+@functools.cache
+def children_die_with_this_process() -> None:
+    """From now on, every process this one forks from its main thread is killed when this one dies (Linux).
+    :func:`end_process` ends a rank's children when the rank ends itself; a rank that is killed or crashes
+    cannot, and its checkpoint writers or data-loader workers would run on, orphaned, waiting for work that
+    never comes. Not for a fork from another thread: the kernel signals the child when the forking thread
+    ends. Nor for a child started by exec (``subprocess``, multiprocessing's spawn and forkserver), which
+    runs no Python at the fork: TorchInductor's compile workers end by themselves when their parent's pipe
+    closes (within seconds, measured)."""
+    if not sys.platform.startswith("linux"):
+        return
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    main_thread = threading.main_thread().ident
+    parent = [os.getpid()]
+
+    def before_fork() -> None:
+        parent[0] = os.getpid()
+
+    def in_child() -> None:
+        if threading.get_ident() != main_thread:  # the child's thread is the one that forked
+            return
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent[0]:  # the parent died before the call: no signal will come
+            os._exit(1)
+
+    os.register_at_fork(before=before_fork, after_in_child=in_child)
