@@ -39,7 +39,10 @@ Around ``pretrain()``:
   and the memory budget shrunk (``memory.oom_shrink``) and saved in the ``--save`` directory; a
   relaunch with ``--load`` (``torchrun --max-restarts`` does it) re-plans under it and re-runs the
   step from the last checkpoint, up to ``memory.oom_retries`` times per iteration
-  (:mod:`megatron_paradyse.run.fault`).
+  (:mod:`megatron_paradyse.run.fault`);
+- a rank that dies without a word (killed, crashed) during training stops every other rank within
+  seconds, with exit code 4 and one line naming it (rank 0 hears every other rank's heartbeat; the
+  others hear rank 0 go through the store it hosts); the processes a rank forks die with it.
 
 Configuration errors print ``paradyse: error: ...`` and return 2 before Megatron starts, a flag
 Megatron's parser refuses included (one line, not its usage: :mod:`~megatron_paradyse.run.megatron_flags`).

@@ -1,4 +1,5 @@
-"""An out-of-memory error that slips past the planner costs a step, never the run.
+"""An out-of-memory error that slips past the planner costs a step, never the run; a rank that dies
+without a word stops every rank within seconds.
 
 The rank that runs out of memory shrinks the memory budget (``memory.oom_shrink``), saves it with the
 run (``paradyse_state.json`` in the ``--save`` directory) and stops every rank at once; a relaunch with
@@ -25,6 +26,17 @@ The ranks talk through the default process group's store (a failed rank cannot j
 A clean end wakes the rank's own watcher with a stop value, and rank 0 again waits until every rank
 has stopped watching. The keys carry a token rank 0 draws at start-up: a store can outlive a launch
 (torchrun's shared rendezvous store does), and the relaunch must not read the fault that ended it.
+
+A rank that dies without a word (killed, crashed, its node lost) cannot announce anything, and under
+NCCL its peers would wait in their next collective until its timeout (gloo's raise at once, naming an
+address, not a rank). So every other rank adds to its beat key in the store once a second, and rank 0
+reads them all: a rank whose beat has not moved for :data:`_SILENT_S` is gone, and rank 0 claims the
+fault and wakes every rank with it, itself included; it prints the one line, every rank exits with
+:data:`PEER_EXIT_CODE`. Rank 0's own death closes the store it hosts (without torchrun): every watcher's
+wait fails at once (torch's store client logs a warning about it), and rank 1 prints the line. Under
+torchrun, which ends every rank itself when one dies (in a tenth of a second), none of this gets to run.
+A heartbeat, because the store tells nobody that a client left; in a thread of its own, because a store
+wait that times out logs a warning, so the watcher cannot wake every second.
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 import uuid
 from pathlib import Path
@@ -48,11 +61,14 @@ from typing import TYPE_CHECKING, NoReturn
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from megatron_paradyse.run.startup import rank_list
+
 if TYPE_CHECKING:
     from megatron_paradyse.config import MemorySection
 
 __all__ = [
     "FAULT_EXIT_CODE",
+    "PEER_EXIT_CODE",
     "STATE_FILE",
     "STOP_EXIT_CODE",
     "BudgetState",
@@ -71,10 +87,24 @@ FAULT_EXIT_CODE = 3
 STOP_EXIT_CODE = 2
 """Every rank's exit code when one iteration ran out of memory more often than ``memory.oom_retries``
 allows: a configuration-level error, as ``paradyse: error:`` elsewhere."""
+PEER_EXIT_CODE = 4
+"""Every rank's exit code when a rank stopped without a word (killed, crashed, its node lost): relaunch with
+``--load`` to resume from the last checkpoint."""
 STATE_FILE = "paradyse_state.json"
 
 _GIB = 2**30
 _STOP = b"stop"
+_GONE = b"gone:"
+"""A wake value: rank 0 heard these ranks fall silent (``gone:1,5``)."""
+_LEFT = b"left"
+"""A rank's beat once it stopped watching: its silence is no death."""
+_BEAT_S = 1.0
+"""How often every other rank tells rank 0 it is alive, and rank 0 looks."""
+_SILENT_S = 3.0
+"""How long a rank may stay silent before rank 0 takes it for dead. Its beat is a thread's, which runs while
+the main thread computes or waits in a collective (PyTorch's operators release the GIL)."""
+_VERDICT_S = _SILENT_S + 3 * _BEAT_S
+"""How long a rank whose collective broke waits for its watcher to say whether a rank died."""
 _WATCH_CHUNK = datetime.timedelta(hours=12)
 """A watcher renews its wait this often (a store's wait always has a timeout)."""
 _GATHER_TIMEOUT = datetime.timedelta(seconds=10)
@@ -249,7 +279,9 @@ def _say(line: str) -> None:
 class FaultWatch:
     """One rank's side of the protocol in the module docstring. :meth:`start` once the default process
     group exists; :meth:`out_of_memory` from the training step that ran out of memory; leave the ``with``
-    block around the training (its end stops the watcher, its exceptions wait for a fault in progress)."""
+    block around the training (its end stops the watcher, its exceptions wait for a fault in progress).
+    Between the two, the other ranks beat and rank 0 listens (:data:`_BEAT_S`): a rank silent for
+    :data:`_SILENT_S` died without a word, and rank 0 stops every rank as a fault would."""
 
     def __init__(self, memory: MemorySection, *, state: BudgetState | None, save_dir: str | None, load_dir: str | None):
         self.memory = memory
@@ -259,8 +291,11 @@ class FaultWatch:
         self.load_dir = load_dir
         self._store = None
         self._thread: threading.Thread | None = None
+        self._beat_thread: threading.Thread | None = None
         self._fired = threading.Event()
         """Set once this rank's watcher has a fault to act on: the process is about to exit."""
+        self._quiet = threading.Event()
+        """Set when this rank stops beating (and rank 0 listening)."""
 
     def start(self) -> None:
         """Start watching (every rank). Rank 0 also copies the loaded state to ``--save`` when that is
@@ -273,11 +308,17 @@ class FaultWatch:
         dist.broadcast_object_list(launch, src=0)
         self._prefix = f"paradyse/{launch[0]}/"
         self._wake_key = self._key(f"wake/{self.rank}")
-        # A store client serialises its calls, and a wait holds it: the watcher gets its own connection.
+        if self.rank == 0:  # the beat keys exist before rank 0 reads them (a read waits for a missing key)
+            self._store.multi_set(self._beat_keys(), [b"0"] * self.world_size)
+        # A store client serialises its calls, and a wait holds it: each thread gets its own connection.
         self._thread = threading.Thread(
             target=self._watch, args=(self._store.clone(),), name="paradyse-fault-watch", daemon=True
         )
+        self._beat_thread = threading.Thread(
+            target=self._beat, args=(self._store.clone(),), name="paradyse-heartbeat", daemon=True
+        )
         self._thread.start()
+        self._beat_thread.start()
         if self.rank == 0 and self.state is not None and self.save_dir and not _same_dir(self.save_dir, self.load_dir):
             write_state(self.save_dir, self.state)
 
@@ -313,16 +354,21 @@ class FaultWatch:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._fired.is_set():
-            # This exception is a peer's exit breaking a collective: the watcher is ending the process.
+        # A peer's exit breaks a collective: the watcher is ending the process, or (a peer that died without a
+        # word: gloo raises at once) soon will, once rank 0 has heard the peer's silence.
+        broken = exc_type is not None and issubclass(exc_type, RuntimeError)
+        if self._fired.is_set() or (broken and self._fired.wait(_VERDICT_S)):
             self._wait_for_exit()
         self.close()
 
     def close(self) -> None:
-        """Stop watching; rank 0 waits (bounded) until every rank has stopped."""
+        """Stop watching and beating; rank 0 waits (bounded) until every rank has stopped."""
         if self._thread is None:
             return
+        self._quiet.set()
+        self._beat_thread.join(_GATHER_TIMEOUT.total_seconds())
         try:
+            self._store.set(self._beat_keys()[self.rank], _LEFT)  # rank 0 must not take this silence for a death
             woken = self._store.compare_set(self._wake_key, "", _STOP)
         except dist.DistError as e:  # the store's server went away: nobody is left to wait for
             logger.debug("paradyse: the fault watcher stops without the store: %s", e)
@@ -341,16 +387,64 @@ class FaultWatch:
                 break
             except dist.DistStoreError:  # the chunk timed out
                 continue
-            except dist.DistError as e:  # the store's server went away (its rank exited): nothing to watch
-                logger.debug("paradyse: the fault watcher stops: %s", e)
-                return
+            except dist.DistError:  # the store's server went away while this rank watched: its host died
+                self._store_lost()
         if value == _STOP:
             return
-        fault = _Fault.from_bytes(value)
         self._fired.set()
+        self._quiet.set()
+        if value.startswith(_GONE):
+            if self.rank == 0:  # the rank that heard the silence
+                gone = [int(r) for r in value.removeprefix(_GONE).split(b",")]
+                _say(self._gone_message(rank_list(gone), f"no heartbeat for {_SILENT_S:g} s"))
+            self._leave(store, "done")
+            end_process(PEER_EXIT_CODE)
+        fault = _Fault.from_bytes(value)
         _say(fault.peer_message(self.rank))
         self._leave(store, "done")
         end_process(fault.exit_code)
+
+    def _beat(self, store) -> None:
+        """Every other rank tells rank 0 it is alive, once a second; rank 0 listens, and stops every rank when
+        one falls silent."""
+        keys = self._beat_keys()
+        silence = _Silence(range(1, self.world_size), time.monotonic())
+        try:
+            while not self._quiet.wait(_BEAT_S):
+                if self.rank != 0:
+                    store.add(keys[self.rank], 1)
+                elif gone := silence.gone(store.multi_get(keys[1:]), time.monotonic()):
+                    self._announce_gone(store, gone)
+                    return
+        except dist.DistError as e:  # the store's server went away: the watcher says so
+            logger.debug("paradyse: the heartbeat stops: %s", e)
+
+    def _announce_gone(self, store, gone: list[int]) -> None:
+        """Rank 0 heard ``gone`` fall silent: claim the fault (one that came first ends every rank anyway),
+        count the silent ranks out (nobody waits for them to leave) and wake every rank, this one included."""
+        if store.add(self._key("claims"), 1) > 1:
+            return
+        store.add(self._key("done"), len(gone))
+        wake = [self._key(f"wake/{r}") for r in range(self.world_size)]
+        store.multi_set(wake, [_GONE + ",".join(map(str, gone)).encode()] * len(wake))
+
+    def _store_lost(self) -> NoReturn:
+        """The store's server went away while this rank watched: its host stopped without a word. That is rank
+        0, unless torchrun's agent hosts the store; the lowest rank still there says it."""
+        self._fired.set()
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        if self.rank == (0 if agent else 1):
+            _say(self._gone_message("torchrun's agent" if agent else "rank 0", "the store it hosted closed"))
+        end_process(PEER_EXIT_CODE)
+
+    def _gone_message(self, who: str, how: str) -> str:
+        message = f"paradyse: error: {who} stopped without a word ({how}); every rank stops"
+        if self.save_dir:
+            message += f". Relaunch with --load {self.save_dir} to resume from the last checkpoint"
+        return message
+
+    def _beat_keys(self) -> list[str]:
+        return [self._key(f"beat/{r}") for r in range(self.world_size)]
 
     def _leave(self, store, name: str) -> None:
         """Count this rank out of the store. Its server may live in rank 0 (it does without torchrun), and
@@ -371,6 +465,21 @@ class FaultWatch:
         """Let the watcher end the process; if it cannot (it has not heard of the fault in time), end it."""
         threading.Event().wait(3 * _GATHER_TIMEOUT.total_seconds())
         end_process(FAULT_EXIT_CODE)
+
+
+class _Silence:
+    """Rank 0's ear: which ranks' beats have not moved for :data:`_SILENT_S`, by rank 0's clock (a rank 0
+    that was itself held up finds every beat moved), a rank that left excepted."""
+
+    def __init__(self, ranks, now: float):
+        self.beats = dict.fromkeys(ranks, b"")
+        self.moved = dict.fromkeys(ranks, now)
+
+    def gone(self, beats: list[bytes], now: float) -> list[int]:
+        for rank, beat in zip(list(self.beats), beats, strict=True):
+            if beat != self.beats[rank]:
+                self.beats[rank], self.moved[rank] = beat, now
+        return [r for r, beat in self.beats.items() if beat != _LEFT and now - self.moved[r] >= _SILENT_S]
 
 
 def _where(error: BaseException) -> str:

@@ -31,6 +31,7 @@ __all__ = [
     "distributed_settings",
     "init_distributed",
     "leaving_process_groups",
+    "rank_list",
 ]
 
 
@@ -87,11 +88,12 @@ def agree(problem: str | None) -> None:
         return
     if len(by_problem) == 1 and len(next(iter(by_problem.values()))) == len(problems):
         raise StartupError(next(iter(by_problem)))  # every rank: nothing rank-specific to say
-    parts = [f"{_ranks(ranks)}: {text}" for text, ranks in by_problem.items()]
+    parts = [f"{rank_list(ranks)}: {text}" for text, ranks in by_problem.items()]
     raise StartupError("; ".join(parts) + f" (every rank of {len(problems)} stops)")
 
 
-def _ranks(ranks: list[int]) -> str:
+def rank_list(ranks: list[int]) -> str:
+    """``rank 3``, or ``ranks 1, 5``."""
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 

@@ -1,5 +1,5 @@
-"""Run ``megatron_paradyse.pretrain_gpt.main`` on N local ranks, one of which may run out of memory on
-purpose (tests only).
+"""Run ``megatron_paradyse.pretrain_gpt.main`` on N local ranks, one of which may run out of memory, or
+die, on purpose (tests only).
 
     python tests/oom_ranks.py --world-size 4 --out DIR [--inject SITE --rank R --iteration I
         [--marker FILE]] -- <entry point flags>
@@ -15,6 +15,10 @@ once (four imports on two cores cost more than the training). Rank r writes ``DI
 ``mlp-backward`` in the backward of an MLP strategy's output (the step's first MLP backward). With
 ``--marker`` it fires once: it writes the marker (the time.time() of the raise) and does not fire
 while the marker exists, so the relaunch of the same command runs clean; without, it fires every time.
+
+``--inject death``: in iteration I every rank starts a child process as Megatron starts a checkpoint
+writer (forked by multiprocessing, daemonic; its pid in ``DIR/child{r}.pid``), then rank R kills itself
+(SIGKILL: it dies without a word), having written the marker.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--inject", choices=["attention-forward", "mlp-backward"])
+    parser.add_argument("--inject", choices=["attention-forward", "mlp-backward", "death"])
     parser.add_argument("--rank", type=int)
     parser.add_argument("--iteration", type=int)
     parser.add_argument("--marker", type=Path)
@@ -88,7 +92,9 @@ def _rank(rank: int, args: argparse.Namespace, port: int, entry) -> None:
                 os.dup2(f.fileno(), fd)
         env = {"RANK": rank, "WORLD_SIZE": args.world_size, "LOCAL_RANK": rank, "MASTER_PORT": port}
         os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1")
-        if args.inject:
+        if args.inject == "death":
+            _inject_death(args, rank)
+        elif args.inject:
             _inject(args)
         code = entry()
     except SystemExit as e:  # Megatron's own exits (--exit-interval)
@@ -99,6 +105,29 @@ def _rank(rank: int, args: argparse.Namespace, port: int, entry) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _inject_death(args: argparse.Namespace, rank: int) -> None:
+    import multiprocessing
+
+    from megatron_paradyse.mcore import modules
+
+    from megatron.training import get_args
+
+    run_attention = modules.run_attention
+    children = []
+
+    def attention(*a, **kw):
+        if not children and torch.is_grad_enabled() and get_args().curr_iteration + 1 == args.iteration:
+            children.append(multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,), daemon=True))
+            children[0].start()
+            (args.out / f"child{rank}.pid").write_text(f"{children[0].pid}\n")
+            if rank == args.rank:
+                args.marker.write_text(f"{time.time()}\n")
+                os.kill(os.getpid(), signal.SIGKILL)
+        return run_attention(*a, **kw)
+
+    modules.run_attention = attention
 
 
 def _inject(args: argparse.Namespace) -> None:
