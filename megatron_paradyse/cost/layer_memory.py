@@ -35,25 +35,37 @@ def tiled_mlp_memory(name: str, d: Dims, layout: SequenceLayout, tile_tokens: in
     the input gradients joined into the input's."""
     x, t = d.x, d.t
     rows = mlp_tile_rows(tile_tokens, d.p, t)
-    sizes = [min(rows, t - start) for start in range(0, t, rows)]
+    full, last = divmod(t, rows)
+    tiles = full + bool(last)
 
     def tile_memory(n: int, **grads) -> SublayerMemory:
         return sublayer_memory("mlp", name, dataclasses.replace(d, s=n * d.p, **grads), layout)
 
-    forward = backward = 0.0
+    # A run of alike tiles adds the same to what the tiles before left, which only grows: its high-water
+    # mark is its last tile's. So each run is priced once, whatever the length (a tile each would take
+    # minutes at billions of tokens).
+    forward = 0.0
     done = 0.0  # the outputs of the tiles so far
-    for n in sizes:
-        forward = max(forward, done + tile_memory(n).fwd_peak - x * n / t)
-        done += x * n / t
+    for n, count in ((rows, full), (last, int(bool(last)))):
+        if count:
+            done += (count - 1) * x * n / t
+            forward = max(forward, done + tile_memory(n).fwd_peak - x * n / t)
+            done += x * n / t
     # the weights serve every tile: autograd holds their gradients from the first tile's backward and
     # adds each later tile's to them, until the last tile's have come
-    handed = tile_memory(sizes[0]).grads_handed  # the same weights' gradients, whatever the tile
+    handed = tile_memory(rows).grads_handed  # the same weights' gradients, whatever the tile
+    backward = 0.0
     done = 0.0  # the input gradients of the tiles so far
-    for i, n in enumerate(reversed(sizes)):
+    # from the last tile: itself (the shorter one, if any), the tiles between, the first
+    for i, count in ((0, 1), (1, tiles - 2), (tiles - 1, int(tiles > 1))):
+        if count < 1:
+            continue
         before = handed if i > 0 else ()
-        tile, tile_x = tile_memory(n, grads_held=i < len(sizes) - 1, grads_before=before), x * n / t
+        n = last if i == 0 and last else rows
+        tile, tile_x = tile_memory(n, grads_held=i < tiles - 1, grads_before=before), x * n / t
         kept = tile.saved_bytes - (tile_x if "x_local" in dict(tile.saved) else 0.0)
         rebuilt = sum(before) + tile.bwd_prelude + tile.fwd_peak - tile_x  # on what the backward made first
+        done += (count - 1) * tile_x
         backward = max(backward, done + max(rebuilt, kept + tile.bwd_peak))
         done += tile_x
     return SublayerMemory((("x_local", x),), max(x + forward, 3 * x), max(backward, 2 * x))
