@@ -27,7 +27,6 @@ from megatron_paradyse.data.corpora import (
     GRCH38_SHARES,
 )
 from megatron_paradyse.planner import InfeasibleSequenceError, Planner, PlannerConfig
-from megatron_paradyse.planner.buckets import LengthBuckets
 from megatron_paradyse.run.config_cli import model_shape_from_args
 from megatron_paradyse.run.megatron_flags import parse_megatron_args
 from megatron_paradyse.strategies import ModelShape
@@ -169,8 +168,7 @@ def longest_fitting(planner: Planner, p: int, *, causal: bool, fits: int, limit:
     searched from the bucket of ``fits`` tokens (known to fit; 0: none known) up to that of ``limit``;
     None when that one fits too. Bounded, so that a model fitting millions of tokens is not searched
     beyond the dataset."""
-    config = planner.config
-    buckets = LengthBuckets(config.cache.bucket, config.cache.bucket_tokens, config.cache.bucket_ratio)
+    buckets = planner.buckets
 
     def index(n: int) -> int:
         """Of the bucket holding ``n`` tokens: the first whose edge is at least ``n``."""
@@ -312,9 +310,17 @@ def simulate_setting(
     budget = model.memory.budget_bytes(gpu.allocator_bytes)
     ordered = np.sort(lengths)
 
+    longest = int(ordered[-1])  # the dataset's longest: no bucket ends past it, as in a job of these lengths
+
     def curve(run: Run) -> Curve:
         planner = Planner.for_model(
-            run.planner, cost, shape=model.shape, p=gpu.p, num_layers=model.num_layers, budget_bytes=budget
+            run.planner,
+            cost,
+            shape=model.shape,
+            p=gpu.p,
+            num_layers=model.num_layers,
+            budget_bytes=budget,
+            bucket_cap=longest,
         )
         return simulate_curve(run, planner, ordered, gpu.p, causal=model.causal)
 
@@ -328,6 +334,7 @@ def simulate_setting(
         p=gpu.p,
         num_layers=model.num_layers,
         budget_bytes=gpu.memory_bytes - PAPER_THRESHOLD_SLACK,
+        bucket_cap=longest,
     )
     return Setting(
         gpu=gpu,
@@ -340,6 +347,6 @@ def simulate_setting(
         curves=curves,
         ablations=extra,
         paper_threshold_max=longest_fitting(
-            paper_rule, gpu.p, causal=model.causal, fits=adaptive_reached, limit=int(ordered[-1])
+            paper_rule, gpu.p, causal=model.causal, fits=adaptive_reached, limit=longest
         ),
     )

@@ -41,11 +41,12 @@ class PlannedBucket:
 
 class PlanCache:
     """Planned buckets by :data:`BucketKey`, the least recently used dropped first beyond
-    ``config.cache_size``, with the length buckets and the hysteresis of ``config``."""
+    ``config.cache_size``, with the length buckets (none past ``bucket_cap`` tokens,
+    :class:`~megatron_paradyse.planner.buckets.LengthBuckets`) and the hysteresis of ``config``."""
 
-    def __init__(self, config: PlanCacheConfig) -> None:
+    def __init__(self, config: PlanCacheConfig, bucket_cap: int | None = None) -> None:
         self.config = config
-        self.buckets = LengthBuckets(config.bucket, config.bucket_tokens, config.bucket_ratio)
+        self.buckets = LengthBuckets(config.bucket, config.bucket_tokens, config.bucket_ratio, bucket_cap)
         self._planned: collections.OrderedDict[BucketKey, PlannedBucket] = collections.OrderedDict()
 
     def key(self, layout: SequenceLayout, micro_batch_size: int, step_edge: int | None) -> BucketKey:

@@ -27,6 +27,7 @@ from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption, Plan
 from megatron_paradyse.cost.base import WHOLE_LOSS, CostModel, LayerCost, StageOptions
 from megatron_paradyse.cost.correction import CorrectedCostModel, TimeCorrections
+from megatron_paradyse.planner.buckets import LengthBuckets
 from megatron_paradyse.planner.cache import BucketKey, PlanCache, PlannedBucket, Previous
 from megatron_paradyse.planner.config import PlannerConfig, layer_options
 from megatron_paradyse.planner.decision import Decision, InfeasibleReport, InfeasibleSequenceError
@@ -65,6 +66,9 @@ class Planner:
         reserved_bytes_per_token: what the stage keeps beside its forwards, per token of the step's
             longest micro-batch, out of ``budget_bytes`` (a receiving pipeline stage keeps the previous
             micro-batch's input and its gradient: :func:`~megatron_paradyse.run.stage_planning.step_stage_budgets`).
+        bucket_cap: the longest micro-batch the planner will see, in tokens (a job's ``--seq-length``): the
+            last length bucket ends there, so no plan is priced past it (:class:`LengthBuckets`); None:
+            the buckets run on as the config's series puts them.
 
     **Forwards in flight.** The stage peaks while one forward runs and the ``n - 1`` others hold what
     they keep for their backward (:meth:`CostModel.held_bytes`). Every forward is planned to hold at
@@ -91,6 +95,7 @@ class Planner:
         forwards_in_flight: int = 1,
         longest_tokens: int | None = None,
         reserved_bytes_per_token: float = 0.0,
+        bucket_cap: int | None = None,
     ) -> None:
         options = tuple(options)
         if not options or len(set(options)) != len(options):
@@ -126,7 +131,7 @@ class Planner:
         self.excluded: dict[str, str] = {}
         """Strategies (or pairs) left out of the plan space, with the reason (set by :meth:`for_model`)."""
         self._solve = solve_exact if config.space.method == "exact" else solve_heuristic
-        self._cache = PlanCache(config.cache)
+        self._cache = PlanCache(config.cache, bucket_cap)
         self._longest: dict[tuple, int] = {}
         self._stage_options = cost_model.stage_options(config.space.loss_chunk_tokens)
         self._previous: Previous | None = None
@@ -148,6 +153,7 @@ class Planner:
         forwards_in_flight: int = 1,
         longest_tokens: int | None = None,
         reserved_bytes_per_token: float = 0.0,
+        bucket_cap: int | None = None,
         time_corrections: TimeCorrections | None = None,
     ) -> Planner:
         """A planner over the options ``config`` enables for ``shape`` on ``p`` ranks.
@@ -171,6 +177,7 @@ class Planner:
             forwards_in_flight=forwards_in_flight,
             longest_tokens=longest_tokens,
             reserved_bytes_per_token=reserved_bytes_per_token,
+            bucket_cap=bucket_cap,
         )
         planner.excluded = excluded
         learning = config.learning
@@ -182,6 +189,11 @@ class Planner:
     @property
     def budget_bytes(self) -> float:
         return self._budget
+
+    @property
+    def buckets(self) -> LengthBuckets:
+        """The length buckets micro-batches are planned at the upper edge of."""
+        return self._cache.buckets
 
     def set_budget(self, budget_bytes: float) -> None:
         """Change the memory budget (e.g. shrink it after a real out-of-memory error); drops cached plans."""

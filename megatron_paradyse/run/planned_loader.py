@@ -227,4 +227,5 @@ def _checker(planner: Planner) -> Planner:
         forwards_in_flight=planner.forwards_in_flight,
         longest_tokens=planner.longest_tokens,
         reserved_bytes_per_token=planner.reserved_bytes_per_token,
+        bucket_cap=planner.buckets.cap,
     )

@@ -181,12 +181,15 @@ def stage_planners(
     *,
     forward_only: bool = False,
     time_corrections=None,
+    bucket_cap: int | None = None,
 ) -> list[Planner]:
     """One planner per pipeline stage of the job with Megatron's validated ``args``: each stage's layers
     (``footprints``: :func:`stage_footprints`), in model chunks where the schedule interleaves them, priced
     by its cost model (:func:`stage_cost_models`), to its share of ``budget_bytes`` over a step
     (:func:`step_stage_budgets`), for micro-batches up to ``--seq-length`` tokens. ``forward_only``: for
-    validation and test steps (:class:`~megatron_paradyse.planner.planner.ForwardOnlyCost`, no recompute)."""
+    validation and test steps (:class:`~megatron_paradyse.planner.planner.ForwardOnlyCost`, no recompute).
+    ``bucket_cap``: the longest micro-batch the planners will see, where their last length bucket ends
+    (default ``--seq-length``, a job's longest: the entry point's ``data.token_budget`` or ``data.max_len``)."""
     budgets = step_stage_budgets(budget_bytes, footprints, args, transformer, forward_only=forward_only)
     if forward_only:
         planner_config = planner_config.forward_only()
@@ -203,6 +206,7 @@ def stage_planners(
             forwards_in_flight=budget.forwards_in_flight,
             longest_tokens=args.seq_length,
             reserved_bytes_per_token=budget.kept_bytes_per_token,
+            bucket_cap=args.seq_length if bucket_cap is None else bucket_cap,
             time_corrections=time_corrections,
         )
         for cost, footprint, budget in zip(cost_models, footprints, budgets)

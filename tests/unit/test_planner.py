@@ -180,6 +180,21 @@ def test_bucket_edges():
     assert [linear.edge_at(i, 4) for i in range(3)] == [512, 1024, 1536]
 
 
+def test_bucket_edges_end_at_the_longest_micro_batch():
+    """No edge lies past the cap (the longest micro-batch planned), whatever the ratio: with ratio 1e300 the edge
+    after 512 was 5e302 tokens. Past the cap every length is a bucket of its own, and the edges the longest-fitting
+    search walks are those lengths."""
+    geometric = LengthBuckets("geometric", 512, 3.0, cap=1000)
+    assert [geometric.edge(n, 4) for n in (1, 512, 513, 1000, 1001, 1003)] == [512, 512, 1000, 1000, 1004, 1004]
+    assert [geometric.edge_at(i, 4) for i in range(4)] == [512, 1000, 1004, 1008]
+    huge = LengthBuckets("geometric", 512, 1e300, cap=1024)
+    assert [huge.edge(n) for n in (513, 1024, 1025)] == [1024, 1024, 1025]
+    assert [huge.edge_at(i) for i in range(3)] == [512, 1024, 1025]
+    linear = LengthBuckets("linear", 512, 1.05, cap=1300)
+    assert [linear.edge(n, 6) for n in (512, 513, 1025, 1300, 1301)] == [516, 1026, 1302, 1302, 1302]
+    assert [linear.edge_at(i, 6) for i in range(5)] == [516, 1026, 1302, 1308, 1314]
+
+
 def test_costs_at_the_bucket_edge_and_cached_per_bucket():
     planner, model = two_option_planner(lambda o, s: LayerCost(1.0 if o == FAST else 2.0, 1.0, 0.0), bucket_tokens=256)
     first = planner.decide(layout(100))
