@@ -332,6 +332,12 @@ class Planner:
             self._longest[key] = self._search_longest(p, causal, lambda layout: self.fits(layout, micro_batch_size))
         return self._longest[key]
 
+    def past_longest(self, layout: SequenceLayout, micro_batch_size: int = 1) -> bool:
+        """Whether :meth:`decide` would plan ``layout`` at a bucket past :meth:`max_feasible_length`, where
+        no plan fits (as that search assumes): known without pricing it. False past the search's bound."""
+        longest = self.max_feasible_length(layout.p, causal=layout.causal, micro_batch_size=micro_batch_size)
+        return longest < _LONGEST_SEARCHED and self.bucket_layout(layout, micro_batch_size).padded_len > longest
+
     # -- internals --------------------------------------------------------------------------------
     def _key(self, layout: SequenceLayout, micro_batch_size: int) -> BucketKey:
         """The plan cache's key of ``layout``, with the step's length (:meth:`_step_edge`)."""

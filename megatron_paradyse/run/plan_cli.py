@@ -24,12 +24,11 @@ import json
 from pathlib import Path
 
 from megatron_paradyse.config import load_config
-from megatron_paradyse.core.layout import SequenceLayout, padded_length
+from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost import load_profile
 from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile, node_group
 from megatron_paradyse.planner import InfeasibleSequenceError
-from megatron_paradyse.planner.buckets import LengthBuckets
 from megatron_paradyse.run.config_cli import world_size
 
 __all__ = ["add_plan_arguments", "run_plan"]
@@ -68,21 +67,23 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    asked = None if args.lengths is None else _asked_lengths(args.lengths)  # refused at once, if wrong
     config = load_config(args.config)
     job = _Job.from_config(config, args.megatron_flags, world_size=args.world_size, gpu=args.gpu, profile=args.profile)
-    lengths = _lengths(args, config, job)
-    planner = job.planners()
+    lengths = asked or _dataset_lengths(args.dataset, config)
+    # planned as for a job whose longest micro-batch is the longest asked: no bucket is priced past it
+    cap = max(lengths)
+    planner = job.planners(bucket_cap=cap)
+    if asked is None:  # a row per bucket of the documents, at its edge
+        lengths = sorted({planner[0].bucket_layout(job.layout(n)).padded_len for n in lengths})
+    static = {pair: job.longest(job.planners(pair, bucket_cap=cap)) for pair in STATIC}
+    longest = job.longest(planner)
     rows = []
     for length in lengths:
         row = {"tokens": length}
         for stage, stage_planner in enumerate(planner):
-            decision = _decide(stage_planner, length, job)
-            row[f"stage{stage}"] = decision
+            row[f"stage{stage}"] = _decide(stage_planner, job.layout(length))
         rows.append(row)
-    static = {
-        pair: min(p.max_feasible_length(job.tp, causal=job.causal) for p in job.planners(pair)) for pair in STATIC
-    }
-    longest = min(p.max_feasible_length(job.tp, causal=job.causal) for p in planner)
     answer = {
         "config": args.config,
         "cost_model": job.description,
@@ -105,8 +106,9 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _decide(planner, length: int, job: _Job) -> dict:
-    layout = SequenceLayout.build(length, job.tp, causal=job.causal)
+def _decide(planner, layout: SequenceLayout) -> dict:
+    if planner.past_longest(layout):  # said at once: no plan of it is priced, whatever its length
+        return {"plan": None, "longest": planner.max_feasible_length(layout.p, causal=layout.causal)}
     try:
         decision = planner.decide(layout)
     except InfeasibleSequenceError as e:
@@ -116,6 +118,7 @@ def _decide(planner, length: int, job: _Job) -> dict:
         "plan": plan.compact(),
         "time_s": planner.predicted_time_s(plan, layout),  # its own length's; the peak is its bucket's bound
         "peak_gib": plan.predicted_peak_bytes / _GIB,
+        "bucket_tokens": decision.bucket_length,
     }
 
 
@@ -127,6 +130,14 @@ class _Job:
         self.profile, self.description, self.budget_bytes = profile, description, budget_bytes
         self.tp = args.tensor_model_parallel_size
         self.causal = config.attention_mask == "causal"
+
+    def longest(self, planners: list) -> int:
+        """The longest length of one document every stage of ``planners`` fits."""
+        return min(p.max_feasible_length(self.tp, causal=self.causal) for p in planners)
+
+    def layout(self, length: int) -> SequenceLayout:
+        """One document of ``length`` tokens, as the job's ranks lay it out."""
+        return SequenceLayout.build(length, self.tp, causal=self.causal)
 
     @classmethod
     def from_config(
@@ -163,8 +174,9 @@ class _Job:
 
         return stage_footprints(self.args, self.transformer, "cuda")
 
-    def planners(self, pair: str | None = None) -> list:
-        """One planner per pipeline stage: the config's, or one that runs only ``pair`` on every layer."""
+    def planners(self, pair: str | None = None, *, bucket_cap: int | None = None) -> list:
+        """One planner per pipeline stage: the config's, or one that runs only ``pair`` on every layer;
+        ``bucket_cap``: the longest micro-batch planned (:func:`stage_planners`)."""
         from megatron_paradyse.run.stage_planning import stage_cost_models, stage_planners
 
         planner_config = dataclasses.replace(self.config.planner, on_infeasible="stop")
@@ -183,7 +195,9 @@ class _Job:
             )
         footprints = self.footprints()
         costs = stage_cost_models(self.args, self.transformer, self.profile, footprints)
-        return stage_planners(planner_config, self.args, self.transformer, costs, footprints, self.budget_bytes)
+        return stage_planners(
+            planner_config, self.args, self.transformer, costs, footprints, self.budget_bytes, bucket_cap=bucket_cap
+        )
 
 
 def _padded_vocab(args: argparse.Namespace, config) -> int:
@@ -196,22 +210,33 @@ def _padded_vocab(args: argparse.Namespace, config) -> int:
     return -(-vocab // multiple) * multiple
 
 
-def _lengths(args: argparse.Namespace, config, job: _Job) -> list[int]:
-    if args.lengths:
+def _asked_lengths(text: str) -> list[int]:
+    """``--lengths``: token counts separated by commas, each a whole number above 0."""
+    lengths = []
+    for item in text.split(","):
         try:
-            values = [int(v) for v in args.lengths.split(",") if v]
+            length = int(item)
         except ValueError:
-            raise ValueError(f"--lengths takes token counts like 4096,32768, got {args.lengths!r}") from None
-        if not values or min(values) < 1:
-            raise ValueError(f"--lengths takes positive token counts, got {args.lengths!r}")
-        return values
+            length = 0
+        if length < 1:
+            raise ValueError(
+                f"--lengths takes whole numbers of tokens above 0, separated by commas (like 4096,32768): "
+                f"{item.strip()!r} in {text!r} is not one"
+            )
+        lengths.append(length)
+    return lengths
+
+
+def _dataset_lengths(path: str, config) -> list[int]:
+    """The documents' lengths of the indexed dataset at ``path``, split as the job splits them
+    (``data.max_len``)."""
     from megatron_paradyse.data import DocumentDataset
 
-    cache = config.planner.cache
-    buckets = LengthBuckets(cache.bucket, cache.bucket_tokens, cache.bucket_ratio)
-    lengths = DocumentDataset(args.dataset).lengths.clip(max=config.data.max_len)
-    edges = {buckets.edge(padded_length(int(n), job.tp), 2 * job.tp) for n in set(lengths.tolist())}
-    return sorted(edges)
+    try:
+        dataset = DocumentDataset(path)
+    except (OSError, ValueError) as e:  # each names the dataset, and what a dataset is where it is not one
+        raise ValueError(f"--dataset: {e}") from None
+    return sorted(set(dataset.lengths.clip(max=config.data.max_len).tolist()) - {0})
 
 
 def _format(answer: dict) -> str:
@@ -235,7 +260,9 @@ def _format(answer: dict) -> str:
     for row in answer["lengths"]:
         for stage in range(stages):
             d = row[f"stage{stage}"]
-            if d["plan"] is None:
+            if "longest" in d:
+                text = f"does not fit: longer than {d['longest']} tokens, the longest that fits"
+            elif d["plan"] is None:
                 text = f"{'does not fit':<{width}} {'':>9} {d['leanest_peak_gib']:>9.2f}  (the leanest plan)"
             else:
                 text = f"{d['plan']:<{width}} {d['time_s']:>9.4g} {d['peak_gib']:>9.2f}"

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
+import numpy as np
 import pytest
 import yaml
 
 from megatron_paradyse.cli import main as paradyse
+from megatron_paradyse.core.layout import SequenceLayout
+from megatron_paradyse.data import write_documents
 
 from helpers.paths import CONFIGS
 
@@ -25,13 +29,14 @@ def test_plan_answers_will_it_fit_for_llama3_8b_on_h100(tmp_path, capsys):
     # a length's own time, not its bucket's edge (4112 is planned at 4608, a bound for memory)
     assert rows[4112]["plan"] == rows[4096]["plan"] and 1 < rows[4112]["time_s"] / rows[4096]["time_s"] < 1.01
     assert rows[131072]["plan"] is not None and rows[131072]["peak_gib"] <= answer["budget_gib"]
-    assert rows[8000000]["plan"] is None and rows[8000000]["leanest_peak_gib"] > answer["budget_gib"]
+    assert rows[8000000] == {"plan": None, "longest": answer["longest"]}  # past the longest that fits: said at once
     static = answer["static_longest"]
     assert static["tp_sp/tp_sp"] < 131072 < answer["longest"] < 8000000
     assert answer["longest"] >= max(static.values())
     assert re.search(r"^\s+131072\s+0\s+\S.*\d$", printed, re.MULTILINE)
     assert f"longest sequence the planner fits: {answer['longest']} tokens" in printed
-    assert "Megatron TP+SP (stock)" in printed and "does not fit" in printed
+    assert "Megatron TP+SP (stock)" in printed
+    assert f"  8000000      0  does not fit: longer than {answer['longest']} tokens, the longest that fits\n" in printed
     assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
     # planned with the job's own arguments: Megatron accumulates bf16 gradients in fp32, so a parameter holds
     # 18 bytes (its bf16 weight, fp32 gradient, fp32 master weight and two Adam moments); a rank's share of
@@ -128,3 +133,97 @@ def test_plan_without_a_budget_or_a_gpu_says_which_to_give(tmp_path, capsys):
     assert capsys.readouterr().err.endswith(
         "paradyse: error: set memory.budget_gib, or pass --gpu for a GPU's memory\n"
     )
+
+
+def test_plan_answers_a_length_past_the_longest_that_fits_at_once(tmp_path, capsys):
+    """99,999,999,999 tokens of Llama 3 8B: past the longest length any plan fits, said so without pricing
+    it, in seconds (it once gave no answer in 300 s: a tiled MLP was priced tile by tile)."""
+    llama = str(CONFIGS / "llama3-8b.yaml")
+    out = tmp_path / "plan.json"
+    assert paradyse(["plan", llama, "--gpu", "h100", "--lengths", "4096"]) == 0  # megatron-core imported
+    capsys.readouterr()
+    start = time.perf_counter()
+    assert paradyse(["plan", llama, "--gpu", "h100", "--lengths", "99999999999", "--json", str(out)]) == 0
+    seconds = time.perf_counter() - start
+    answer = json.loads(out.read_text())
+    assert answer["lengths"] == [{"tokens": 99999999999, "stage0": {"plan": None, "longest": answer["longest"]}}]
+    assert (
+        f"99999999999      0  does not fit: longer than {answer['longest']} tokens, the longest that fits\n"
+        in capsys.readouterr().out
+    )
+    assert seconds < 20, seconds
+
+
+@pytest.mark.parametrize(
+    ("lengths", "wrong"),
+    [("0", "'0'"), ("-5", "'-5'"), ("1.5", "'1.5'"), ("abc", "'abc'"), ("1e9", "'1e9'"), ("", "''"), ("4096,,8", "''")],
+)
+def test_plan_refuses_lengths_that_are_not_token_counts_before_anything_else(capsys, lengths, wrong):
+    """Refused before the config is read (this one does not exist)."""
+    with pytest.raises(SystemExit) as exit_status:
+        paradyse(["plan", "no-such-config.yaml", "--gpu", "h100", f"--lengths={lengths}"])
+    assert exit_status.value.code == 2
+    assert capsys.readouterr().err == (
+        "paradyse: error: --lengths takes whole numbers of tokens above 0, separated by commas (like 4096,32768): "
+        f"{wrong} in {lengths!r} is not one\n"
+    )
+
+
+def test_plan_refuses_what_is_not_an_indexed_dataset_in_one_line(tmp_path, capsys):
+    """Missing files, a text file of lengths, a truncated index, an empty dataset: one line naming the path."""
+    (tmp_path / "lengths.txt").write_text("4096\n32768\n")
+    write_documents(tmp_path / "short", [np.arange(100)], vocab_size=256)
+    index = (tmp_path / "short.idx").read_bytes()
+    (tmp_path / "short.idx").write_bytes(index[:40])
+    write_documents(tmp_path / "empty", [np.zeros(0, dtype=np.int64)], vocab_size=256)
+    expected = {
+        "lengths.txt": f"no dataset at {tmp_path}/lengths.txt: neither {tmp_path}/lengths.txt.bin nor "
+        f"{tmp_path}/lengths.txt.idx exists (a dataset is named by the path of its .bin and .idx files without the "
+        f"suffix)",
+        "short": f"{tmp_path}/short.idx has 40 bytes, but its header (1 sequences, 2 document indices) needs exactly "
+        f"62 (truncated)",
+        "empty": f"the dataset {tmp_path}/empty has no tokens (1 documents, every one empty): prepare it again from "
+        f"texts that are not empty, or name another dataset",
+    }
+    for name, message in expected.items():
+        with pytest.raises(SystemExit) as exit_status:
+            paradyse(["plan", str(CONFIGS / "llama3-8b.yaml"), "--gpu", "h100", "--dataset", str(tmp_path / name)])
+        assert exit_status.value.code == 2
+        assert capsys.readouterr().err == f"paradyse: error: --dataset: {message}\n"
+
+
+def _short_llama(path, **planner) -> str:
+    """Llama 3 8B, the job's --seq-length 1,024 (data.max_len and data.token_budget), with ``planner``."""
+    config = yaml.safe_load((CONFIGS / "llama3-8b.yaml").read_text())
+    flags = config["megatron_args"]
+    for flag in ("--seq-length", "--max-position-embeddings"):
+        del flags[flags.index(flag) : flags.index(flag) + 2]
+    config["data"].update(max_len=1024, token_budget=1024)
+    config["planner"].update(planner)
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("ratio", [3, 1e300])
+def test_a_jobs_planners_price_no_micro_batch_past_its_seq_length(tmp_path, ratio):
+    """The last length bucket of a job's planners (:func:`stage_planners`: the entry point's, the drop-in
+    spec's, ``plan``'s) ends at --seq-length: with geometric buckets of ratio 3 a micro-batch of 1,024 tokens
+    was priced at 1,536, and with ratio 1e300 at 5e302 tokens, an OverflowError in the cost model."""
+    from megatron_paradyse.config import load_config
+    from megatron_paradyse.run.plan_cli import _Job
+
+    config = load_config(_short_llama(tmp_path / "short.yaml", bucket="geometric", bucket_ratio=ratio))
+    job = _Job.from_config(config, [], world_size=None, gpu="h100", profile=None)
+    (planner,) = job.planners()
+    for tokens in (600, 1000, 1024):
+        assert planner.decide(SequenceLayout.build(tokens, 8, causal=True)).bucket_length == 1024, tokens
+
+
+def test_plan_prices_no_length_past_the_longest_asked(tmp_path):
+    """``plan`` plans as a job whose longest micro-batch is the longest length asked: 1,000 tokens (padded to
+    1,008) at 1,008, not at the 1,536-token edge of its bucket of ratio 3."""
+    config = _short_llama(tmp_path / "short.yaml", bucket="geometric", bucket_ratio=3)
+    out = tmp_path / "plan.json"
+    assert paradyse(["plan", config, "--gpu", "h100", "--lengths", "600,1000", "--json", str(out)]) == 0
+    rows = {row["tokens"]: row["stage0"] for row in json.loads(out.read_text())["lengths"]}
+    assert (rows[600]["bucket_tokens"], rows[1000]["bucket_tokens"]) == (1008, 1008)
