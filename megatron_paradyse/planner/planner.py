@@ -498,7 +498,7 @@ class Planner:
             micro_batch_size=micro_batch_size,
             budget_bytes=problem.budget_bytes,
             leanest_peak_bytes=leanest.peak_bytes,
-            leanest_plan=problem.to_plan(leanest).compact(),
+            leanest_plan=problem.to_plan(leanest),
             longest_feasible_length=self.max_feasible_length(
                 layout.p, causal=layout.causal, micro_batch_size=micro_batch_size
             ),

@@ -161,10 +161,11 @@ class PlannedMicroBatches:
         stage, error = problem
         nothing = InfeasibleSequenceError(error.report)
         where = f" on pipeline stage {stage}" if len(self.planners) > 1 else ""
+        levers = error.report.unused_levers()
         nothing.args = (
             f"no plan fits even the data's shortest sample{where}, so planner.on_infeasible=skip would skip every "
             f"micro-batch: {error.report}. Give the plans more memory (memory.budget_gib, more tensor- or "
-            f"pipeline-parallel ranks, fewer micro-batches in flight), or a memory-lean strategy or recompute",
+            f"pipeline-parallel ranks, fewer micro-batches in flight)" + (f", or {levers}" if levers else ""),
         )
         raise nothing
 

@@ -209,8 +209,8 @@ def test_training_resumes_the_data_where_the_checkpoint_left_it_and_stops_on_a_s
     assert all(mb.measured_time_s > 0 and mb.measured_peak_bytes is None for r in records[2:] for mb in r.micro_batches)
     message = re.search(
         rf"paradyse: error: a sequence of {files[4]} tokens \(padded to \d+, planned at \d+\) with micro-batch "
-        r"size 1 fits no plan: the leanest \(2x [^)]+\) is predicted to peak at [\d.]+ GiB, over the budget of "
-        r"0\.02 GiB; the longest that fits is (\d+) tokens with this micro-batch size\. Shorten or split",
+        r"size 1 fits no plan: the leanest \(2x [^)]+\) is predicted to peak at [\d.]+ MiB, over the budget of "
+        r"1[56]\.\d\d MiB; the longest that fits is (\d+) tokens with this micro-batch size\. Shorten or split",
         second.stderr,
     )
     assert message, second.stderr[-3000:]

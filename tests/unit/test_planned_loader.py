@@ -71,6 +71,13 @@ def test_data_no_plan_fits_is_refused_before_it_would_be_skipped_forever(tmp_pat
             "no plan fits even the data's shortest sample on pipeline stage 1, so planner.on_infeasible=skip would "
             "skip every micro-batch: a sequence of 1002 tokens"
         ), str(error.value)
+        # its leanest plan recomputes already: a memory-lean strategy is left to suggest; its peak and budget apart
+        assert str(error.value).endswith(
+            "the leanest (2x tp_sp/tp_sp+rc) is predicted to peak at 3.92 KiB, over the budget of 3.91 KiB; the "
+            "longest that fits is 1000 tokens with this micro-batch size. Give the plans more memory "
+            "(memory.budget_gib, more tensor- or pipeline-parallel ranks, fewer micro-batches in flight), or a "
+            "memory-lean strategy"
+        ), str(error.value)
     planned = PlannedMicroBatches(_loader(tmp_path, lengths), [_planner(0, "skip"), _planner(900, "skip")], stage=1)
     assert next(planned).layout.valid_len == 1002  # with 100 bytes more for the plans it fits (padded to 1004)
 

@@ -13,7 +13,7 @@ import pytest
 from megatron_paradyse.bench import planner as planner_bench
 from megatron_paradyse.config import load_config
 from megatron_paradyse.core.layout import SequenceLayout
-from megatron_paradyse.core.plan import LayerOption
+from megatron_paradyse.core.plan import LayerOption, Plan
 from megatron_paradyse.cost.base import LayerCost
 from megatron_paradyse.cost.hardware import HARDWARE
 from megatron_paradyse.planner import (
@@ -27,6 +27,7 @@ from megatron_paradyse.planner import (
     solve_exact,
 )
 from megatron_paradyse.planner.buckets import LengthBuckets
+from megatron_paradyse.planner.decision import InfeasibleReport, byte_sizes
 from megatron_paradyse.strategies import ModelShape, registry, strategy_names
 
 from helpers.paths import CONFIGS
@@ -362,9 +363,9 @@ def test_forwards_in_flight_longer_than_fits_set_the_caps_at_the_longest_that_do
         5.5,
     )
     assert (
-        "the leanest (2x ring/zero3) is predicted to hold 0.00 GiB until its backward and to peak at 0.00 GiB, where "
-        "each of the stage's 3 forwards in flight may hold 0.00 GiB and peak at 0.00 GiB beside the others (its "
-        "budget of 0.00 GiB shared as the longest micro-batch needs); the longest that fits is 2816 tokens"
+        "the leanest (2x ring/zero3) is predicted to hold 8.00 bytes until its backward and to peak at 12.00 bytes, "
+        "where each of the stage's 3 forwards in flight may hold 5.50 bytes and peak at 9.00 bytes beside the others "
+        "(its budget of 20.00 bytes shared as the longest micro-batch needs); the longest that fits is 2816 tokens"
     ) in str(report)
 
 
@@ -375,8 +376,8 @@ def test_forwards_in_flight_that_fit_at_no_length_are_refused_as_such():
         _in_flight_planner(1.0, 3, 4096).decide(layout(256))
     assert str(refused.value.report) == (
         "a sequence of 256 tokens (padded to 256, planned at 256) with micro-batch size 1 fits no plan: the leanest "
-        "(2x ring/zero3) is predicted to hold 0.00 GiB until its backward and to peak at 0.00 GiB, and the stage's "
-        "budget of 0.00 GiB holds none of its 3 forwards in flight at any length; no length fits with this "
+        "(2x ring/zero3) is predicted to hold 0.50 bytes until its backward and to peak at 0.75 bytes, and the stage's "
+        "budget of 1.00 bytes holds none of its 3 forwards in flight at any length; no length fits with this "
         "micro-batch size"
     )
 
@@ -447,12 +448,51 @@ def test_infeasible_length_stops_with_a_clear_report():
         2048,
         1536,
     )
-    assert (report.leanest_peak_bytes, report.leanest_plan) == (16.0, "4x ring/zero3")
+    assert (report.leanest_peak_bytes, report.leanest_plan.compact()) == (16.0, "4x ring/zero3")
+    # ring/zero3 is memory-lean already: recompute is all that is left to suggest
     assert str(error.value) == (
         "a sequence of 1600 tokens (padded to 1600, planned at 2048) with micro-batch size 1 fits no plan: the "
-        "leanest (4x ring/zero3) is predicted to peak at 0.00 GiB, over the budget of 0.00 GiB; the longest that "
-        "fits is 1536 tokens with this micro-batch size. Shorten or split such sequences, enable a memory-lean "
-        "strategy or recompute, or set planner.on_infeasible=skip to skip them"
+        "leanest (4x ring/zero3) is predicted to peak at 16.00 bytes, over the budget of 12.00 bytes; the longest "
+        "that fits is 1536 tokens with this micro-batch size. Shorten or split such sequences, enable recompute, or "
+        "set planner.on_infeasible=skip to skip them"
+    )
+
+
+def test_a_report_tells_its_sizes_apart_and_suggests_only_what_the_leanest_plan_lacks():
+    """Sizes in the largest unit that tells apart the ones compared (a 10 MiB budget once read "0.01 GiB, over
+    the budget of 0.01 GiB"); a memory-lean strategy or recompute suggested only where some layer of the
+    leanest plan lacks it."""
+    assert byte_sizes(80.5 * GIB, 74.35 * GIB) == ("80.50 GiB", "74.35 GiB")
+    assert byte_sizes(10.55 * 2**20, 10.04 * 2**20) == ("10.55 MiB", "10.04 MiB")
+    assert byte_sizes(0.2 * GIB, 3 * GIB) == ("204.80 MiB", "3072.00 MiB")
+    assert byte_sizes(1e6, 1e6 + 3) == ("976.56 KiB", "976.57 KiB")
+    assert byte_sizes(2**20, 2**20 + 2, 0) == ("1048576.00 bytes", "1048578.00 bytes", "0.00 bytes")
+
+    def refusal(*options: str) -> str:
+        leanest = Plan.from_options(options)
+        report = InfeasibleReport(
+            length=1000,
+            padded_length=1008,
+            bucket_length=1024,
+            micro_batch_size=1,
+            budget_bytes=10.04 * 2**20,
+            leanest_peak_bytes=10.55 * 2**20,
+            leanest_plan=leanest,
+            longest_feasible_length=512,
+        )
+        return str(InfeasibleSequenceError(report))
+
+    assert refusal("tp_sp/tp_sp", "ring/zero3+rc") == (
+        "a sequence of 1000 tokens (padded to 1008, planned at 1024) with micro-batch size 1 fits no plan: the "
+        "leanest (1x tp_sp/tp_sp, 1x ring/zero3+rc) is predicted to peak at 10.55 MiB, over the budget of 10.04 MiB; "
+        "the longest that fits is 512 tokens with this micro-batch size. Shorten or split such sequences, enable a "
+        "memory-lean strategy or recompute, or set planner.on_infeasible=skip to skip them"
+    )
+    assert refusal("tp_sp/tp_sp+rc").endswith(
+        "sequences, enable a memory-lean strategy, or set planner.on_infeasible=skip to skip them"
+    )
+    assert refusal("ulysses/lean+rc", "ring/zero3+rc+off").endswith(
+        "Shorten or split such sequences, or set planner.on_infeasible=skip to skip them"
     )
 
 
