@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from megatron_paradyse.data import write_documents
 
 from helpers import entry_point
 from helpers.paths import ROOT
+from helpers.processes import marked
 
 SMALL_GPT = [
     *entry_point.SMALL_GPT,
@@ -40,6 +42,8 @@ SMALL_GPT = [
     "--train-iters",
     "2",
 ]
+_LAUNCH = "PARADYSE_TEST_LAUNCH"
+"""An environment variable marking the processes of one launch (children inherit it)."""
 SPREAD_S = 5.0
 """How far apart the ranks' exits may be: the others must not outlive the failing rank by more than this."""
 
@@ -52,8 +56,9 @@ def _free_port() -> int:
 
 def _launch(nproc: int, args: Callable[[int], list[str]], timeout: float = 180) -> list[dict]:
     """Run rank ``r`` as ``python -m megatron_paradyse.pretrain_gpt *args(r)``; per rank: exit code,
-    stdout, stderr and when it exited."""
+    stdout, stderr and when it exited. No process the ranks started may outlive them."""
     port = _free_port()
+    marker = f"{os.getpid()}-{port}"
     procs = []
     for rank in range(nproc):
         env = {
@@ -65,6 +70,7 @@ def _launch(nproc: int, args: Callable[[int], list[str]], timeout: float = 180) 
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
+            _LAUNCH: marker,
         }
         command = [sys.executable, "-m", "megatron_paradyse.pretrain_gpt", *args(rank)]
         procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
@@ -85,6 +91,10 @@ def _launch(nproc: int, args: Callable[[int], list[str]], timeout: float = 180) 
         out, err = proc.communicate()
         results.append({"code": proc.returncode, "out": out.decode(), "err": err.decode(), "at": exited.get(rank)})
     assert len(exited) == nproc, f"ranks {sorted(set(range(nproc)) - set(exited))} were still running after {timeout} s"
+    left = marked(_LAUNCH, marker)
+    for pid in left:  # not to outlive the test
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes the ranks started still run after them: {left}"
     return results
 
 
