@@ -36,6 +36,7 @@ from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
 from megatron_paradyse.mcore.static_memory import optimizer_problem
 from megatron_paradyse.mcore.step_groups import step_groups
 from megatron_paradyse.planner import layer_options
+from megatron_paradyse.planner.decision import byte_sizes
 from megatron_paradyse.run.documents import BUILT_IN
 from megatron_paradyse.run.fault import STATE_FILE, BudgetState, read_state
 from megatron_paradyse.run.megatron_flags import parse_megatron_args
@@ -58,7 +59,6 @@ from megatron.training.global_vars import unset_global_variables
 
 __all__ = ["Job", "add_paradyse_args", "job_arguments", "dataset_tokenizer", "entry_defaults", "quiet_megatron"]
 
-_GIB = 2**30
 
 
 def add_paradyse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -227,23 +227,31 @@ class Job:
         transformer = self.model_config.transformer
         budgets = step_stage_budgets(self.budget_bytes, footprints, self.args, transformer)
         kept = kept_between_micro_batches_bytes(transformer, self.args.seq_length, self.args.micro_batch_size)
-        over = []
+        over = []  # (stage, static bytes, bytes beside them, what those are)
         for f, budget in zip(footprints, budgets):
-            static = (
-                f"pipeline stage {f.stage}: {f.static_bytes / _GIB:.3g} GiB of weights, gradients and optimizer state"
-            )
             if f.static_bytes + f.optimizer_step_bytes > self.budget_bytes:
-                over.append(f"{static}, and {f.optimizer_step_bytes / _GIB:.3g} GiB more while the optimizer steps")
+                over.append((f.stage, f.static_bytes, f.optimizer_step_bytes, "more while the optimizer steps"))
             elif budget.holding(self.args.seq_length) <= f.static_bytes:
                 over.append(
-                    f"{static}, and {kept / _GIB:.3g} GiB for a micro-batch's input and its gradient, of --seq-length "
-                    f"{self.args.seq_length} tokens, that the pipeline schedule keeps into the next one (a shorter "
-                    f"data.max_len or more tensor-parallel ranks make it smaller)"
+                    (
+                        f.stage,
+                        f.static_bytes,
+                        kept,
+                        f"for a micro-batch's input and its gradient, of --seq-length {self.args.seq_length} tokens, "
+                        f"that the pipeline schedule keeps into the next one (a shorter data.max_len or more "
+                        f"tensor-parallel ranks make it smaller)",
+                    )
                 )
         if over:
-            stages = "\n  - ".join(over)
+            sizes = iter(byte_sizes(self.budget_bytes, *(n for _, static, more, _ in over for n in (static, more))))
+            budget_size = next(sizes)
+            stages = "\n  - ".join(
+                f"pipeline stage {stage}: {next(sizes)} of weights, gradients and optimizer state, and {next(sizes)} "
+                f"{what}"
+                for stage, _, _, what in over
+            )
             raise ValueError(
-                f"the memory budget ({self.budget_bytes / _GIB:.3g} GiB per rank) cannot hold what every plan "
+                f"the memory budget ({budget_size} per rank) cannot hold what every plan "
                 f"holds:\n  - {stages}\nwhat would fit: more tensor- or pipeline-parallel ranks, the distributed "
                 f"optimizer over data-parallel ranks (--use-distributed-optimizer), Transformer Engine or apex "
                 f"installed (a fused optimizer step needs no working set), or a larger memory.budget_gib"

@@ -227,8 +227,8 @@ def test_pipeline_parallelism_trains_learns_and_says_what_its_budget_leaves_out(
         config,
         flags,
         re.escape(
-            "the memory budget (0.0156 GiB per rank) cannot hold what every plan holds:\n  - pipeline stage 1: "
-            "0.00111 GiB of weights, gradients and optimizer state, and 0.125 GiB for a micro-batch's input and its "
+            "the memory budget (16.00 MiB per rank) cannot hold what every plan holds:\n  - pipeline stage 1: "
+            "1.14 MiB of weights, gradients and optimizer state, and 128.00 MiB for a micro-batch's input and its "
             "gradient, of --seq-length 262144 tokens, that the pipeline schedule keeps into the next one (a shorter "
             "data.max_len or more tensor-parallel ranks make it smaller)\nwhat would fit: more tensor- or "
             "pipeline-parallel ranks, the distributed optimizer over data-parallel ranks "
