@@ -195,6 +195,21 @@ class Planner:
         """The length buckets micro-batches are planned at the upper edge of."""
         return self._cache.buckets
 
+    def with_config(self, config: PlannerConfig) -> Planner:
+        """A new planner like this one (cost model, options, layers, budget, buckets), planning by ``config``."""
+        return Planner(
+            config,
+            self.cost_model,
+            options=self.options,
+            num_layers=self.num_layers,
+            budget_bytes=self.budget_bytes,
+            chunk_layers=self.chunk_layers,
+            forwards_in_flight=self.forwards_in_flight,
+            longest_tokens=self.longest_tokens,
+            reserved_bytes_per_token=self.reserved_bytes_per_token,
+            bucket_cap=self.buckets.cap,
+        )
+
     def set_budget(self, budget_bytes: float) -> None:
         """Change the memory budget (e.g. shrink it after a real out-of-memory error); drops cached plans."""
         if not budget_bytes > 0 or math.isinf(budget_bytes):

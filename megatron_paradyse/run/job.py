@@ -60,7 +60,6 @@ from megatron.training.global_vars import unset_global_variables
 __all__ = ["Job", "add_paradyse_args", "job_arguments", "dataset_tokenizer", "entry_defaults", "quiet_megatron"]
 
 
-
 def add_paradyse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("paradyse", "megatron-paradyse (see docs/configs.md)")
     group.add_argument("--paradyse-config", metavar="FILE", help="paradyse YAML config (planner, memory, cost, data)")

@@ -217,16 +217,4 @@ class PlannedMicroBatches:
 
 def _checker(planner: Planner) -> Planner:
     """A planner like ``planner`` that raises on a micro-batch no plan fits."""
-    config = dataclasses.replace(planner.config, on_infeasible="stop")
-    return Planner(
-        config,
-        planner.cost_model,
-        options=planner.options,
-        num_layers=planner.num_layers,
-        budget_bytes=planner.budget_bytes,
-        chunk_layers=planner.chunk_layers,
-        forwards_in_flight=planner.forwards_in_flight,
-        longest_tokens=planner.longest_tokens,
-        reserved_bytes_per_token=planner.reserved_bytes_per_token,
-        bucket_cap=planner.buckets.cap,
-    )
+    return planner.with_config(dataclasses.replace(planner.config, on_infeasible="stop"))
