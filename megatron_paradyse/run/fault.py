@@ -100,9 +100,10 @@ _LEFT = b"left"
 """A rank's beat once it stopped watching: its silence is no death."""
 _BEAT_S = 1.0
 """How often every other rank tells rank 0 it is alive, and rank 0 looks."""
-_SILENT_S = 3.0
+_SILENT_S = 10.0
 """How long a rank may stay silent before rank 0 takes it for dead. Its beat is a thread's, which runs while
-the main thread computes or waits in a collective (PyTorch's operators release the GIL)."""
+the main thread computes or waits in a collective (PyTorch's operators release the GIL); a rank starved of
+CPU (an oversubscribed host) or in a long call that holds the GIL was seen silent for over 3 s, alive."""
 _VERDICT_S = _SILENT_S + 3 * _BEAT_S
 """How long a rank whose collective broke waits for its watcher to say whether a rank died."""
 _WATCH_CHUNK = datetime.timedelta(hours=12)
