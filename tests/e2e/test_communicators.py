@@ -17,8 +17,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from helpers.entry_point import SMALL_GPT, small_job_config
+from helpers.job_ranks import launch
 from helpers.paths import HELPERS
-from helpers.torchrun import rank_outputs, torchrun
 
 RECORDER = str(HELPERS / "scripts" / "record_collectives.py")
 
@@ -28,11 +28,9 @@ def _recorded_run(tmp_path: Path, cache_p2: Path, flags: list[str]) -> list[dict
     config = small_job_config(tmp_path / "cfg.yaml", cache_p2, planner={"on_infeasible": "skip"})
     records = tmp_path / "records"
     records.mkdir()
-    result = torchrun(
-        4, RECORDER, "--paradyse-config", str(config), *SMALL_GPT, "--global-batch-size", "4", "--train-iters", "2",
-        *flags, log_dir=tmp_path / "logs", env={"RECORD_DIR": str(records)},
-    )  # fmt: skip
-    assert result.returncode == 0, rank_outputs(tmp_path / "logs") + result.stderr[-3000:]
+    program = [RECORDER, "--paradyse-config", str(config), *SMALL_GPT, "--global-batch-size", "4", "--train-iters", "2"]
+    result = launch(4, [*program, *flags], tmp_path / "ranks", env={"RECORD_DIR": str(records)})
+    assert result.ok, result.output()
     ranks = []
     for rank in range(4):
         phases = defaultdict(set)

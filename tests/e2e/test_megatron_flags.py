@@ -3,16 +3,13 @@
 pipeline parallelism (PP=2 trains, and says what its budget leaves out), and the combinations refused
 at start-up.
 
-Multi-rank runs go through ``torchrun`` on gloo; the cost profile is calibrated once for the
-whole run (``quick_profile_p2``).
+Multi-rank runs are gloo ranks started as ``srun`` starts them (:mod:`helpers.job_ranks`); the cost profile
+is calibrated once for the whole run (``quick_profile_p2``).
 """
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,20 +21,19 @@ from megatron_paradyse.run.log import read_jsonl
 
 from helpers import entry_point
 from helpers.entry_point import small_job_config
-from helpers.paths import ROOT
-from helpers.torchrun import rank_output, torchrun
+from helpers.job_ranks import Job, launch
 
 SMALL_GPT = [*entry_point.SMALL_GPT, "--log-interval", "1"]
 
 
-def _torchrun(nproc: int, *args: str, log_dir: Path | None = None) -> subprocess.CompletedProcess:
-    return torchrun(nproc, "-m", "megatron_paradyse.pretrain_gpt", *args, log_dir=log_dir)
+def _job(nproc: int, folder: Path, *args: str) -> Job:
+    return launch(nproc, ["-m", "megatron_paradyse.pretrain_gpt", *args], folder)
 
 
 def _refused(config: Path, flags: list[str], error: str) -> None:
     """Two ranks started with ``flags`` stop before start-up, one of them saying ``error`` (a regular expression)."""
-    result = _torchrun(2, "--paradyse-config", str(config), *flags)
-    assert result.returncode != 0
+    result = _job(2, config.parent / "refused", "--paradyse-config", str(config), *flags)
+    assert result.codes == [2, 2], result.output()
     assert re.search(f"paradyse: error: {error}", result.stderr), result.stderr[-3000:]
     assert result.stderr.count("paradyse: error:") == 1
     assert "initializing torch distributed" not in result.stdout
@@ -64,18 +60,9 @@ def test_tp1_trains_choosing_recompute_only(tmp_path, cache_p2):
         "max_len": 2560,
     }
     config = small_job_config(tmp_path / "cfg.yaml", cache_p2, data=data)
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-    env |= {"MASTER_PORT": "29533", "OMP_NUM_THREADS": "1"}
     flags = [*SMALL_GPT, "--tensor-model-parallel-size", "1", "--global-batch-size", "1", "--train-iters", "4"]
-    result = subprocess.run(
-        [sys.executable, "-m", "megatron_paradyse.pretrain_gpt", "--paradyse-config", str(config), *flags],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = _job(1, tmp_path / "ranks", "--paradyse-config", str(config), *flags)
+    assert result.ok, result.output()
     assert "layer options: tp_sp/tp_sp, tp_sp/tp_sp+rc." in result.stdout
     records = read_jsonl(tmp_path / "log.jsonl")
     assert [r.iteration for r in records] == [1, 2, 3, 4]
@@ -106,8 +93,9 @@ def test_overlapped_gradient_reduction_and_parameter_gather_give_the_same_losses
     runs = {}
     for name, extra in (("plain", []), ("overlap", ["--overlap-grad-reduce", "--overlap-param-gather"])):
         config = small_job_config(tmp_path / name / "cfg.yaml", cache_p2)
-        result = _torchrun(4, "--paradyse-config", str(config), *flags, *extra, "--save", str(tmp_path / name / "ckpt"))
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        save = ["--save", str(tmp_path / name / "ckpt")]
+        result = _job(4, tmp_path / name / "ranks", "--paradyse-config", str(config), *flags, *extra, *save)
+        assert result.ok, result.output()
         runs[name] = read_jsonl(tmp_path / name / "log.jsonl"), _weights(tmp_path / name / "ckpt")
     (plain, plain_weights), (overlap, overlap_weights) = runs["plain"], runs["overlap"]
     assert [mb.plan for r in overlap for mb in r.micro_batches] == [mb.plan for r in plain for mb in r.micro_batches]
@@ -131,8 +119,8 @@ def test_overlapped_reduction_is_refused_where_lean_would_break_it(tmp_path, cac
     )
 
     config = small_job_config(tmp_path / "no-lean" / "cfg.yaml", cache_p2, planner={"attention": ["tp_sp", "ring"]})
-    result = _torchrun(2, "--paradyse-config", str(config), *flags)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = _job(2, tmp_path / "no-lean" / "ranks", "--paradyse-config", str(config), *flags)
+    assert result.ok, result.output()
 
 
 def test_pipeline_parallelism_trains_learns_and_says_what_its_budget_leaves_out(tmp_path, cache_p2):
@@ -150,9 +138,9 @@ def test_pipeline_parallelism_trains_learns_and_says_what_its_budget_leaves_out(
         tmp_path / "cfg.yaml", cache_p2, planner={"on_infeasible": "stop", "learn_time": True}, log=log
     )
     save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
-    result = _torchrun(2, "--paradyse-config", str(config), *flags, *save, log_dir=tmp_path / "logs")
-    stdout = [rank_output(tmp_path / "logs", rank) for rank in range(2)]
-    assert result.returncode == 0, stdout[0][-3000:] + stdout[1][-3000:] + result.stderr[-3000:]
+    result = _job(2, tmp_path / "ranks", "--paradyse-config", str(config), *flags, *save)
+    stdout = [rank.out for rank in result.ranks]
+    assert result.ok, result.output()
     records = read_jsonl(tmp_path / "log.jsonl")
     assert [r.iteration for r in records] == [1, 2] and all(len(r.micro_batches) == 2 for r in records)
     micro_batches = [mb for r in records for mb in r.micro_batches]
@@ -183,8 +171,8 @@ def test_pipeline_parallelism_trains_learns_and_says_what_its_budget_leaves_out(
     four_layers = [*flags, "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"]
     four_layers += ["--global-batch-size", "4"]
     config = small_job_config(tmp_path / "small" / "cfg.yaml", cache_p2, memory={"budget_gib": 1 / 128})
-    result = _torchrun(2, "--paradyse-config", str(config), *four_layers)
-    assert result.returncode != 0
+    result = _job(2, tmp_path / "small" / "ranks", "--paradyse-config", str(config), *four_layers)
+    assert result.codes == [2, 2], result.output()
     refusal = "paradyse: error: no plan fits even the data's shortest sample on pipeline stage 0, so "
     assert result.stderr.count(refusal) == 1 == result.stderr.count("paradyse: error:"), result.stderr[-3000:]
     # told to stop on such a micro-batch, every rank stops before the step's schedule: the last stage is not
@@ -192,17 +180,17 @@ def test_pipeline_parallelism_trains_learns_and_says_what_its_budget_leaves_out(
     stop = small_job_config(
         tmp_path / "stop" / "cfg.yaml", cache_p2, planner={"on_infeasible": "stop"}, memory={"budget_gib": 1 / 128}
     )
-    result = _torchrun(2, "--paradyse-config", str(stop), *four_layers)
-    assert result.returncode != 0
+    result = _job(2, tmp_path / "stop" / "ranks", "--paradyse-config", str(stop), *four_layers)
+    assert result.codes == [2, 2], result.output()
     refusal = "paradyse: error: pipeline stage 0: a sequence of "
     assert result.stderr.count(refusal) == 1 == result.stderr.count("paradyse: error:"), result.stderr[-3000:]
-    assert not re.search(r"\[rank\d\]: Traceback", result.stderr), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
     # each micro-batch timed through both chunks of the stage, and learned from
     planner = {"on_infeasible": "skip", "learn_time": True}
     config = small_job_config(tmp_path / "roomy" / "cfg.yaml", cache_p2, planner=planner, log=log)
-    result = _torchrun(2, "--paradyse-config", str(config), *four_layers, log_dir=tmp_path / "roomy" / "logs")
-    stdout = [rank_output(tmp_path / "roomy" / "logs", rank) for rank in range(2)]
-    assert result.returncode == 0, stdout[0][-3000:] + stdout[1][-3000:] + result.stderr[-3000:]
+    result = _job(2, tmp_path / "roomy" / "ranks", "--paradyse-config", str(config), *four_layers)
+    stdout = [rank.out for rank in result.ranks]
+    assert result.ok, result.output()
     records = read_jsonl(tmp_path / "roomy" / "log.jsonl")
     assert [r.iteration for r in records] == [1, 2] and all(len(r.micro_batches) == 4 for r in records)
     assert len({mb.tokens for r in records for mb in r.micro_batches}) > 1

@@ -1,8 +1,8 @@
 """An out-of-memory error that slips past the planner costs a step, never the run (megatron_paradyse.run.fault).
 
 Four gloo ranks (TP=2 x DP=2) run the entry point, ``pretrain_gpt.main``, started by
-``tests/oom_ranks.py``: like torchrun it gives each rank its environment, unlike torchrun it never ends a
-rank when another exits (that is the behaviour under test). It raises ``torch.OutOfMemoryError`` once
+:mod:`helpers.job_ranks`: like torchrun it gives each rank its environment, unlike torchrun it never ends
+a rank when another exits (that is the behaviour under test). It raises ``torch.OutOfMemoryError`` once
 on rank 1 at iteration 3: in an attention forward, or in an MLP backward. Every rank must exit within
 seconds with the fault's exit code and one line each, the shrunk budget saved; the relaunch of the same
 command with ``--load`` re-runs iteration 3 under another plan and finishes the run with the losses and
@@ -11,13 +11,11 @@ weights of a run that never failed.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,9 +36,11 @@ from megatron_paradyse.run.fault import (
 )
 from megatron_paradyse.run.log import read_jsonl
 
-from helpers.paths import HELPERS, ROOT
+from helpers import injections
+from helpers.injections import Injection
+from helpers.job_ranks import Job, launch
+from helpers.paths import ROOT
 
-RANKS = HELPERS / "scripts" / "oom_ranks.py"
 MIB, GIB = 2**20, 2**30
 
 MODEL = [
@@ -60,22 +60,14 @@ FAULT_RANK, FAULT_ITERATION = 1, 3
 
 
 @dataclass
-class Launch:
-    codes: list[int | None]
-    exit_times: list[float | None]
-    stdout: list[str]
-    stderr: list[str]
-
-
-@dataclass
 class Run:
     """One training run: the launch that ran out of memory (None for the clean run) and the last launch."""
 
     save: Path
     log: list
-    fault: Launch | None
+    fault: Job | None
     fault_time: float | None
-    last: Launch
+    last: Job
 
 
 @pytest.fixture(scope="module")
@@ -98,18 +90,14 @@ def _config(folder: Path, cache: Path, **memory) -> Path:
     return path
 
 
-def _launch(folder: Path, config: Path, *flags: str, inject: list[str] = ()) -> Launch:
+def _launch(folder: Path, config: Path, *flags: str, inject: Injection | None = None) -> Job:
     out = folder / f"launch{len(list(folder.glob('launch*')))}"
-    command = [sys.executable, str(RANKS), "--world-size", "4", "--out", str(out), *inject, "--"]
-    command += ["--paradyse-config", str(config), *MODEL, "--save", str(folder / "ckpt"), *flags]
+    program = ["-m", "megatron_paradyse.pretrain_gpt", "--paradyse-config", str(config), *MODEL]
     # Megatron's start-up warms its fused kernels up with torch.compile, ~13 s a rank on this CPU; every run
     # here runs them eager instead, alike, so that the runs compare
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1"}
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.splitlines()[-1])
-    read = [[(out / f"rank{r}.{s}").read_text() for r in range(4)] for s in ("out", "err")]
-    return Launch(report["exit_codes"], report["exit_times"], *read)
+    return launch(
+        4, [*program, "--save", str(folder / "ckpt"), *flags], out, env={"TORCH_COMPILE_DISABLE": "1"}, before=inject
+    )
 
 
 def _train(folder: Path, config: Path, site: str | None) -> Run:
@@ -118,7 +106,7 @@ def _train(folder: Path, config: Path, site: str | None) -> Run:
         last = _launch(folder, config)
         return Run(folder / "ckpt", read_jsonl(folder / "log.jsonl"), None, None, last)
     marker = folder / "fault-time"
-    inject = ["--inject", site, "--rank", str(FAULT_RANK), "--iteration", str(FAULT_ITERATION), "--marker", str(marker)]
+    inject = Injection(site, FAULT_RANK, FAULT_ITERATION, marker)
     fault = _launch(folder, config, inject=inject)
     shutil.copytree(folder / "ckpt", folder / "ckpt-after-fault")  # for the retries test
     last = _launch(folder, config, "--load", str(folder / "ckpt"), inject=inject)
@@ -153,24 +141,24 @@ def _check_survived(run: Run, clean: Run, site: str) -> None:
     gib = f"{BUDGET_BYTES / GIB:.4g} to {shrunk / GIB:.4g} GiB"
 
     # every rank exits at once, with the fault's exit code, no rank waiting for a collective's timeout
-    assert fault.codes == [FAULT_EXIT_CODE] * 4, fault.stderr
-    delays = [t - run.fault_time for t in fault.exit_times]
+    assert fault.codes == [FAULT_EXIT_CODE] * 4, fault.output()
+    delays = [t - run.fault_time for t in (r.at for r in fault.ranks)]
     print(f"{site}: seconds from the fault to each rank's exit: {', '.join(f'{d:.3f}' for d in delays)}")
     assert max(delays) < 5.0, delays
     # one line each, and nothing else from the fault: no traceback, no store or collective noise
     where = f"injected by the test: out of memory in the {site} (rank 1, iteration 3)"
-    assert _paradyse_lines(fault.stderr[FAULT_RANK]) == [
-        f"paradyse: rank 1 ran out of memory at iteration 3: {where} (raised at oom_ranks.py:{_line(site)}); every "
+    assert _paradyse_lines(fault.ranks[FAULT_RANK].err) == [
+        f"paradyse: rank 1 ran out of memory at iteration 3: {where} (raised at injections.py:{_line(site)}); every "
         f"rank stops and the memory budget shrinks from {gib} (saved in {run.save / STATE_FILE}): relaunch with "
         f"--load {run.save} to re-plan and re-run iteration 3 from the last checkpoint (torchrun --max-restarts "
         f"does it)"
     ]
     for rank in (0, 2, 3):
-        assert _paradyse_lines(fault.stderr[rank]) == [
+        assert _paradyse_lines(fault.ranks[rank].err) == [
             f"paradyse: rank {rank} stops: rank 1 ran out of memory at iteration 3 (the memory budget shrinks from "
             f"{gib}; rank 1 says more)"
         ]
-    for err in fault.stderr:
+    for err in (r.err for r in fault.ranks):
         assert not re.search(r"Traceback|TCPStore|Connection|Gloo", err), err[-3000:]
     state = read_state(str(run.save))
     assert state.budget_bytes == shrunk
@@ -180,12 +168,12 @@ def _check_survived(run: Run, clean: Run, site: str) -> None:
 
     # the relaunch plans under the shrunk budget, re-runs iteration 3 and finishes
     last = run.last
-    assert last.codes == [0] * 4, last.stderr
+    assert last.codes == [0] * 4, last.output()
     assert (
         f"paradyse: memory budget {shrunk / GIB:.4g} GiB (shrunk after out-of-memory at iteration 3, from "
         f"{run.save / STATE_FILE})"
-    ) in _paradyse_lines(last.stdout[3])
-    for err in last.stderr:
+    ) in _paradyse_lines(last.ranks[3].out)
+    for err in (r.err for r in last.ranks):
         assert not re.search(r"Traceback|TCPStore|Connection", err), err[-3000:]
     assert [r.iteration for r in run.log] == [1, 2, 3, 4, 5, 6]  # nothing lost, nothing counted twice
     plans = [[mb.plan for mb in r.micro_batches] for r in run.log]
@@ -203,8 +191,8 @@ def _check_survived(run: Run, clean: Run, site: str) -> None:
 
 
 def _line(site: str) -> str:
-    """Where oom_ranks.py raises (the message names it, as the innermost frame)."""
-    source = RANKS.read_text().splitlines()
+    """Where the injection raises (the message names it, as the innermost frame)."""
+    source = Path(injections.__file__).read_text().splitlines()
     fn = "attention" if site == "attention-forward" else "backward"
     start = next(i for i, line in enumerate(source) if re.match(rf"\s+def {fn}\(", line))
     raise_at = next(i for i in range(start, len(source)) if "raise out_of_memory()" in source[i])
@@ -254,12 +242,12 @@ def test_an_iteration_that_keeps_running_out_of_memory_stops_the_run(attention_f
     save = tmp_path / "ckpt"
     shutil.copytree(attention_fault.save.parent / "ckpt-after-fault", save)
     config = _config(tmp_path, cache, oom_retries=1)
-    inject = ["--inject", "attention-forward", "--rank", str(FAULT_RANK), "--iteration", str(FAULT_ITERATION)]
+    inject = Injection("attention-forward", FAULT_RANK, FAULT_ITERATION)
     again = _launch(tmp_path, config, "--load", str(save), inject=inject)
-    assert again.codes == [STOP_EXIT_CODE] * 4, again.stderr
+    assert again.codes == [STOP_EXIT_CODE] * 4, again.output()
     shrunk = BUDGET_BYTES * (1 - SHRINK)
     budgets = f"{BUDGET_BYTES / GIB:.4g}, {shrunk / GIB:.4g} GiB"
-    [message] = _paradyse_lines(again.stderr[FAULT_RANK])
+    [message] = _paradyse_lines(again.ranks[FAULT_RANK].err)
     assert message.startswith("paradyse: error: rank 1 ran out of memory at iteration 3: injected by the test")
     assert message.endswith(
         f"; this is failure 2 of iteration 3, under budgets {budgets}, and memory.oom_retries is 1: every rank "
@@ -267,7 +255,7 @@ def test_an_iteration_that_keeps_running_out_of_memory_stops_the_run(attention_f
         "relaunch with --load; or shorten the sequences or lower memory.budget_gib, and delete paradyse_state.json"
     )
     for rank in (0, 2, 3):
-        assert _paradyse_lines(again.stderr[rank]) == [
+        assert _paradyse_lines(again.ranks[rank].err) == [
             f"paradyse: error: rank {rank} stops: rank 1 ran out of memory at iteration 3 2 times, more than "
             "memory.oom_retries = 1 allows (rank 1 says more)"
         ]
@@ -277,16 +265,16 @@ def test_an_iteration_that_keeps_running_out_of_memory_stops_the_run(attention_f
 
     # relaunched as torchrun --max-restarts would: refused at start-up, every rank, one message
     relaunch = _launch(tmp_path, config, "--load", str(save))
-    assert relaunch.codes == [STOP_EXIT_CODE] * 4, relaunch.stderr
-    assert _paradyse_lines(relaunch.stderr[0]) == [
+    assert relaunch.codes == [STOP_EXIT_CODE] * 4, relaunch.output()
+    assert _paradyse_lines(relaunch.ranks[0].err) == [
         f"paradyse: error: iteration 3 ran out of memory 2 times, under budgets {budgets} ({save / STATE_FILE}), "
         "more than memory.oom_retries = 1 allows. To go on, raise memory.oom_retries (each retry shrinks the "
         "budget by memory.oom_shrink) and relaunch with --load; or shorten the sequences or lower "
         "memory.budget_gib, and delete paradyse_state.json"
     ]
     for rank in (1, 2, 3):
-        assert _paradyse_lines(relaunch.stderr[rank]) == []
-    assert not any("initializing torch distributed" in out for out in relaunch.stdout)
+        assert _paradyse_lines(relaunch.ranks[rank].err) == []
+    assert not any("initializing torch distributed" in out for out in (r.out for r in relaunch.ranks))
 
 
 # -- the state and the config, without ranks ------------------------------------------------------

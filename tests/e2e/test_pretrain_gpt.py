@@ -2,7 +2,8 @@
 dynamic-sequence micro-batches and the per-iteration log; clear errors before any process group; the
 CPU demo.
 
-Multi-rank runs go through ``torchrun``, as a user launches them; the first run calibrates a quick cost
+The resuming run goes through ``torchrun``, as a user launches it (its report of a failed rank included); the
+others start their ranks as ``srun`` would (:mod:`helpers.job_ranks`). The first run calibrates a quick cost
 profile at start-up into the shared cache, later runs reuse it.
 """
 
@@ -28,8 +29,9 @@ from megatron_paradyse.run import demo
 from megatron_paradyse.run.log import read_jsonl
 
 from helpers import entry_point
+from helpers.job_ranks import Job, launch
 from helpers.paths import ROOT
-from helpers.torchrun import rank_output, rank_outputs, torchrun
+from helpers.torchrun import torchrun
 
 # A 2-layer GPT on TP=2, one file per iteration. Budget 32 MiB per rank: the files of up to ~3.6K tokens
 # fit (the leanest plan peaks at ~21 MiB at 3.6K), the one of ~11K does not (~56 MiB).
@@ -61,8 +63,12 @@ def _write_config(path: Path, cache: Path, **sections) -> Path:
     return path
 
 
-def _torchrun(nproc: int, *args: str, log_dir: Path | None = None) -> subprocess.CompletedProcess:
-    return torchrun(nproc, "-m", "megatron_paradyse.pretrain_gpt", *args, timeout=300, log_dir=log_dir)
+def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    return torchrun(nproc, "-m", "megatron_paradyse.pretrain_gpt", *args, timeout=300)
+
+
+def _job(nproc: int, folder: Path, *args: str) -> Job:
+    return launch(nproc, ["-m", "megatron_paradyse.pretrain_gpt", *args], folder)
 
 
 # -- errors before any process group ------------------------------------------------------------
@@ -233,8 +239,8 @@ def test_the_training_job_trains_past_device_memory_with_offload_and_mlp_tiles(t
     config = _write_config(tmp_path / "levers.yaml", cache, **deeper, planner=levers, log=log)
     lengths = DocumentDataset(build_code_corpus(cache)).lengths
     files = sorted(lengths[spread_by_length(lengths, *SMALL_DOCS.values())])
-    result = _torchrun(2, "--paradyse-config", str(config), "--train-iters", "5")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = _job(2, tmp_path / "ranks", "--paradyse-config", str(config), "--train-iters", "5")
+    assert result.ok, result.output()
     trained = {mb.tokens: mb for r in read_jsonl(tmp_path / "log.jsonl") for mb in r.micro_batches}
     beyond = trained[files[4]]
     assert "+off" in beyond.plan or "+tile" in beyond.plan, beyond.plan
@@ -259,10 +265,10 @@ def test_validation_runs_forward_only_plans_on_held_out_documents(tmp_path, cach
         log={"measure": True},
     )
     evaluation = ["--eval-iters", "2", "--eval-interval", "2", "--split", "70,30,0"]
-    logs = tmp_path / "logs"
-    result = _torchrun(2, "--paradyse-config", str(config), *SMALL_GPT, "--train-iters", "4", *evaluation, log_dir=logs)
-    assert result.returncode == 0, rank_outputs(logs)
-    out = rank_output(logs, 1)  # the last rank logs; on one pipe, rank 0 once split its third evaluation line
+    flags = [*SMALL_GPT, "--train-iters", "4", *evaluation]
+    result = _job(2, tmp_path / "ranks", "--paradyse-config", str(config), *flags)
+    assert result.ok, result.output()
+    out = result.ranks[1].out  # the last rank logs
     assert "paradyse: documents: 7 for training, 3 for validation, 0 for test (--split 70,30,0)" in out
     losses = re.findall(r"validation loss at iteration (\d+( on validation set)?) \| lm loss value: (\S+)", out)
     assert [where for where, _, _ in losses] == ["2", "4", "4 on validation set"]

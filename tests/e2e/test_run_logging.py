@@ -1,10 +1,10 @@
 """What a run reports, where its users look: Megatron's TensorBoard and W&B writers and the table.
 
-One 2-rank ``torchrun`` of the entry point (TP=2) with ``--tensorboard-dir``, ``--wandb-project`` (the
-``wandb`` module is the stand-in of ``tests/stand_ins``, which records every call) and ``--log-interval
-2``, each rank's output in its own file (the table is the last rank's); its JSONL log is the reference
-the writers' figures are checked against. The cost profile is calibrated once
-for the whole run (``quick_profile_p2``).
+One 2-rank run of the entry point (TP=2, :mod:`helpers.job_ranks`) with ``--tensorboard-dir``,
+``--wandb-project`` (the ``wandb`` module is the stand-in of ``tests/stand_ins``, which records every call)
+and ``--log-interval 2``, each rank's output in its own file (the table is the last rank's); its JSONL log
+is the reference the writers' figures are checked against. The cost profile is calibrated once for the
+whole run (``quick_profile_p2``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import yaml
 from megatron_paradyse.config import ConfigError, load_config
 from megatron_paradyse.run.log import IterationLog, read_jsonl
 
+from helpers.job_ranks import launch
 from helpers.paths import HELPERS
-from helpers.torchrun import rank_output, rank_outputs, torchrun
 
 STAND_INS = HELPERS / "stand_ins"
 GIB = 2**30
@@ -76,10 +76,10 @@ def run(tmp_path_factory, cache_p2) -> Run:
         "WANDB_STAND_IN_LOG": str(folder / "wandb.jsonl"),
     }
     program = ["-m", "megatron_paradyse.pretrain_gpt", "--paradyse-config", str(config), *MODEL, *flags]
-    result = torchrun(2, *program, log_dir=folder / "ranks", env=env)
-    assert result.returncode == 0, rank_outputs(folder / "ranks")
+    result = launch(2, program, folder / "ranks", env=env)
+    assert result.ok, result.output()
     calls = [json.loads(line) for line in (folder / "wandb.jsonl").read_text().splitlines()]
-    return Run(rank_output(folder / "ranks", 1), read_jsonl(folder / "log.jsonl"), folder / "tb", calls)
+    return Run(result.ranks[1].out, read_jsonl(folder / "log.jsonl"), folder / "tb", calls)
 
 
 def _expected(records: list[IterationLog]) -> dict[str, dict[int, float]]:

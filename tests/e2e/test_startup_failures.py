@@ -1,9 +1,9 @@
 """Bad input is refused early and clearly: a start-up failure on any rank stops every rank within seconds,
 with one message (rank 0's) naming the rank and the cause.
 
-The ranks are started as ``srun`` starts them, one plain process each (``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT`` from the environment), with nobody to kill the others when one exits:
-torchrun would end them itself and hide a rank left waiting for the distributed timeout.
+The ranks are started as ``srun`` starts them (:mod:`helpers.job_ranks`), one plain process each, with
+nobody to kill the others when one exits: torchrun would end them itself and hide a rank left waiting for
+the distributed timeout.
 """
 
 from __future__ import annotations
@@ -11,13 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,8 +24,7 @@ from megatron_paradyse.cli import main as paradyse
 from megatron_paradyse.data import write_documents
 
 from helpers import entry_point
-from helpers.paths import ROOT
-from helpers.processes import marked
+from helpers.job_ranks import Job, launch
 
 SMALL_GPT = [
     *entry_point.SMALL_GPT,
@@ -42,70 +35,27 @@ SMALL_GPT = [
     "--train-iters",
     "2",
 ]
-_LAUNCH = "PARADYSE_TEST_LAUNCH"
-"""An environment variable marking the processes of one launch (children inherit it)."""
 SPREAD_S = 5.0
 """How far apart the ranks' exits may be: the others must not outlive the failing rank by more than this."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _launch(nproc: int, args: Callable[[int], list[str]], folder: Path) -> Job:
+    """Rank ``r`` runs ``python -m megatron_paradyse.pretrain_gpt *args(r)``; no process it started may
+    outlive the ranks."""
+    job = launch(nproc, lambda rank: ["-m", "megatron_paradyse.pretrain_gpt", *args(rank)], folder, timeout=180)
+    assert not job.left, f"processes the ranks started still run after them: {job.left}"
+    return job
 
 
-def _launch(nproc: int, args: Callable[[int], list[str]], timeout: float = 180) -> list[dict]:
-    """Run rank ``r`` as ``python -m megatron_paradyse.pretrain_gpt *args(r)``; per rank: exit code,
-    stdout, stderr and when it exited. No process the ranks started may outlive them."""
-    port = _free_port()
-    marker = f"{os.getpid()}-{port}"
-    procs = []
-    for rank in range(nproc):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            _LAUNCH: marker,
-        }
-        command = [sys.executable, "-m", "megatron_paradyse.pretrain_gpt", *args(rank)]
-        procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    exited: dict[int, float] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(exited) < nproc and time.monotonic() < deadline:
-            for rank, proc in enumerate(procs):
-                if rank not in exited and proc.poll() is not None:
-                    exited[rank] = time.monotonic()
-            time.sleep(0.05)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    results = []
-    for rank, proc in enumerate(procs):
-        out, err = proc.communicate()
-        results.append({"code": proc.returncode, "out": out.decode(), "err": err.decode(), "at": exited.get(rank)})
-    assert len(exited) == nproc, f"ranks {sorted(set(range(nproc)) - set(exited))} were still running after {timeout} s"
-    left = marked(_LAUNCH, marker)
-    for pid in left:  # not to outlive the test
-        os.kill(pid, signal.SIGKILL)
-    assert not left, f"processes the ranks started still run after them: {left}"
-    return results
-
-
-def _assert_every_rank_stops(results: list[dict], message: str) -> None:
+def _assert_every_rank_stops(job: Job, message: str) -> None:
     """Every rank exits with status 2 within ``SPREAD_S`` of the first; rank 0 alone prints ``message``."""
-    for rank, result in enumerate(results):
-        assert result["code"] == 2, f"rank {rank}: exit {result['code']}\n{result['err'][-3000:]}"
-        assert "Traceback" not in result["err"], f"rank {rank}:\n{result['err'][-3000:]}"
-    assert results[0]["err"].endswith(f"paradyse: error: {message}\n"), results[0]["err"][-3000:]
-    assert all("paradyse: error" not in r["err"] for r in results[1:]), [r["err"][-500:] for r in results[1:]]
-    times = [r["at"] for r in results]
+    for rank, result in enumerate(job.ranks):
+        assert result.code == 2, f"rank {rank}: exit {result.code}\n{result.err[-3000:]}"
+        assert "Traceback" not in result.err, f"rank {rank}:\n{result.err[-3000:]}"
+    first, *others = job.ranks
+    assert first.err.endswith(f"paradyse: error: {message}\n"), first.err[-3000:]
+    assert all("paradyse: error" not in r.err for r in others), [r.err[-500:] for r in others]
+    times = [r.at for r in job.ranks]
     assert max(times) - min(times) < SPREAD_S, f"exits spread over {max(times) - min(times):.1f} s"
 
 
@@ -130,7 +80,7 @@ def test_a_profile_that_is_not_json_on_one_rank_of_four_stops_every_rank(tmp_pat
     with pytest.raises(json.JSONDecodeError) as why:
         json.loads(broken.read_text())
     flags = [*SMALL_GPT, "--global-batch-size", "2"]  # TP=2 x DP=2
-    results = _launch(4, lambda rank: ["--paradyse-config", str(configs[rank]), *flags])
+    results = _launch(4, lambda rank: ["--paradyse-config", str(configs[rank]), *flags], tmp_path / "ranks")
     _assert_every_rank_stops(
         results,
         f"rank 2: cost profile {broken} is not valid JSON ({why.value}); recalibrate with `paradyse calibrate` "
@@ -141,20 +91,22 @@ def test_a_profile_that_is_not_json_on_one_rank_of_four_stops_every_rank(tmp_pat
 def test_a_config_one_rank_cannot_read_and_a_bad_profile_value_stop_every_rank(tmp_path, quick_profile_p2):
     config = _config(tmp_path / "ok", cost={"profile": str(quick_profile_p2), "check_machine": False})
     missing = tmp_path / "missing" / "cfg.yaml"
-    results = _launch(2, lambda rank: ["--paradyse-config", str(config if rank == 0 else missing), *SMALL_GPT])
+    results = _launch(
+        2, lambda rank: ["--paradyse-config", str(config if rank == 0 else missing), *SMALL_GPT], tmp_path / "ranks"
+    )
     _assert_every_rank_stops(
         results,
         f"rank 1: cannot read the paradyse config {missing}: No such file or directory (every rank of 2 stops)",
     )
 
     config, message = _bad_profile_values(tmp_path / "bad", quick_profile_p2)
-    results = _launch(2, lambda rank: ["--paradyse-config", str(config), *SMALL_GPT])
+    results = _launch(2, lambda rank: ["--paradyse-config", str(config), *SMALL_GPT], tmp_path / "bad-profile-ranks")
     _assert_every_rank_stops(results, message)
 
 
 def test_token_ids_outside_the_vocabulary_stop_every_rank(tmp_path, quick_profile_p2):
     config, message = _ids_outside_the_vocabulary(tmp_path, quick_profile_p2)
-    results = _launch(2, lambda rank: ["--paradyse-config", str(config), *SMALL_GPT])
+    results = _launch(2, lambda rank: ["--paradyse-config", str(config), *SMALL_GPT], tmp_path / "ranks")
     _assert_every_rank_stops(results, message)
 
 
@@ -167,7 +119,7 @@ def test_a_dataset_path_with_no_files_is_refused_before_any_process_group(tmp_pa
 def test_datasets_with_nothing_to_train_on_stop_every_rank(tmp_path, quick_profile_p2):
     """An empty dataset on rank 0, one of one-token documents on rank 1: each rank's problem is named."""
     cases = [case(tmp_path / f"rank{rank}", quick_profile_p2) for rank, case in enumerate(NOTHING_TO_TRAIN_ON)]
-    results = _launch(2, lambda rank: ["--paradyse-config", str(cases[rank][0]), *SMALL_GPT])
+    results = _launch(2, lambda rank: ["--paradyse-config", str(cases[rank][0]), *SMALL_GPT], tmp_path / "ranks")
     _assert_every_rank_stops(results, f"rank 0: {cases[0][1]}; rank 1: {cases[1][1]} (every rank of 2 stops)")
 
 
@@ -185,9 +137,11 @@ def test_check_config_stops_on_what_the_job_stops_on(tmp_path, quick_profile_p2,
 
 def test_a_misspelt_megatron_flag_is_one_line_from_rank_0_not_megatrons_usage(tmp_path):
     config = _config(tmp_path)
-    results = _launch(2, lambda rank: ["--paradyse-config", str(config), *SMALL_GPT, "--num-layer", "2"])
+    results = _launch(
+        2, lambda rank: ["--paradyse-config", str(config), *SMALL_GPT, "--num-layer", "2"], tmp_path / "ranks"
+    )
     _assert_every_rank_stops(results, "--num-layer: not a Megatron flag; did you mean --num-layers?")
-    assert not any("usage:" in r["out"] + r["err"] for r in results), [r["err"][-500:] for r in results]
+    assert not any("usage:" in r.out + r.err for r in results.ranks), [r.err[-500:] for r in results.ranks]
 
 
 # -- bad inputs: (config, what the job says) --------------------------------------------------------

@@ -14,9 +14,10 @@ def running(pid: int) -> bool:
     return state != "Z"
 
 
-def marked(variable: str, value: str) -> list[int]:
-    """The running processes whose environment sets ``variable`` to ``value``: a launch's marker, which every
-    process its ranks start inherits, wherever it was reparented to."""
+def marked(variable: str, value: str, held: Path | None = None) -> list[int]:
+    """The running processes whose environment sets ``variable`` to ``value``, or that hold the file ``held``
+    open: a launch's marks, which every process its ranks start inherits (an executed one the environment,
+    a forked one the open file), wherever it was reparented to."""
     entry = f"{variable}={value}".encode()
     found = []
     for proc in Path("/proc").iterdir():
@@ -24,8 +25,16 @@ def marked(variable: str, value: str) -> list[int]:
             continue
         try:
             environment = (proc / "environ").read_bytes().split(b"\0")
+            holds = held is not None and any(_points_to(fd, held) for fd in (proc / "fd").iterdir())
         except (FileNotFoundError, PermissionError, ProcessLookupError):  # gone, or not ours
             continue
-        if entry in environment and running(int(proc.name)):
+        if (entry in environment or holds) and running(int(proc.name)):
             found.append(int(proc.name))
     return found
+
+
+def _points_to(fd: Path, path: Path) -> bool:
+    try:
+        return Path(fd.readlink()) == path
+    except (FileNotFoundError, OSError):  # closed meanwhile
+        return False

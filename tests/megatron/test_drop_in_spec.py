@@ -1,5 +1,5 @@
 """The drop-in layer spec in Megatron's unmodified training loop: ``megatron.training.pretrain`` with the stock
-script's ``forward_step`` and Megatron's own datasets (``tests/stock_pretrain_gpt.py``), ``--spec
+script's ``forward_step`` and Megatron's own datasets (``tests/helpers/scripts/stock_pretrain_gpt.py``), ``--spec
 megatron_paradyse.spec get_paradyse_layer_spec``, no paradyse loop code. Each run's per-iteration losses
 (Megatron's ``lm loss`` log) equal those of Megatron's stock local spec on the same batches within 1e-5.
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers.job_ranks import launch
 from helpers.paths import HELPERS
-from helpers.torchrun import torchrun
 
 SCRIPT = HELPERS / "scripts" / "stock_pretrain_gpt.py"
 GPT = [
@@ -36,10 +36,11 @@ PARADYSE = ["--spec", "megatron_paradyse.spec", "get_paradyse_layer_spec"]
 TOLERANCE = 1e-5
 
 
-def _train(*flags: str, config: Path | None = None) -> tuple[list[float], str]:
-    """(Megatron's lm loss per iteration, stdout) of a 2-rank torchrun of the stock-style script."""
-    result = torchrun(2, str(SCRIPT), *GPT, *flags, env=None if config is None else {"PARADYSE_CONFIG": str(config)})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+def _train(folder: Path, *flags: str, config: Path | None = None) -> tuple[list[float], str]:
+    """(Megatron's lm loss per iteration, stdout) of the stock-style script on 2 ranks."""
+    env = None if config is None else {"PARADYSE_CONFIG": str(config)}
+    result = launch(2, [str(SCRIPT), *GPT, *flags], folder, env=env)
+    assert result.ok, result.output()
     losses = [float(x) for x in re.findall(r"\blm loss: ([-+.\dE]+)", result.stdout)]
     assert len(losses) == 4, result.stdout[-3000:]
     return losses, result.stdout
@@ -50,8 +51,8 @@ def test_the_drop_in_spec_trains_in_megatrons_own_loop_like_the_stock_spec(tmp_p
     runs, inside the forward (the loop leaves the job's random state and losses as the stock run's)."""
     config = tmp_path / "paradyse.yaml"
     config.write_text(yaml.safe_dump({"memory": {"budget_gib": 0.0052}, "data": {"cache_dir": str(tmp_path)}}))
-    stock, _ = _train(*STOCK)
-    paradyse, stdout = _train(*PARADYSE, config=config)
+    stock, _ = _train(tmp_path / "stock", *STOCK)
+    paradyse, stdout = _train(tmp_path / "paradyse", *PARADYSE, config=config)
     assert paradyse == pytest.approx(stock, rel=TOLERANCE)
     assert "paradyse: no cost.profile: calibrating a quick profile for p=2 on the job's ranks" in stdout
     assert len(list(tmp_path.glob("cost-profile-quick-corrected-cpu-p2-float32-model*.json"))) == 1

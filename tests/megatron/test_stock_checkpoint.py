@@ -1,7 +1,7 @@
 """A run of Megatron's own ``pretrain_gpt`` continues under the entry point: ``--load`` of its checkpoint, no
 ``--finetune``.
 
-Megatron's stock script (``tests/stock_pretrain_gpt.py``: its local spec, Megatron's mock dataset) trains
+Megatron's stock script (``helpers/scripts/stock_pretrain_gpt.py``: its local spec, Megatron's mock dataset) trains
 two of three iterations and saves (its default distributed checkpoint); ``python -m
 megatron_paradyse.pretrain_gpt --load`` of that folder runs the third: the iteration count goes on, the
 optimizer state is the saved one (its Adam moments go on from the saved ones), and the data starts from
@@ -12,7 +12,6 @@ cost profile is calibrated once for the whole run (``quick_profile_p2``).
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -24,8 +23,8 @@ from megatron_paradyse.data.corpora import build_code_corpus
 from megatron_paradyse.data.subset import spread_by_length
 from megatron_paradyse.run.log import read_jsonl
 
+from helpers.job_ranks import Job, launch
 from helpers.paths import HELPERS
-from helpers.torchrun import torchrun
 
 STOCK_SCRIPT = HELPERS / "scripts" / "stock_pretrain_gpt.py"
 DOCS = {"num_documents": 6, "min_len": 128, "max_len": 1024}
@@ -50,9 +49,9 @@ STOCK = [
 BETA1, BETA2, WEIGHT_DECAY = 0.9, 0.999, 0.01  # Megatron's Adam defaults
 
 
-def _torchrun(*program: str) -> subprocess.CompletedProcess:
-    result = torchrun(2, *program)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+def _job(folder: Path, *program: str) -> Job:
+    result = launch(2, program, folder)
+    assert result.ok, result.output()
     return result
 
 
@@ -73,11 +72,11 @@ def runs(tmp_path_factory, quick_profile_p2) -> dict:
         )
     )
     stock = folder / "stock-ckpt"
-    _torchrun(str(STOCK_SCRIPT), *SHARED, *STOCK, "--save", str(stock), "--exit-interval", "2")
+    _job(folder / "stock-ranks", str(STOCK_SCRIPT), *SHARED, *STOCK, "--save", str(stock), "--exit-interval", "2")
     assert (stock / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     saved = folder / "ckpt"
-    result = _torchrun(
-        "-m", "megatron_paradyse.pretrain_gpt", "--paradyse-config", str(config), *SHARED,
+    result = _job(
+        folder / "ranks", "-m", "megatron_paradyse.pretrain_gpt", "--paradyse-config", str(config), *SHARED,
         "--load", str(stock), "--save", str(saved),
     )  # fmt: skip
     return {
