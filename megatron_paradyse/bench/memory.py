@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from megatron_paradyse.attention import get_kernel, kernel_names
 from megatron_paradyse.core.layout import SequenceLayout
-from megatron_paradyse.core.memory import PeakMemory
+from megatron_paradyse.core.memory import PeakMemory, freeze_what_lives_now
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.terms import layer_terms
@@ -167,6 +167,7 @@ def measure(rank: int, p: int, cfg: BenchConfig) -> dict[str, int]:
 
 def simulate_rank(rank: int, cfg: BenchConfig) -> dict[str, int]:
     """:func:`measure` for rank ``rank`` of ``cfg.p`` alone, in this process, on a fake process group."""
+    freeze_what_lives_now()  # as a rank of run_on_ranks does: the imports out of each window's collection
     with fake_world(rank, cfg.p):
         return measure(rank, cfg.p, cfg)
 

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_paradyse.core.memory import freeze_what_lives_now
+
 __all__ = ["RankFailure", "run_on_ranks"]
 
 _EXIT_GRACE_S = 10.0
@@ -157,6 +159,7 @@ def _worker(fn, rank, world_size, args, store_path, backend, collective_timeout_
             world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout_s),
         )
+        freeze_what_lives_now()  # the imports: a measured window's collection then scans what fn makes only
         result = fn(rank, world_size, *args)
         buffer = io.BytesIO()
         torch.save(result, buffer)

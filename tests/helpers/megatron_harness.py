@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 
 import torch
 import torch.distributed as dist
@@ -19,6 +18,7 @@ from megatron_paradyse.mcore import compat
 compat.install()
 
 from megatron_paradyse.core.layout import SequenceLayout  # noqa: E402
+from megatron_paradyse.core.memory import freeze_what_lives_now as freeze_what_lives_now  # noqa: E402 - re-exported for the tests
 from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope  # noqa: E402
 from megatron_paradyse.core.plan import Plan  # noqa: E402
 from megatron_paradyse.mcore.chunked_loss import output_processor  # noqa: E402
@@ -33,18 +33,6 @@ from megatron.core.transformer.spec_utils import import_module  # noqa: E402
 from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig  # noqa: E402
 
 from helpers.numerics import rel_err as rel_err  # noqa: E402 - re-exported for the tests
-
-
-def freeze_what_lives_now() -> None:
-    """Moves every object alive now (after the imports: torch's and megatron-core's modules, 430K objects)
-    out of the cycle collector's reach (``gc.freeze``), so that the full collection each measured window
-    starts with (:func:`~megatron_paradyse.core.memory.peak_bytes_of`,
-    :meth:`~megatron_paradyse.mcore.trace.RankTracer.trace`) scans only what was made since: 0.26 s a
-    collection otherwise on the CPU machine, most of a small layer's measurement. An object alive now and
-    dropped later in a reference cycle is never freed: call it before building models."""
-    gc.collect()
-    gc.freeze()
-
 
 VOCAB = 128
 BATCH = 2
