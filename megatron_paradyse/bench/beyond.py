@@ -17,11 +17,12 @@ plan with it, for one sequence of ``--tokens`` tokens: the first planner cannot 
 point would refuse it before any work), the second can. It then runs one training step (forward, loss,
 backward; after a first one, so that nothing created once is counted) of that sequence under the second
 planner's plan and measures every rank's device peak (parameters and gradients, the step's inputs and
-everything the step allocates; host copies apart), beside the prediction, and trains on it a few plain SGD
-steps under the same plan (their losses printed). The time figures only rank the
-plans (published A100 figures; this run is about memory). Last line: the longest sequence each planner
-fits (``unchunked_max_len chunked_max_len``, or ``device_max_len offload_max_len``), ``trained_len
-predicted_peak_mib measured_peak_mib budget_mib`` (and, offloading, ``host_mib``).
+everything the step allocates; host copies apart), beside the prediction, and from its gradients on trains
+on the sequence with a few plain SGD steps under the same plan (the loss printed before and after each).
+The time figures only rank the plans (published A100 figures; this run is about memory). Last line: the
+longest sequence each planner fits (``unchunked_max_len chunked_max_len``, or ``device_max_len
+offload_max_len``), ``trained_len predicted_peak_mib measured_peak_mib budget_mib`` (and, offloading,
+``host_mib``).
 """
 
 from __future__ import annotations
@@ -68,9 +69,10 @@ class _Settings:
 
 HOST_GIB = 1.0
 """Host memory per rank the offloading planner may use (far more than these layers' inputs)."""
-TRAIN_STEPS = 4
+TRAIN_STEPS = 3
 LEARNING_RATE = 0.05
-"""After the measured step: plain SGD steps on the sequence under the plan (its loss printed)."""
+"""Plain SGD steps on the sequence under the plan, the first from the measured step's gradients (the loss
+printed before the first and after each)."""
 TILE_TOKENS = 512
 """Gathered tokens per MLP tile of the tiling planner."""
 LEVERS = {
@@ -137,30 +139,28 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
     budget = (without_least + with_least) / 2
     without, with_lever = planner(False, budget), planner(True, budget)
     plan = with_lever.decide(layout).plan
-    host_peak = []
 
-    def step() -> float:
+    def step(*, backward: bool = True) -> tuple[float, int]:
+        """One step of the plan: its loss, and the host bytes its offloaded layer inputs peaked at."""
         micro_batch = MicroBatch(layout=layout, plan=plan)
         loss = micro_batch_loss(model, batch, micro_batch)
-        loss.backward()
-        host_peak.append(micro_batch.offload.host_peak_bytes)
-        return loss.item()
+        if backward:
+            loss.backward()
+        return loss.item(), micro_batch.offload.host_peak_bytes
 
     step()
     release_step_buffers()  # as the training entry point does before each micro-batch
+    _zero_gradients(model)
     inputs = [batch[k] for k in ("tokens", "labels", "loss_mask", "position_ids")] + list(layout.indices("cpu"))
+    first = []
+    device_peak = peak_bytes_of(lambda: first.append(step()))
+    ((loss, host_measured),) = first
     measured = [None] * p
-    dist.all_gather_object(measured, static + storage_bytes(inputs) + peak_bytes_of(step))
-    losses = []
-    for _ in range(TRAIN_STEPS):  # then it trains: SGD on the sequence, the loss going down
-        for param in model.parameters():
-            param.grad.zero_()
-        losses.append(step())
-        with torch.no_grad():
-            for param in model.parameters():
-                if getattr(param, "sequence_parallel", False):  # replicated over the TP group, as Megatron sums
-                    dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
-                param -= LEARNING_RATE * param.grad
+    dist.all_gather_object(measured, static + storage_bytes(inputs) + device_peak)
+    losses = [loss]
+    for k in range(TRAIN_STEPS):  # then it trains: SGD on the sequence, the loss going down
+        _sgd_step(model)
+        losses.append(step(backward=k < TRAIN_STEPS - 1)[0])  # the last: its loss (its gradients move nothing)
     parallel_state.destroy_model_parallel()
     return {
         "budget": budget,
@@ -173,10 +173,26 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
         "predicted_here": cost.plan_peak_bytes(plan, layout, 1),
         "measured": measured,
         "host_predicted": sum(cost.layer_cost(option, layout, 1).host_bytes for option in plan),
-        "host_measured": host_peak[-1],
+        "host_measured": host_measured,
         "padded": layout.padded_len,
         "losses": losses,
     }
+
+
+def _zero_gradients(model: torch.nn.Module) -> None:
+    for param in model.parameters():
+        param.grad.zero_()
+
+
+def _sgd_step(model: torch.nn.Module) -> None:
+    """The weights moved against their gradients (summed over the TP group where every rank holds the
+    parameter whole, as Megatron sums them), the gradients zeroed."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if getattr(param, "sequence_parallel", False):
+                dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
+            param -= LEARNING_RATE * param.grad
+    _zero_gradients(model)
 
 
 def main(argv: list[str] | None = None) -> int:
