@@ -8,6 +8,7 @@ without a GPU).
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -25,6 +26,19 @@ from helpers.paths import ROOT
 SMALL = ["--p", "2", "--lengths", "256,1024", "--layers", "4"]
 
 
+def _bench(*argv: str) -> subprocess.CompletedProcess:
+    """``python -m megatron_paradyse.bench ARGV`` in a fresh process, on one thread as a rank of ``run_on_ranks``
+    runs (on the 2-core machine, under load, a second thread tripled a simulated rank's CPU time)."""
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_paradyse.bench", *argv],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
 def _figures(stdout: str) -> dict[str, str]:
     return dict(pair.split("=") for pair in stdout.strip().splitlines()[-1].split())
 
@@ -39,13 +53,7 @@ def test_lean_is_lowest_and_recompute_lowers_every_strategy(tmp_path, capsys):
 
     # One rank's share on a fake process group, in a fresh process (it owns the default group).
     sim_json = tmp_path / "sim.json"
-    subprocess.run(
-        [sys.executable, "-m", "megatron_paradyse.bench", "memory", *SMALL, "--simulate", "--rank", "1"]
-        + ["--json", str(sim_json)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
+    _bench("memory", *SMALL, "--simulate", "--rank", "1", "--json", str(sim_json))
     real = [row["peak_bytes"]["1"] for row in json.loads(gloo_json.read_text())["rows"]]
     simulated = [row["peak_bytes"]["1"] for row in json.loads(sim_json.read_text())["rows"]]
     # Equal up to timing: gloo's worker threads may drop a sent buffer a moment after wait() returns,
@@ -69,14 +77,8 @@ def test_lengths_must_be_positive_integers(capsys):
 def test_bench_memory_trace_prints_its_table_and_last_line(tmp_path):
     out = tmp_path / "trace.json"
     options = "tp_sp/tp_sp,ring/zero3+rc"
-    run = subprocess.run(
-        [sys.executable, "-m", "megatron_paradyse.bench", "memory", "--trace", "--models", "llama3-8b"]
-        + ["--lengths", "4096", "--options", options, "--events", "--json", str(out)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    traced = ["--lengths", "4096", "--options", options, "--events", "--json", str(out)]
+    run = _bench("memory", "--trace", "--models", "llama3-8b", *traced)
     lines = run.stdout.strip().splitlines()
     assert re.fullmatch(r"traced_mem_err_max=\d+\.\d\d traced_cases=2", lines[-1]), lines[-1]
     table = [line for line in lines if line.startswith("llama3-8b ")]
@@ -103,14 +105,8 @@ def test_bench_memory_trace_prints_its_table_and_last_line(tmp_path):
 def test_bench_allocator_runs_each_allocator_setting_in_a_child(tmp_path):
     """On CPU the command runs its children and its tables with the tracker's figures only."""
     out = tmp_path / "allocator.json"
-    run = subprocess.run(
-        [sys.executable, "-m", "megatron_paradyse.bench", "allocator", "--device", "cpu", "--model", "tiny"]
-        + ["--lengths", "64", "--options", "tp_sp/tp_sp,ulysses/lean+rc", "--sequence", "64,32", "--json", str(out)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    options = ["--options", "tp_sp/tp_sp,ulysses/lean+rc", "--sequence", "64,32", "--json", str(out)]
+    run = _bench("allocator", "--device", "cpu", "--model", "tiny", "--lengths", "64", *options)
     figures = _figures(run.stdout)
     assert figures["cases"] == "2" and figures["oom"] == "0" and figures["longest"] == "64"
     assert figures["alloc_err_max"] == figures["slack"] == "nan"  # no CUDA allocator on CPU
@@ -126,14 +122,8 @@ def test_bench_allocator_runs_each_allocator_setting_in_a_child(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA allocator needs a CUDA device")
 def test_bench_allocator_on_a_gpu(tmp_path):
     out = tmp_path / "allocator.json"
-    run = subprocess.run(
-        [sys.executable, "-m", "megatron_paradyse.bench", "allocator", "--lengths", "4096,8192"]
-        + ["--options", "tp_sp/tp_sp,lean/lean+rc", "--sequence", "8192,4096", "--json", str(out)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    options = ["--options", "tp_sp/tp_sp,lean/lean+rc", "--sequence", "8192,4096", "--json", str(out)]
+    run = _bench("allocator", "--lengths", "4096,8192", *options)
     figures = _figures(run.stdout)
     assert figures["cases"] == "4" and figures["longest"] == "8192"
     assert float(figures["slack"]) >= 1.0 and float(figures["expandable_slack"]) >= 1.0
