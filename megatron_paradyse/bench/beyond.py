@@ -83,7 +83,7 @@ LEVERS = {
 """Each lever's keys and labels for the planners without and with it."""
 
 
-def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
+def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict | None:
     p = settings.tp
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=p)
     model_parallel_cuda_manual_seed(SEED)
@@ -162,6 +162,8 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict:
         _sgd_step(model)
         losses.append(step(backward=k < TRAIN_STEPS - 1)[0])  # the last: its loss (its gradients move nothing)
     parallel_state.destroy_model_parallel()
+    if rank != 0:  # rank 0 reports; the planners' figures below are every rank's alike (a few seconds each)
+        return None
     return {
         "budget": budget,
         "without_least": without_least,
