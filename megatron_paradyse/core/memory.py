@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import gc
 import sys
 import time
@@ -81,15 +82,22 @@ class _StorageTracker(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.events: list[MemoryEvent] | None = [] if record else None
-        self._known: set[int] = set()
+        self._known: dict[int, weakref.ref] = {}  # storages counted, by id, until freed
         self._ops = 0
         self._created = 0
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """Nothing is compiled under the tracker: torch's wrapper that keeps Dynamo out of
+        ``__torch_dispatch__`` would only cost each operator a few microseconds."""
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func.namespace == "c10d" and func._opname not in _POINT_TO_POINT:
-            out = _collective_let_go_of(func, args, kwargs or {})
+            out = _collective_let_go_of(func, args, kwargs)
         else:
-            out = func(*args, **(kwargs or {}))
+            out = func(*args, **kwargs)
         self._ops += 1
         if _ON_HOST.get():
             return out
@@ -103,18 +111,17 @@ class _StorageTracker(TorchDispatchMode):
                 inputs = {id(a.untyped_storage()) for a in _tensors((args, kwargs))}
             if key in inputs:
                 continue  # an in-place result on a storage made before the window
-            self._known.add(key)
             nbytes = storage.nbytes()
             self.live += nbytes
             self.peak = max(self.peak, self.live)
             self._created += 1
             if self.events is not None:
                 self.events.append(MemoryEvent(str(func), nbytes, self.live, self._ops - 1, self._created))
-            weakref.finalize(storage, self._freed, key, nbytes, func, self._created)
+            self._known[key] = weakref.ref(storage, functools.partial(self._freed, key, nbytes, func, self._created))
         return out
 
-    def _freed(self, key: int, nbytes: int, func, storage: int) -> None:
-        self._known.discard(key)
+    def _freed(self, key: int, nbytes: int, func, storage: int, _: weakref.ref) -> None:
+        del self._known[key]
         self.live -= nbytes
         if self.events is not None:
             self.events.append(MemoryEvent(str(func), -nbytes, self.live, self._ops, storage))
@@ -141,7 +148,7 @@ def _collective_let_go_of(func, args, kwargs):
     cannot deadlock; an asynchronous collective becomes a synchronous one, which changes no tensor's
     lifetime. A collective on device tensors is left as it is: there the allocator's own count is what
     the run holds."""
-    held = list(_tensors((args, kwargs)))
+    held = _tensors((args, kwargs))
     if not held or any(t.device.type != "cpu" for t in held):
         return func(*args, **kwargs)
     counts = [t._use_count() for t in held]
@@ -149,7 +156,7 @@ def _collective_let_go_of(func, args, kwargs):
     work = out[-1] if isinstance(out, tuple) else out
     work.wait()
     done = torch.futures.Future()
-    done.set_result(list(_tensors(out[:-1])) if isinstance(out, tuple) else None)
+    done.set_result(_tensors(out[:-1]) if isinstance(out, tuple) else None)
     completed = torch._C._distributed_c10d._create_work_from_future(done).boxed()
     out = (*out[:-1], completed) if isinstance(out, tuple) else completed
     del work
@@ -159,18 +166,21 @@ def _collective_let_go_of(func, args, kwargs):
     return out
 
 
-def _tensors(value) -> Iterator[torch.Tensor]:
-    """The tensors with storage in an operator's arguments or results (nested lists, tuples and dicts):
-    a walk of the few containers ATen uses, far cheaper per operator than a general pytree flatten."""
+def _tensors(value, found: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The tensors with storage in an operator's arguments or results (nested lists, tuples and dicts),
+    added to ``found``: a walk of the few containers ATen uses, far cheaper per operator than a general
+    pytree flatten."""
+    found = [] if found is None else found
     if isinstance(value, torch.Tensor):
-        if value.device.type != "meta":
-            yield value
+        if not value.is_meta:
+            found.append(value)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _tensors(item)
+            _tensors(item, found)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors(item)
+            _tensors(item, found)
+    return found
 
 
 class PeakMemory:
