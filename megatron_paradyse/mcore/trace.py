@@ -55,6 +55,7 @@ from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
 from megatron_paradyse.core.plan import LayerOption, Plan
 from megatron_paradyse.mcore.bare_layer import make_layer_params, run_layer
 from megatron_paradyse.mcore.linears import gather_buffer_scope, reserve_gather_buffer
+from megatron_paradyse.mcore.model_parallel import model_parallel_state
 from megatron_paradyse.mcore.spec import paradyse_layer_spec
 from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShape
 from megatron_paradyse.strategies.dims import Dims
@@ -232,8 +233,8 @@ class RankTracer:
     ``with RankTracer(model, layer="megatron") as tracer: tracer.trace(option, layout)``. On a fake
     group (:func:`fake_world`) with ``fake=True`` nothing real is allocated; with ``fake=False`` the
     layer runs real tensors on ``device``. For ``"megatron"``, Megatron's parallel state is set up over
-    the default group (tensor parallel across all of it) for the tracer's life; the process must not
-    have one already.
+    the default group (tensor parallel across all of it) for the tracer's life, its process groups
+    destroyed with it; the process must not have one already.
     """
 
     def __init__(
@@ -365,8 +366,9 @@ class RankTracer:
     def _build_megatron(self) -> Callable:
         if parallel_state.model_parallel_is_initialized():
             raise RuntimeError("RankTracer: Megatron's parallel state is already initialised in this process")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.p, create_gloo_process_groups=False)
-        self._held.callback(parallel_state.destroy_model_parallel)  # its gather buffer with it
+        self._held.enter_context(  # its gather buffer and process groups gone with it
+            model_parallel_state(tensor_model_parallel_size=self.p, create_gloo_process_groups=False)
+        )
         config = self.model.transformer_config(self.p, self.dtype)
         layer = build_module(paradyse_layer_spec, config=config, layer_number=1)
         if self._mode is None:

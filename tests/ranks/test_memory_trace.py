@@ -62,6 +62,7 @@ def _real_then_fake(rank: int, p: int) -> dict:
     H.freeze_what_lives_now()
     layout = SequenceLayout.build(LENGTH, p, causal=True)
     real, fake = {}, {}
+    groups = [_process_groups()]
     for model, dtype, options in CELLS:
         m, dt = MODELS[model], DTYPES[dtype]
         for text in options:
@@ -78,6 +79,7 @@ def _real_then_fake(rank: int, p: int) -> dict:
                     return trace.saved_bytes, trace.peak_bytes
 
                 real["megatron", model, dtype, text] = recurring_least(run, most_runs=MEMORY_RUNS)
+        groups.append(_process_groups())
     dist.destroy_process_group()  # the same rank again, alone, on a fake group
     with fake_world(rank, p):
         for model, dtype, options in CELLS:
@@ -86,7 +88,12 @@ def _real_then_fake(rank: int, p: int) -> dict:
                     for text in options:
                         trace = tracer.trace(LayerOption.parse(text), layout)
                         fake[layer, model, dtype, text] = (trace.saved_bytes, trace.peak_bytes)
-    return {"real": real, "fake": fake}
+    return {"real": real, "fake": fake, "process groups": groups}
+
+
+def _process_groups() -> int:
+    """The process groups c10d holds in this process (each gloo one with a TCP loop and two worker threads)."""
+    return len(dist.distributed_c10d._world.pg_map)
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +107,13 @@ def test_fake_trace_allocates_what_the_real_ranks_allocate(per_rank, layer, key)
     for rank, results in enumerate(per_rank):
         real, fake = results["real"][(layer, *key)], results["fake"][(layer, *key)]
         assert fake == real, f"rank {rank}: fake (saved, peak) {fake} != real {real}"
+
+
+def test_a_megatron_tracer_leaves_no_process_group_behind(per_rank):
+    """Each real tracer of Megatron's layer sets up Megatron's parallel state (20 process groups): once it
+    is closed, the process holds the groups it held before it."""
+    for rank, results in enumerate(per_rank):
+        assert results["process groups"] == [1] * (len(CELLS) + 1), f"rank {rank}"
 
 
 def test_traced_rank_is_the_one_the_model_predicts_the_largest_peak_for(monkeypatch):
