@@ -36,6 +36,7 @@ __all__ = [
     "freeze_what_lives_now",
     "host_memory",
     "peak_bytes_of",
+    "peak_memory_window",
     "recurring_least",
     "recurring_peak_bytes",
     "storage_bytes",
@@ -275,17 +276,24 @@ def freeze_what_lives_now() -> None:
     gc.freeze()
 
 
-def peak_bytes_of(work: Callable[[], object], device: torch.device | str = "cpu") -> int:
-    """High-water mark of ``work()`` above what was allocated when it started, with Python's cycle
-    collector held off (a tensor freed only with a reference cycle stays counted until the end, as it
-    stays allocated until a collection runs) and gloo's buffers freed promptly."""
+@contextlib.contextmanager
+def peak_memory_window(device: torch.device | str = "cpu") -> Iterator[PeakMemory]:
+    """A :class:`PeakMemory` window with Python's cycle collector held off (a tensor freed only with a
+    reference cycle stays counted until the end, as it stays allocated until a collection runs) and
+    gloo's buffers freed promptly."""
     gc.collect()
     gc.disable()
     try:
         with collective_buffers_freed_promptly(), PeakMemory(device) as window:
-            work()
+            yield window
     finally:
         gc.enable()
+
+
+def peak_bytes_of(work: Callable[[], object], device: torch.device | str = "cpu") -> int:
+    """High-water mark of ``work()`` above what was allocated when it started (:func:`peak_memory_window`)."""
+    with peak_memory_window(device) as window:
+        work()
     return window.peak_bytes
 
 

@@ -1,27 +1,27 @@
 """The whole step's memory against the cost model, measured on gloo ranks in fp32, bf16 and fp16.
 
 One micro-batch of a Megatron GPTModel built with the Paradyse layer spec (RoPE; GPT-style LayerNorm
-with biases, or LLaMA-style RMSNorm, GQA and SwiGLU without, with q/k norms as Qwen3 has them; each
-tied to its embedding at one TP size and untied at the other) runs forward, Megatron's vocab-parallel
-loss and backward under :class:`PeakMemory`, after a first step (so nothing lazily created is counted) and after
-:func:`release_step_buffers` (Megatron's all-gather buffer and rotary tables are the step's own, as in
-the training entry point), until the smallest peak recurs (:func:`recurring_peak_bytes`: gloo's worker
-thread may free a buffer late). The step's inputs and the layout's index tensors exist before the
-window and are added to what it measures. The largest rank's measured peak must be the cost model's
-``peak_bytes`` for the plan (static bytes 0: the gradients exist before, as Megatron's buffer) within
-:data:`TOLERANCE`: embedding, every layer, the final norm, the output layer, the cross-entropy and the
-backward's weight gradients included (host copies of offloaded layers' inputs are not device memory:
-left out; where every layer is offloaded the model may count one activation more, the stage's input,
-which it keeps beside the loss but the loss's backward no longer has). Plans: every strategy family
-with and without recompute at TP=2, and the recompute choices TP=1 plans from; every layer offloaded,
-and one offloaded after one recomputed; MLPs in tiles (uneven: 256 gathered tokens of 500 and 1000 rows);
-the output layer and loss in chunks
-(:mod:`megatron_paradyse.mcore.chunked_loss`) beside Megatron's whole-sequence buffer (``tp_sp``) and
-without it; one document and three packed; each plan in every dtype, the variants and documents
-covering every pair of factors (:func:`_runs`). At TP=1 the two ranks are data-parallel replicas, and the
-plans run again under Megatron's DDP (the distributed optimizer's gradient buffer in fp32, reduce-scatters
-of several buckets overlapped with backward, finished inside the window): the gradients then go to DDP's
-buffer, and the peak must still be the model's.
+with biases, or LLaMA-style RMSNorm, GQA and SwiGLU without, with q/k norms as Qwen3 has them; each tied
+to its embedding at one TP size and untied at the other) runs forward, Megatron's vocab-parallel loss
+and backward under :class:`PeakMemory`, after :func:`release_step_buffers` (Megatron's all-gather buffer
+and rotary tables are the step's own, as in the training entry point), until the smallest peak recurs
+(:func:`recurring_peak_bytes`: gloo's worker thread may free a buffer late, and anything a first step
+made lazily would put its peak above the next ones'). The step's inputs and the layout's index tensors
+exist before the window and are added to what it measures. The largest rank's measured peak must be the
+cost model's ``peak_bytes`` for the plan (static bytes 0: the gradients exist before, as Megatron's
+buffer) within :data:`TOLERANCE`: embedding, every layer, the final norm, the output layer, the
+cross-entropy and the backward's weight gradients included (host copies of offloaded layers' inputs are
+not device memory: left out; where every layer is offloaded the model may count one activation more, the
+stage's input, which it keeps beside the loss but the loss's backward no longer has). Plans: every
+strategy family with and without recompute at TP=2, and the recompute choices TP=1 plans from; every
+layer offloaded, and one offloaded after one recomputed; MLPs in tiles (uneven: 256 gathered tokens of
+500 and 1000 rows); the output layer and loss in chunks (:mod:`megatron_paradyse.mcore.chunked_loss`)
+beside Megatron's whole-sequence buffer (``tp_sp``) and without it; one document and three packed; each
+plan in every dtype, the variants and documents covering every pair of factors (:func:`_runs`). At TP=1
+the two ranks are data-parallel replicas, and the plans run again under Megatron's DDP (the distributed
+optimizer's gradient buffer in fp32, reduce-scatters of several buckets overlapped with backward,
+finished inside the window): the gradients then go to DDP's buffer, and the peak must still be the
+model's.
 
 Pipeline stages: at PP=2 (TP=1) one micro-batch of the harness's GPT- and LLaMA-style models (the latter
 with q/k norms) runs through Megatron's 1F1B schedule, outputs deallocated once sent as Megatron's
@@ -218,12 +218,11 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
                         release_step_buffers()  # the step's own, made inside the window
                         step()
 
-                    step()
-                    if data_parallel:  # the gradients went to DDP's buffer, not to the parameters
-                        assert all(p.grad is None and p.main_grad.count_nonzero() for p in model.parameters())
                     inputs = [batch[k] for k in ("tokens", "labels", "loss_mask", "position_ids")]
                     inputs += list(layout.indices("cpu"))
                     measured = storage_bytes(inputs) + recurring_peak_bytes(measured_step)
+                    if data_parallel:  # the gradients went to DDP's buffer, not to the parameters
+                        assert all(p.grad is None and p.main_grad.count_nonzero() for p in model.parameters())
                     predicted = cost_model.plan_peak_bytes(plan, layout, 1)
                     case = f"p={tp} {dtype_name} {variant} {'tied' if tied else 'untied'} {documents} {plan_name}"
                     case += " DDP" if data_parallel else ""
@@ -357,7 +356,6 @@ def _pipeline_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
                 return out, lambda out: ((out * loss_mask).sum(), {})
 
             step = schedule(model, forward_step, (batch.layout.padded_len,))
-            step()
             measured = inputs + recurring_peak_bytes(step)
             predicted = cost_model.plan_peak_bytes(plan, batch.layout, H.BATCH)
             results.append((f"stage {int(last)} {dtype_name} {variant} {option}", measured, predicted, 0.0, None))
@@ -374,13 +372,10 @@ def _pipeline_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
                 out = model(tokens, positions, None, labels=labels, output_processor=output_processor(plan))
             return out, lambda out: ((out * loss_mask).sum(), {})
 
-        steps = schedule(model, forward_step_of, IN_FLIGHT)
-        steps()
-        measured = recurring_peak_bytes(steps)
+        measured, left = _peak_and_left_for_the_next_step(schedule(model, forward_step_of, IN_FLIGHT))
         held = forwards_in_flight(2, len(IN_FLIGHT))[int(last)]
         planned = _smallest_planner_budget(cost_model, plan, IN_FLIGHT, held)
         kept = kept_between_micro_batches_bytes(config, max(IN_FLIGHT), H.BATCH)  # a stage input, its gradient
-        left = _left_for_the_next_step(steps)
         results.append((f"stage {int(last)} {dtype_name} {variant} in flight", measured, planned, kept, left))
     parallel_state.destroy_model_parallel()
     return results
@@ -439,24 +434,25 @@ def test_a_pipeline_step_leaves_nothing_of_its_micro_batches_to_the_next(pipelin
     assert not {case: bytes_left for case, bytes_left in left.items() if bytes_left}
 
 
-def _left_for_the_next_step(step) -> int:
-    """Bytes allocated after ``step()`` (a schedule run as the entry point runs it: :func:`leaving_nothing`) above
-    before it, once Megatron's step buffers are released (as the next step's first forward does), at the least
-    it takes once it recurs on both ranks."""
+def _peak_and_left_for_the_next_step(step) -> tuple[int, int]:
+    """The peak of ``step()`` (a schedule run as the entry point runs it: :func:`leaving_nothing`), and
+    the bytes allocated after it above before it once Megatron's step buffers are released (as the next
+    step's first forward does), from the same runs, each at the least it takes once it recurs on both
+    ranks."""
     import gc
 
-    from megatron_paradyse.core.memory import PeakMemory, collective_buffers_freed_promptly, recurring_least
+    from megatron_paradyse.core.memory import peak_memory_window, recurring_least
     from megatron_paradyse.mcore.step_buffers import release_step_buffers
 
-    def measure() -> tuple[int]:
-        with collective_buffers_freed_promptly(), PeakMemory("cpu") as window:
+    def measure() -> tuple[int, int]:
+        with peak_memory_window("cpu") as window:
             step()
+            peak = window.peak_until_now()
             release_step_buffers()
             gc.collect()
-            return (window.current_bytes(),)
+            return peak, window.current_bytes()
 
-    (left,) = recurring_least(measure)
-    return left
+    return recurring_least(measure)
 
 
 def _smallest_planner_budget(cost_model, plan, lengths, forwards_in_flight: int, chunk_layers=()) -> float:
@@ -503,7 +499,6 @@ def _interleaved_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
     whole micro-batch, and what a stage keeps of the previous micro-batch."""
     import torch
 
-    from megatron_paradyse.core.memory import recurring_peak_bytes
     from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
     from megatron_paradyse.core.plan import LayerOption, Plan
     from megatron_paradyse.mcore.chunked_loss import output_processor
@@ -549,15 +544,13 @@ def _interleaved_stages_on_rank(rank: int, world_size: int) -> list[tuple]:
                     micro_batch_size=H.BATCH,
                 )
 
-        step()
-        measured = recurring_peak_bytes(step)
+        measured, left = _peak_and_left_for_the_next_step(step)
         cost_model = _cost_model(config, H.VOCAB if last else 0)
         longest = H.Batch.make((max(INTERLEAVED),), 1, 0).layout
         whole = cost_model.plan_peak_bytes(plan, longest, H.BATCH)
         held = forwards_in_flight(2, len(INTERLEAVED), virtual_stages=2, group_size=2)[int(last)]
         by_chunk = _smallest_planner_budget(cost_model, plan, INTERLEAVED, held, chunk_layers=(1, 1))
         kept = kept_between_micro_batches_bytes(config, max(INTERLEAVED), H.BATCH)
-        left = _left_for_the_next_step(step)
         results.append((f"stage {int(last)} {dtype_name} {variant} interleaved", measured, by_chunk, whole, kept, left))
     parallel_state.destroy_model_parallel()
     return results
