@@ -473,11 +473,11 @@ def _smallest_planner_budget(cost_model, plan, lengths, forwards_in_flight: int,
             forwards_in_flight=forwards_in_flight,
             longest_tokens=max(lengths),
         )
-        try:
-            decisions = [planner.decide(H.Batch.make((n,), 1, 0).layout, H.BATCH) for n in lengths]
+        decisions = (planner.decide(H.Batch.make((n,), 1, 0).layout, H.BATCH) for n in lengths)
+        try:  # in order (the planner keeps what it decided), up to the first that is not plan's
+            return all(decision.plan.layers == plan.layers for decision in decisions)
         except InfeasibleSequenceError:
             return False
-        return all(decision.plan.layers == plan.layers for decision in decisions)
 
     lo, hi = 0.0, 2.0**40
     assert plans_all(hi)
