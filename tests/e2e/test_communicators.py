@@ -4,7 +4,7 @@ On CUDA, NCCL takes device memory outside PyTorch's caching allocator for each g
 first collective, and for each algorithm's and each peer's buffers at their first use. The budget is what
 the allocator can hold, measured at start-up; whatever a step first uses after that measurement comes out
 of the margin, in the middle of a step. Each rank here records every ``torch.distributed`` call it makes
-(``tests/record_collectives.py``): every group of two or more ranks, and every peer, that training,
+(``helpers/scripts/record_collectives.py``): every group of two or more ranks, and every peer, that training,
 validation and a checkpoint communicate with must have been warmed before the measurement, and every group
 warmed must be used (a communicator made for nothing holds its buffers for nothing). The groups are
 gloo's here; which groups a Megatron step uses does not depend on the backend.
