@@ -301,7 +301,7 @@ def test_demo_default_config_is_the_repositorys():
 def test_demo_trains_switches_plans_and_skips_what_no_plan_fits(tmp_path, cache, capsys):
     """The demo's config on fewer, longer files: 8 iterations over 256 to 8192 tokens. On a synthetic CPU
     profile (plausible rates; what is checked is the run, not the rates): the quick profile the demo would
-    calibrate at start-up (the first training test above checks that step) takes 4 ranks 4 minutes of CPU."""
+    calibrate at start-up (the first training test above checks that step) takes 4 ranks about 3 minutes of CPU."""
     data = yaml.safe_load((ROOT / "configs" / "tiny-cpu.yaml").read_text())
     data["data"].update(num_documents=16, max_len=8192)
     save_profile(synthetic_profile(p_values=(demo.RANKS,)), tmp_path / "profile.json")
