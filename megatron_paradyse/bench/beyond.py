@@ -15,14 +15,14 @@ tile`` likewise, against plans also free to run MLPs over tiles of :data:`TILE_T
 per rank is set midway between the least predicted peak of any plan without the lever and that of any
 plan with it, for one sequence of ``--tokens`` tokens: the first planner cannot run it (the training entry
 point would refuse it before any work), the second can. It then runs one training step (forward, loss,
-backward; after a first one, so that nothing created once is counted) of that sequence under the second
-planner's plan and measures every rank's device peak (parameters and gradients, the step's inputs and
-everything the step allocates; host copies apart), beside the prediction, and from its gradients on trains
-on the sequence with a few plain SGD steps under the same plan (the loss printed before and after each).
-The time figures only rank the plans (published A100 figures; this run is about memory). Last line: the
-longest sequence each planner fits (``unchunked_max_len chunked_max_len``, or ``device_max_len
-offload_max_len``), ``trained_len predicted_peak_mib measured_peak_mib budget_mib`` (and, offloading,
-``host_mib``).
+backward; Megatron's step buffers released before it, as the training entry point does) of that sequence
+under the second planner's plan and measures every rank's device peak (parameters and gradients, the
+step's inputs and everything the step allocates; host copies apart), beside the prediction, and from its
+gradients on trains on the sequence with a few plain SGD steps under the same plan (the loss printed before
+and after each). The time figures only rank the plans (published A100 figures; this run is about memory).
+Last line: the longest sequence each planner fits (``unchunked_max_len chunked_max_len``, or
+``device_max_len offload_max_len``), ``trained_len predicted_peak_mib measured_peak_mib budget_mib`` (and,
+offloading, ``host_mib``).
 """
 
 from __future__ import annotations
@@ -148,9 +148,7 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict | None:
             loss.backward()
         return loss.item(), micro_batch.offload.host_peak_bytes
 
-    step()
     release_step_buffers()  # as the training entry point does before each micro-batch
-    _zero_gradients(model)
     inputs = [batch[k] for k in ("tokens", "labels", "loss_mask", "position_ids")] + list(layout.indices("cpu"))
     first = []
     device_peak = peak_bytes_of(lambda: first.append(step()))
@@ -181,11 +179,6 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict | None:
     }
 
 
-def _zero_gradients(model: torch.nn.Module) -> None:
-    for param in model.parameters():
-        param.grad.zero_()
-
-
 def _sgd_step(model: torch.nn.Module) -> None:
     """The weights moved against their gradients (summed over the TP group where every rank holds the
     parameter whole, as Megatron sums them), the gradients zeroed."""
@@ -194,7 +187,7 @@ def _sgd_step(model: torch.nn.Module) -> None:
             if getattr(param, "sequence_parallel", False):
                 dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
             param -= LEARNING_RATE * param.grad
-    _zero_gradients(model)
+            param.grad.zero_()
 
 
 def main(argv: list[str] | None = None) -> int:
