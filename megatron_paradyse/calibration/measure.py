@@ -108,6 +108,7 @@ def measure_layer(
     size = (layout.local_len, micro_batch_size, shape.hidden_size)
     x_local = torch.randn(size, generator=gen).to(device, dtype).requires_grad_()
     dy_local = torch.randn(size, generator=gen).to(device, dtype)
+    layout.indices(device)  # on the device before the layer runs, as the entry point does
 
     def step() -> None:
         run_layer(x_local, params, option, actx, mctx).backward(dy_local)
