@@ -4,8 +4,9 @@ storage an operator creates, until it is freed) and compared with the scripts of
 :mod:`megatron_paradyse.cost.layer_memory` for that rank, to the byte.
 
 A finished collective's buffers are released by gloo's worker thread, which needs the GIL: the
-measurements switch threads every microsecond and keep the smallest of a few runs (as
-:func:`~megatron_paradyse.calibration.measure.measure_layer` does).
+measurements switch threads every microsecond and keep the smallest of a few runs once it recurs (as
+:func:`~megatron_paradyse.calibration.measure.measure_layer` does). No run warms a cell up first: what a
+first run made lazily would put it above the next ones, whose least is the cell's.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.layer_memory import sublayer_memory
 from megatron_paradyse.cost.terms import layer_terms
 from megatron_paradyse.mcore.bare_layer import make_layer_params
-from megatron_paradyse.mcore.linears import gather_buffer_scope
+from megatron_paradyse.mcore.linears import gather_buffer_scope, reserve_gather_buffer
 from megatron_paradyse.strategies import (
     AttentionContext,
     MLPContext,
@@ -190,8 +191,9 @@ def _measure_sublayer(cell: Cell, rank: int, p: int) -> tuple[int, int, int, int
         return mlp_gathers
 
     x0 = torch.randn(layout.local_len, cell.batch, shape.hidden_size).to(dtype).requires_grad_()
-    run(x0, started(gathers())).sum().backward()  # warm: the layout's index tensors, kernels' first calls
-    x0.grad = None
+    layout.indices("cpu")  # before the layers run, as the entry point makes them
+    if p > 1:  # Megatron's gather buffer, held outside the layer as a step's other layers leave it
+        reserve_gather_buffer(layout.padded_len * cell.batch, shape.hidden_size, dtype, "cpu")
 
     def measure() -> tuple[int, int, int, int]:
         with _StorageTracker() as tracker:
@@ -240,7 +242,6 @@ def _measure_megatron(cell: Cell, rank: int, p: int) -> tuple[int, int]:
     layout = layout_of(cell.docs, p, cell.causal)
     option = LayerOption.parse(cell.name)
     with RankTracer(model, layer="megatron", dtype=DTYPES[cell.dtype], fake=False, kernel="torch") as tracer:
-        tracer.trace(option, layout)  # warm
 
         def measure() -> tuple[int, int]:
             trace = tracer.trace(option, layout)
@@ -262,6 +263,7 @@ def _measure_cell(cell: Cell, rank: int, p: int) -> tuple[int, ...]:
         dtype=DTYPES[cell.dtype],
         kernel="torch",
         bias=cell.bias,
+        warmup=0,
         repeats=0,
         memory_runs=RUNS,
     )
