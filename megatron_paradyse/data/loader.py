@@ -249,6 +249,14 @@ class DynamicSequenceLoader:
     def __next__(self) -> dict:
         return self.micro_batch(next(self.sampler))
 
+    def length_range(self) -> tuple[int, int]:
+        """(fewest, most) real tokens a micro-batch of this loader can hold: its shortest and longest sample;
+        packed, up to the token budget (or every sample together, where that is less)."""
+        lengths = self.sampler.lengths
+        if self.config.token_budget is None:
+            return int(lengths.min()), int(lengths.max())
+        return int(lengths.min()), int(min(self.config.token_budget, lengths.sum()))
+
     def state_dict(self) -> dict:
         return self.sampler.state_dict()
 

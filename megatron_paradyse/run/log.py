@@ -139,6 +139,7 @@ class MicroBatchMeter:
         self._open: _Window | None = None
         self._done: list[_Window] = []
         self._hooked: set[int] = set()
+        self._hooks: list = []
 
     def attach(self, model: torch.nn.Module) -> None:
         """Mark the forward's end and the backward's start at ``model``'s output (a Megatron ``GPTModel``,
@@ -163,8 +164,16 @@ class MicroBatchMeter:
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(window.gradient_arrived)
 
-        model.decoder.register_forward_pre_hook(mark_block_input, with_kwargs=True)
-        model.register_forward_hook(mark_output)
+        self._hooks += [
+            model.decoder.register_forward_pre_hook(mark_block_input, with_kwargs=True),
+            model.register_forward_hook(mark_output),
+        ]
+
+    def detach(self) -> None:
+        """Remove the hooks :meth:`attach` installed: a meter made for a while leaves the model as it was."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._hooked = [], set()
 
     def begin(self, *, forward_only: bool = False, chunk: int = 0) -> None:
         """A micro-batch's forward starts on model chunk ``chunk`` (Megatron's interleaved schedule runs

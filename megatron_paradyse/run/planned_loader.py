@@ -183,6 +183,14 @@ class PlannedMicroBatches:
         staged.args = (f"pipeline stage {stage}: {error}",)
         return staged
 
+    def set_budget(self, budget_bytes: float) -> None:
+        """Plan every stage under ``budget_bytes`` from the next micro-batch on (the pre-flight shrank it); under
+        ``skip``, where no plan fits even the data's shortest sample any more, raise as at the start."""
+        for planner in (*self.planners, *self._checkers):
+            planner.set_budget(budget_bytes)
+        if self.policy == "skip":
+            self._check_the_shortest_fits()
+
     def restart(self) -> None:
         """Back to the first micro-batch, with no previous plan: each evaluation then runs the same
         micro-batches under the same plans, and its losses compare from one evaluation to the next."""
