@@ -65,6 +65,11 @@ class MemorySection:
     oom_retries: int = 3
     """How many times one iteration may run out of memory and be re-run under a smaller budget; one more
     failure stops the run with a message."""
+    preflight: bool | Literal["auto"] = "auto"
+    """Before the first optimizer step, run forward and backward of the micro-batches the data will put at
+    the highest predicted peak, measure their peaks and shrink the budget by what they exceed their
+    predictions by (:mod:`~megatron_paradyse.run.preflight`). ``auto``: on a GPU, not on the CPU (where the
+    memory tracker measures it, slowly)."""
 
     def __post_init__(self) -> None:
         if self.budget_gib is not None and not 0 < self.budget_gib < math.inf:
@@ -75,6 +80,8 @@ class MemorySection:
             raise ValueError(f"memory.oom_shrink must be in (0, 1), got {self.oom_shrink}")
         if self.oom_retries < 0:
             raise ValueError(f"memory.oom_retries must be >= 0, got {self.oom_retries}")
+        if self.preflight != "auto" and not isinstance(self.preflight, bool):
+            raise ValueError(f"memory.preflight must be auto, true or false; got {self.preflight!r}")
 
     def budget_bytes(self, allocator_bytes: float | None) -> float | None:
         """The per-rank budget plans are made to: ``budget_gib``, else what the caching allocator can hold

@@ -19,6 +19,10 @@ Around ``pretrain()``:
 - each pipeline stage has a planner, priced by the cost profile (``cost.profile``, or a quick
   calibration at start-up by the tensor-parallel groups on themselves, rank 0's shared) within the
   memory budget; all ranks check at start-up that they plan from the same inputs;
+- before the first optimizer step (``memory.preflight``; on by default on GPUs), every rank runs forward and
+  backward of the micro-batches the data will put at the highest predicted peak, measures their peaks and
+  keeps the budget, or shrinks it by what they exceed their predictions by, with one line
+  (:mod:`~megatron_paradyse.run.preflight`);
 - ``--eval-iters N`` (with ``--eval-interval``, and ``--split`` for the shares) holds documents out
   for validation (and test): Megatron evaluates on them, forward only, under plans priced for
   forward-only passes; each evaluation runs the same micro-batches, and the last rank prints one line

@@ -9,6 +9,7 @@ takes effect for the next call and is undone on leaving the block, whatever rais
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import NoReturn
 
@@ -77,17 +78,18 @@ def each_schedule_leaving_nothing() -> Iterator[None]:
 
 @contextlib.contextmanager
 def around_each_step(
-    begin: Callable[[], None], on_out_of_memory: Callable[[torch.OutOfMemoryError], NoReturn]
+    begin: Callable[[dict], None], on_out_of_memory: Callable[[torch.OutOfMemoryError], NoReturn]
 ) -> Iterator[None]:
-    """Call ``begin()`` before each training step, and hand an out-of-memory error raised in the step on
-    this rank (any forward, backward, the optimizer step) to ``on_out_of_memory``, which ends the process:
-    unwound, it would leave the other ranks blocked in the step's collectives. ``train()`` looks
-    ``train_step`` up in its module."""
+    """Call ``begin(arguments)`` (``train_step``'s, by name: the model, the schedule it runs...) before each
+    training step, and hand an out-of-memory error raised in it or in the step on this rank (any forward,
+    backward, the optimizer step) to ``on_out_of_memory``, which ends the process: unwound, it would leave the
+    other ranks blocked in the step's collectives. ``train()`` looks ``train_step`` up in its module."""
     original = training.train_step
+    signature = inspect.signature(original)
 
     def train_step(*args, **kwargs):
-        begin()
         try:
+            begin(signature.bind(*args, **kwargs).arguments)
             return original(*args, **kwargs)
         except torch.OutOfMemoryError as e:
             on_out_of_memory(e)

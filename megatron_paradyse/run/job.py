@@ -134,7 +134,8 @@ class Job:
     profile: dict | None
     """The cost profile read from ``cost.profile``; None: calibrated at start-up."""
     budget_bytes: float | None
-    """The budget plans must fit: the configured one, or the smaller one saved after an out-of-memory error.
+    """The budget plans must fit: the configured one, or the smaller one saved after an out-of-memory error
+    (shrunk again where the pre-flight measures a peak over its prediction: :mod:`~megatron_paradyse.run.preflight`).
     On CUDA, sized by the device's whole memory until start-up measures what the caching allocator can
     hold (:meth:`measure_budget`): an upper bound, enough to refuse at once what could never fit. None
     only where a job is checked away from its GPU (``paradyse check-config --device cuda``)."""

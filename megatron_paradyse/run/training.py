@@ -8,6 +8,8 @@
   on ``--load`` (from the beginning for a checkpoint of Megatron's own ``pretrain_gpt``); on the first
   call, the cost profile (when the config names none: calibrated by the tensor-parallel groups on
   themselves, rank 0's shared) and the start-up check that every rank plans from the same inputs;
+- before the first training step, the pre-flight where ``memory.preflight`` asks for it
+  (:mod:`~megatron_paradyse.run.preflight`): the budget kept, or shrunk and every planner planning under it;
 - the forward step: the micro-batch's tensors to the device, the model under
   :func:`~megatron_paradyse.core.micro_batch.micro_batch_scope` with its plan, Megatron 0.19's per-token
   loss (with Megatron's NaN, Inf and spiky-loss checks);
@@ -41,6 +43,7 @@ from megatron_paradyse.mcore import compat
 from megatron_paradyse.mcore.chunked_loss import output_processor
 from megatron_paradyse.mcore.model_shape import model_shape
 from megatron_paradyse.mcore.step_buffers import release_step_buffers
+from megatron_paradyse.run import preflight
 from megatron_paradyse.run.agreement import check_ranks_agree
 from megatron_paradyse.run.documents import BUILT_IN, build_corpus, split_source, training_documents
 from megatron_paradyse.run.fault import STATE_FILE, FaultWatch
@@ -60,7 +63,7 @@ from megatron_paradyse.run.log import (
 )
 from megatron_paradyse.run.planned_loader import PlannedMicroBatches, ResumeError
 from megatron_paradyse.run.stage_planning import forwards_in_flight_message, stage_planners
-from megatron_paradyse.run.startup import agree, attempt
+from megatron_paradyse.run.startup import StartupError, agree, attempt
 
 from megatron.core import parallel_state as mpu
 from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -108,6 +111,8 @@ class TrainingRun:
         self._forwards: dict[int, int] = {}
         """Forward steps of this iteration, per virtual-pipeline chunk."""
         self._checked_parameters = False
+        self._flown = False
+        """Whether the first training step has begun (the pre-flight, if any, flown before it)."""
         self._warmed_up = False
         """Whether this process has run a measured training micro-batch (the first is the warm-up)."""
         self._last_plan: str | None = None
@@ -331,6 +336,11 @@ class TrainingRun:
         if measured:
             self.meter.attach(get_attr_wrapped_model(model, "decoder", return_model_obj=True))
             self.meter.begin(forward_only=planned.evaluation, chunk=chunk)
+        return self._run_model(planned, model, index)
+
+    def _run_model(self, planned, model, index: int | None = None):
+        """The forward step of a micro-batch drawn (``index``: its place in the iteration's records; None: not
+        recorded): its tensors to the device, the model under its plan, and its loss function."""
         batch = planned.batch
         # from pinned memory on a GPU: a copy from pageable memory first waits for the device to catch up
         pinned = self.job.device.type == "cuda"
@@ -416,13 +426,30 @@ class TrainingRun:
                 counted,
             )
 
-    def begin_step(self) -> None:
-        """Before Megatron's schedule runs a training step: a micro-batch of it no plan fits stops every
-        rank here (``planner.on_infeasible: stop``), not inside the schedule, where the later pipeline
-        stages would be waiting for the first one's activations. Virtual-pipeline chunks read the same
-        data: one iterator tells."""
+    def begin_step(self, step: dict) -> None:
+        """Before Megatron's schedule runs a training step (``step``: ``train_step``'s arguments by name): before
+        the first, the pre-flight where ``memory.preflight`` asks for it; a micro-batch of the step no plan
+        fits stops every rank here (``planner.on_infeasible: stop``), not inside the schedule, where the later
+        pipeline stages would be waiting for the first one's activations. Virtual-pipeline chunks read the
+        same data: one iterator tells."""
+        if not self._flown and preflight.wanted(self.job.config.memory.preflight, self.job.device):
+            iterator = self.iterators[0] if self.iterators else None  # one: made by _prepare, with the footprints
+            static = self.footprints[mpu.get_pipeline_model_parallel_rank()].static_bytes if iterator else 0.0
+            self._plan_under(preflight.fly(self.job, iterator, step, self._run_model, static_bytes=static))
+        self._flown = True
         if self.iterators:
             self.iterators[0].check_step()
+
+    def _plan_under(self, budget_bytes: float) -> None:
+        """Every planner plans under ``budget_bytes`` from now on (the same on every rank), where it differs."""
+        if budget_bytes == self.job.budget_bytes:
+            return
+        self.job.budget_bytes = budget_bytes
+        _, problem = attempt(self.job.check_static_memory)
+        if problem is not None:
+            raise StartupError(f"after the pre-flight: {problem}")
+        for iterator in (*self.iterators, *self.eval_iterators):
+            iterator.set_budget(budget_bytes)
 
     def out_of_memory(self, error: torch.OutOfMemoryError) -> NoReturn:
         """The step Megatron is running on this rank ran out of memory (``args.curr_iteration`` counts the
