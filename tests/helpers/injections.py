@@ -6,6 +6,9 @@ training iteration ``iteration`` (Megatron's 1-based number), on rank ``rank``:
 - ``death``: every rank starts a child process, as Megatron starts a checkpoint writer (forked by
   multiprocessing, daemonic; its pid in ``folder/child{r}.pid``), then rank ``rank`` kills itself
   (SIGKILL: it dies without a word).
+- ``extra-bytes``: in every forward of rank ``rank``'s first transformer layer that builds a graph (the
+  training steps', the pre-flight's; ``iteration`` unused), ``nbytes`` more are allocated and kept until
+  that layer's backward has run: the model's peak exceeds its prediction by ``nbytes``.
 
 With a ``marker`` file an out-of-memory error fires once: it writes the marker (the time.time() of the
 raise) and does not fire while the marker exists, so the relaunch of the same command runs clean; without,
@@ -32,11 +35,16 @@ class Injection:
     marker: Path | None = None
     folder: Path | None = None
     """Where a death's children write their pids."""
+    nbytes: int = 0
+    """What ``extra-bytes`` allocates."""
 
     def __call__(self, this_rank: int) -> None:
         """Install the injection in the rank ``this_rank`` (before the program runs)."""
         if self.site == "death":
             _inject_death(self, this_rank)
+        elif self.site == "extra-bytes":
+            if this_rank == self.rank:
+                _inject_extra_bytes(self.nbytes)
         else:
             _inject_out_of_memory(self)
 
@@ -112,3 +120,30 @@ def _inject_out_of_memory(injection: Injection) -> None:
             return RaiseInBackward.apply(y_local) if fires() else y_local
 
         modules.run_mlp = mlp
+
+
+def _inject_extra_bytes(nbytes: int) -> None:
+    from megatron_paradyse.mcore.modules import ParadyseTransformerLayer
+
+    class KeptUntilBackward(torch.autograd.Function):
+        """The layer's input as it is, holding ``extra`` until the gradient has passed the layer."""
+
+        @staticmethod
+        def forward(ctx, hidden_states, extra):
+            ctx.extra = extra
+            return hidden_states.view_as(hidden_states)
+
+        @staticmethod
+        def backward(ctx, grad):
+            del ctx.extra
+            return grad, None
+
+    layer_forward = ParadyseTransformerLayer.forward
+
+    def forward(self, hidden_states, **kwargs):
+        if self.plan_index == 0 and torch.is_grad_enabled():
+            extra = torch.empty(nbytes, dtype=torch.uint8, device=hidden_states.device)
+            hidden_states = KeptUntilBackward.apply(hidden_states, extra)
+        return layer_forward(self, hidden_states, **kwargs)
+
+    ParadyseTransformerLayer.forward = forward
