@@ -68,8 +68,10 @@ __all__ = [
     "AttentionFigures",
     "Link",
     "NodeSpec",
+    "OPTIMIZER_BYTES_PER_PARAM",
     "hardware_profile",
     "node_group",
+    "stage_params_per_rank",
     "stage_static_bytes",
 ]
 
@@ -403,15 +405,25 @@ def hardware_profile(spec: NodeSpec) -> dict[str, Any]:
 BYTES_PER_PARAM = 18
 """bf16 weight (2) + fp32 main gradient (4) + fp32 master weight (4) + Adam's two fp32 moments (8):
 Megatron's default bf16 recipe, without a distributed optimizer (the paper's node has no data parallelism)."""
+OPTIMIZER_BYTES_PER_PARAM = 12
+"""Of :data:`BYTES_PER_PARAM`, the fp32 master weight and Adam's moments: what Megatron's distributed
+optimizer shards over the data-parallel ranks."""
 
 
-def stage_static_bytes(shape: ModelShape, num_layers: int, p: int, *, vocab_size: int = 0) -> float:
-    """Weights, gradients and optimizer state of the node's layers (:data:`BYTES_PER_PARAM` per
-    parameter): TP-sharded linear weights, replicated LayerNorm weights and biases (no linear biases, as
-    the presets); with ``vocab_size``, a vocab-parallel embedding and output layer (untied)."""
+def stage_params_per_rank(shape: ModelShape, num_layers: int, p: int, *, vocab_size: int = 0) -> float:
+    """Parameters one of ``p`` tensor-parallel ranks holds of the node's layers: TP-sharded linear
+    weights, replicated LayerNorm weights and biases (no linear biases, as the presets); with
+    ``vocab_size``, a vocab-parallel embedding and output layer (untied)."""
     h = shape.hidden_size
     qkv = (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.kv_channels
     fc1 = (2 if shape.gated_mlp else 1) * shape.ffn_hidden_size
     sharded = h * (qkv + shape.num_attention_heads * shape.kv_channels + fc1 + shape.ffn_hidden_size)
-    per_rank = num_layers * (sharded / p + 4 * h) + 2 * vocab_size * h / p
-    return per_rank * BYTES_PER_PARAM
+    return num_layers * (sharded / p + 4 * h) + 2 * vocab_size * h / p
+
+
+def stage_static_bytes(shape: ModelShape, num_layers: int, p: int, *, vocab_size: int = 0, dp: int = 1) -> float:
+    """Weights, gradients and optimizer state of :func:`stage_params_per_rank` (:data:`BYTES_PER_PARAM`
+    per parameter), the optimizer state sharded over ``dp`` data-parallel replicas as Megatron's
+    distributed optimizer shards it (``dp = 1``: not sharded)."""
+    per_param = BYTES_PER_PARAM - OPTIMIZER_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM / dp
+    return stage_params_per_rank(shape, num_layers, p, vocab_size=vocab_size) * per_param

@@ -110,6 +110,8 @@ def test_stage_static_bytes_counts_18_bytes_per_parameter():
     params_per_rank = 8 * 12 * 12288**2 / 8 + 8 * 4 * 12288  # TP-sharded linears, replicated LayerNorms
     assert stage_static_bytes(GPT, 8, 8) == 18 * params_per_rank
     assert stage_static_bytes(GPT, 8, 8, vocab_size=100) == 18 * (params_per_rank + 2 * 100 * 12288 / 8)
+    # Megatron's distributed optimizer: the master weights and Adam's moments sharded over the replicas
+    assert stage_static_bytes(GPT, 8, 8, dp=4) == (2 + 4 + 12 / 4) * params_per_rank
 
 
 def test_benchmark_prints_tables_checks_and_the_summary_line(tmp_path, capsys):
