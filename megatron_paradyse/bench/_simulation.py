@@ -7,26 +7,25 @@ profiles built from published figures (:mod:`megatron_paradyse.cost.hardware`).
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from megatron_paradyse.bench._curves import Curve, Run, longest_fitting, simulate_curve
+from megatron_paradyse.bench._node import NodeModel
+from megatron_paradyse.bench.tuned import TunedBaseline, tuned_megatron
 from megatron_paradyse.config import MemorySection, load_config
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
-from megatron_paradyse.cost.analytic import AnalyticCostModel
 from megatron_paradyse.cost.base import WHOLE_LOSS, CostModel, LayerCost, StageOptions
-from megatron_paradyse.cost.hardware import NodeSpec, hardware_profile, stage_static_bytes
+from megatron_paradyse.cost.hardware import NodeSpec
 from megatron_paradyse.data.corpora import (
     GITHUBCODE_MAX_LEN,
     GITHUBCODE_SHARES,
     GRCH38_MAX_LEN,
     GRCH38_SHARES,
 )
-from megatron_paradyse.planner import InfeasibleSequenceError, Planner, PlannerConfig
+from megatron_paradyse.planner import Planner, PlannerConfig
 from megatron_paradyse.run.config_cli import model_shape_from_args
 from megatron_paradyse.run.megatron_flags import parse_megatron_args
 from megatron_paradyse.strategies import ModelShape
@@ -43,6 +42,7 @@ __all__ = [
     "STATIC_PAIRS",
     "Setting",
     "load_paper_model",
+    "paper_node",
     "simulate_curve",
     "simulate_setting",
 ]
@@ -91,54 +91,6 @@ class ModelSpec:
     """The preset's memory section: its margin sizes the budget."""
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Run:
-    """One curve: a name, the paper's name for it, and the planner that plans its sequences."""
-
-    name: str
-    paper_name: str
-    planner: PlannerConfig
-    static: bool
-
-
-@dataclasses.dataclass(kw_only=True)
-class Curve:
-    """What one run did over the length-sorted dataset."""
-
-    run: Run
-    lengths: list[int]
-    """Sequences trained, in order."""
-    cumulative_s: list[float]
-    """Predicted time of the sequences so far, after each one."""
-    stopped_at: int | None
-    """The first sequence no plan fits (the curve ends before it), or None: the dataset finished."""
-    max_feasible: int | None
-    """Longest padded length some plan fits (a bucket edge: a multiple of 512, the paper's rounding);
-    None when every sequence fit (the longest is beyond the dataset's longest and not searched)."""
-    plans: dict[str, int]
-    """Sequences per plan (compact form)."""
-
-    @property
-    def reached(self) -> int:
-        return self.lengths[-1] if self.lengths else 0
-
-    @property
-    def longest(self) -> float:
-        """:attr:`max_feasible`, infinite when every sequence fit: for comparisons."""
-        return math.inf if self.max_feasible is None else self.max_feasible
-
-    @property
-    def total_s(self) -> float:
-        return self.cumulative_s[-1] if self.cumulative_s else 0.0
-
-    def cumulative_at(self, length: int) -> float | None:
-        """Time up to the last sequence of at most ``length`` tokens; None if the curve ended before it."""
-        if self.stopped_at is not None and self.stopped_at <= length:
-            return None
-        i = int(np.searchsorted(self.lengths, length, side="right"))
-        return self.cumulative_s[i - 1] if i else 0.0
-
-
 class MemoCostModel:
     """A cost model whose layer costs are computed once per (option, padded length, mask, batch): the
     runs of one setting share them (ring and lean price every rank's ring hops, which is the slow part)."""
@@ -161,57 +113,6 @@ class MemoCostModel:
 
     def stage_time_s(self, layout, micro_batch_size, stage) -> float:
         return self.model.stage_time_s(layout, micro_batch_size, stage)
-
-
-def longest_fitting(planner: Planner, p: int, *, causal: bool, fits: int, limit: int) -> int | None:
-    """The longest bucket edge some plan of ``planner`` fits (as :meth:`Planner.max_feasible_length`),
-    searched from the bucket of ``fits`` tokens (known to fit; 0: none known) up to that of ``limit``;
-    None when that one fits too. Bounded, so that a model fitting millions of tokens is not searched
-    beyond the dataset."""
-    buckets = planner.buckets
-
-    def index(n: int) -> int:
-        """Of the bucket holding ``n`` tokens: the first whose edge is at least ``n``."""
-        if buckets.edge_at(0, 2 * p) >= n:
-            return 0
-        lo, hi = 0, 1  # edge(lo) < n; gallop until edge(hi) >= n, then bisect
-        while buckets.edge_at(hi, 2 * p) < n:
-            lo, hi = hi, 2 * hi
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if buckets.edge_at(mid, 2 * p) < n else (lo, mid)
-        return hi
-
-    def fit(i: int) -> bool:
-        return planner.fits(SequenceLayout.build(buckets.edge_at(i, 2 * p), p, causal=causal))
-
-    top = index(limit)
-    if fit(top):
-        return None
-    lo, hi = (index(fits), top) if fits else (-1, top)  # fit(lo) (or lo = -1), not fit(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fit(mid) else (lo, mid)
-    return buckets.edge_at(lo, 2 * p) if lo >= 0 else 0
-
-
-def simulate_curve(run: Run, planner: Planner, lengths: Sequence[int], p: int, *, causal: bool) -> Curve:
-    """Plan ``lengths`` in order (the caller sorts them) until the first that no plan fits."""
-    cumulative, trained, plans, stopped = 0.0, [], {}, None
-    times = []
-    for n in lengths:
-        try:
-            decision = planner.decide(SequenceLayout.build(int(n), p, causal=causal))
-        except InfeasibleSequenceError:
-            stopped = int(n)
-            break
-        cumulative += decision.plan.predicted_time_s
-        trained.append(int(n))
-        times.append(cumulative)
-        plan = decision.plan.compact()
-        plans[plan] = plans.get(plan, 0) + 1
-    longest = longest_fitting(planner, p, causal=causal, fits=trained[-1] if trained else 0, limit=int(lengths[-1]))
-    return Curve(run=run, lengths=trained, cumulative_s=times, stopped_at=stopped, max_feasible=longest, plans=plans)
 
 
 # -- the setting ------------------------------------------------------------------------------------
@@ -289,25 +190,33 @@ class Setting:
     ablations: list[Curve]
     paper_threshold_max: int | None
     """ParaDySe's longest length under the authors' memory threshold instead of the margin."""
+    tuned: TunedBaseline
+    """The static Megatron configuration a careful user runs on the node for this dataset."""
+
+
+def paper_node(gpu: NodeSpec, model: ModelSpec, dataset: DatasetSpec, *, head: bool) -> NodeModel:
+    """``model``'s layers on a node of ``gpu``: with ``head``, the embedding and output layer of the
+    dataset's vocabulary too."""
+    return NodeModel(
+        gpu=gpu.name,
+        shape=model.shape,
+        num_layers=model.num_layers,
+        causal=model.causal,
+        budget_bytes=model.memory.budget_bytes(gpu.allocator_bytes),
+        planner=model.planner,
+        vocab_size=dataset.vocab_size if head else 0,
+        bias=False,  # the paper's models have no linear biases
+    )
 
 
 def simulate_setting(
     gpu: NodeSpec, model: ModelSpec, dataset_key: str, lengths: np.ndarray, *, head: bool, ablations: bool
 ) -> Setting:
     dataset = DATASETS[dataset_key]
-    vocab = dataset.vocab_size if head else 0
-    static = stage_static_bytes(model.shape, model.num_layers, gpu.p, vocab_size=vocab)
-    analytic = AnalyticCostModel(
-        hardware_profile(gpu),
-        model.shape,
-        gpu.p,
-        dtype=torch.bfloat16,
-        static_bytes=static,
-        vocab_size=vocab,
-        bias=False,  # the paper's models have no linear biases
-    )
+    node = paper_node(gpu, model, dataset, head=head)
+    analytic = node.cost_model(gpu.p)
     cost = MemoCostModel(analytic)
-    budget = model.memory.budget_bytes(gpu.allocator_bytes)
+    budget = node.budget_bytes
     ordered = np.sort(lengths)
 
     longest = int(ordered[-1])  # the dataset's longest: no bucket ends past it, as in a job of these lengths
@@ -343,10 +252,11 @@ def simulate_setting(
         dataset=dataset,
         num_sequences=len(lengths),
         budget_bytes=budget,
-        static_bytes=static,
+        static_bytes=analytic.static_bytes,
         curves=curves,
         ablations=extra,
         paper_threshold_max=longest_fitting(
             paper_rule, gpu.p, causal=model.causal, fits=adaptive_reached, limit=longest
         ),
+        tuned=tuned_megatron(node, ordered, gpu.p, priced=cost),
     )

@@ -31,18 +31,16 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-import torch
-
+from megatron_paradyse.bench._node import NodeModel
 from megatron_paradyse.config import load_config
 from megatron_paradyse.core.layout import SequenceLayout
-from megatron_paradyse.cost.analytic import AnalyticCostModel
-from megatron_paradyse.cost.hardware import HARDWARE, NodeSpec, hardware_profile, stage_static_bytes
+from megatron_paradyse.cost.hardware import HARDWARE, NodeSpec
 from megatron_paradyse.planner import Planner
 from megatron_paradyse.run.config_cli import model_shape_from_args
 from megatron_paradyse.run.megatron_flags import parse_megatron_args
 from megatron_paradyse.strategies import ModelShape
 
-__all__ = ["FrontierResult", "frontier", "main", "print_frontier", "training_flops"]
+__all__ = ["FrontierResult", "frontier", "llama3_node", "main", "print_frontier", "training_flops"]
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -97,44 +95,53 @@ def training_flops(shape: ModelShape, num_layers: int, tokens: int) -> float:
     return 3 * (per_token * tokens + attention)
 
 
-def frontier(gpu: NodeSpec, configs: Path) -> FrontierResult:
+def llama3_node(gpu: NodeSpec, configs: Path) -> NodeModel:
+    """``llama3-8b.yaml``'s whole model on a node of ``gpu``, planned as its config plans it, every lever
+    allowed (length buckets geometric)."""
     config = load_config(configs / "llama3-8b.yaml")
     args = parse_megatron_args(config.megatron_args)
     shape = model_shape_from_args(args)
-    p, layers = args.tensor_model_parallel_size, args.num_layers
+    p = args.tensor_model_parallel_size
     if p != gpu.p:
         raise ValueError(f"llama3-8b.yaml runs TP={p}, the {gpu.name} node has {gpu.p} GPUs")
-    vocab = padded_vocab(LLAMA3_VOCAB, p)
-    budget = config.memory.budget_bytes(gpu.allocator_bytes)
     host_gib = config.planner.space.host_memory_gib
     if host_gib * 2**30 * p > gpu.host_memory_bytes:
         raise ValueError(
             f"llama3-8b.yaml gives each of {p} ranks {host_gib} GiB of host memory; the {gpu.name} node has "
             f"{gpu.host_memory_bytes / 2**30:.0f} GiB in all"
         )
+    return NodeModel(
+        gpu=gpu.name,
+        shape=shape,
+        num_layers=args.num_layers,
+        causal=True,
+        budget_bytes=config.memory.budget_bytes(gpu.allocator_bytes),
+        planner=dataclasses.replace(config.planner, bucket="geometric", on_infeasible="stop"),
+        vocab_size=padded_vocab(LLAMA3_VOCAB, p),
+        rotary_dim=shape.kv_channels,
+        normalization="RMSNorm",
+    )
+
+
+def frontier(gpu: NodeSpec, configs: Path) -> FrontierResult:
+    node = llama3_node(gpu, configs)
+    shape, p, layers, vocab = node.shape, gpu.p, node.num_layers, node.vocab_size
+    host_gib = node.planner.space.host_memory_gib
 
     def planner(vocab_size: int, loss_chunk_tokens: int, host_memory_gib: float = 0.0) -> Planner:
-        cost = AnalyticCostModel(
-            hardware_profile(gpu),
-            shape,
-            p,
-            dtype=torch.bfloat16,
-            static_bytes=stage_static_bytes(shape, layers, p, vocab_size=vocab_size),
-            vocab_size=vocab_size,
-            rotary_dim=shape.kv_channels,
-            bias=False,
-            normalization="RMSNorm",
-        )
         planner_config = dataclasses.replace(
-            config.planner,
-            loss_chunk_tokens=loss_chunk_tokens,
-            host_memory_gib=host_memory_gib,
-            bucket="geometric",
-            on_infeasible="stop",
+            node.planner, loss_chunk_tokens=loss_chunk_tokens, host_memory_gib=host_memory_gib
         )
-        return Planner.for_model(planner_config, cost, shape=shape, p=p, num_layers=layers, budget_bytes=budget)
+        return Planner.for_model(
+            planner_config,
+            dataclasses.replace(node, vocab_size=vocab_size).cost_model(p),
+            shape=shape,
+            p=p,
+            num_layers=layers,
+            budget_bytes=node.budget_bytes,
+        )
 
-    chunking = config.planner.space.loss_chunk_tokens
+    chunking = node.planner.space.loss_chunk_tokens
     adaptive = planner(vocab, chunking, host_gib)
 
     def utilisation(tokens: int) -> tuple[str, float, float]:

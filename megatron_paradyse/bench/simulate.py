@@ -14,6 +14,11 @@ those four pairs, gamma = 5%), and under a planner that goes beyond the paper (a
 strategy, per-layer recompute). A curve is the predicted time per sequence summed over the sequences so
 far; it ends at the first sequence no plan fits, as an out-of-memory error ended the paper's curves.
 
+Beside them, the baseline a tuned Megatron user runs (:mod:`megatron_paradyse.bench.tuned`): the static
+configuration of the node (TP, CP all-to-all or ring, DP, recompute) that is fastest over the dataset among
+those that train its longest sequence; and, on the H100 node, Llama-3-8B over the code corpus under every
+such configuration against the planner with every lever (``adaptive_vs_tuned_megatron``).
+
 Prints, per (GPU, model, dataset), the longest trainable length and cumulative times beside the paper's
 reported numbers, the paper's ordering claims as PASS/FAIL lines, and last a ``key=value`` line. Writes
 one PNG per GPU kind in the layout of the paper's Figure 2 under ``--out-dir``.
@@ -46,7 +51,9 @@ from megatron_paradyse.bench._simulation import (
     load_paper_model,
     simulate_setting,
 )
-from megatron_paradyse.bench.frontier import frontier, print_frontier
+from megatron_paradyse.bench.frontier import frontier, llama3_node, print_frontier
+from megatron_paradyse.bench.tuned import NOT_PRICED, adaptive_curve, times_in_common, tuned_megatron
+from megatron_paradyse.bench.tuned import describe as tuned_line
 from megatron_paradyse.cost.hardware import BYTES_PER_PARAM, HARDWARE
 from megatron_paradyse.data.corpora import binned_lengths
 
@@ -183,7 +190,8 @@ def _print_curves(setting: Setting) -> None:
     the authors' memory rule."""
     head = ["strategy", "paper", "max len", "reached", "total s"] + [f"cum@{c // _K}K s" for c in _CHECKPOINTS]
     rows = []
-    for c in setting.curves:
+    tuned = [setting.tuned.curve] if setting.tuned.curve else []
+    for c in [*setting.curves, *tuned]:
         row = [c.run.name, c.run.paper_name, _fmt_longest(c), _fmt_len(c.reached), _fmt_s(c.total_s)]
         row += [_fmt_s(c.cumulative_at(n)) if n <= setting.dataset.max_len else "" for n in _CHECKPOINTS]
         rows.append(row)
@@ -192,6 +200,7 @@ def _print_curves(setting: Setting) -> None:
         if not c.run.static:
             mix = "; ".join(f"{plan}: {n}" for plan, n in sorted(c.plans.items(), key=lambda kv: -kv[1])[:4])
             print(f"  {c.run.name}, sequences per plan (most used): {mix}")
+    print(f"  {tuned_line(setting.tuned, _adaptive(setting))}")
     print(
         f"  memory rule: under the authors' threshold (GPU memory - 512 MiB) instead of a "
         f"{setting.model.memory.margin:.0%} margin, ParaDySe's longest would be "
@@ -273,14 +282,17 @@ def plot_gpu(settings: list[Setting], path: Path) -> None:
         "lean/lean": ("tab:purple", "-"),
         "adaptive": ("tab:red", "-"),
         "beyond": ("black", ":"),
+        "tuned": ("tab:brown", "--"),
     }
     for s in settings:
         ax = axes[datasets.index(s.dataset_key)][models.index(s.model.name)]
-        for c in s.curves:
+        for c in [*s.curves, *([s.tuned.curve] if s.tuned.curve else [])]:
             if not c.lengths:
                 continue
             color, style = styles[c.run.name]
-            label = c.run.paper_name if c.run.name != "beyond" else "beyond the paper (all + recompute)"
+            label = {"beyond": "beyond the paper (all + recompute)", "tuned": f"tuned {c.run.paper_name}"}.get(
+                c.run.name, c.run.paper_name
+            )
             x = np.array(c.lengths) / _K
             ax.plot(x, c.cumulative_s, style, color=color, lw=2.2 if c.run.name == "adaptive" else 1.4, label=label)
             if c.stopped_at is not None:
@@ -308,11 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     print("SIMULATED, NOT MEASURED: the planner and the analytic cost model on cost profiles built from published")
     print("GPU datasheets, FlashAttention-2 and nccl-tests figures, and attention kernels measured on one H200")
     print("(megatron_paradyse/cost/hardware.py).")
+    print("tuned Megatron: the static configuration of the node a careful user runs for each dataset, the fastest")
+    print("that trains its longest sequence (megatron_paradyse/bench/tuned.py); not priced: " + "; ".join(NOT_PRICED))
     specs = {name: load_paper_model(name, args.configs) for name in models}
-    lengths = {
+    lengths = {  # every dataset's: the Llama-3-8B comparison runs on the code corpus whichever are chosen
         key: binned_lengths(ds.shares, args.sequences, ds.max_len, args.seed, reference_max=ds.max_len)
         for key, ds in DATASETS.items()
-        if key in datasets
     }
     results, checks, summary = [], [], {}
     for gpu_name in gpus:
@@ -337,10 +350,37 @@ def main(argv: list[str] | None = None) -> int:
     for f in frontiers:  # the utilisation of one H100 node, as long-context systems report theirs
         if f.gpu == "h100":
             summary.update(mfu_128k=f"{100 * f.mfu_at_128k:.1f}", mfu_1m=f"{100 * f.mfu_at_1m:.1f}")
+            ratio = versus_tuned_megatron(args.configs, np.sort(lengths["githubcode"]))
+            summary["adaptive_vs_tuned_megatron"] = "n/a" if ratio is None else f"{ratio:.2f}"
     if args.json:
         args.json.write_text(json.dumps(_as_json(results), indent=1))
     _print_verdicts(checks, summary)
     return 0
+
+
+def versus_tuned_megatron(configs: Path, lengths: np.ndarray) -> float | None:
+    """Llama-3-8B on one H100 node over the code corpus's ``lengths`` (sorted): the adaptive planner's time
+    (every lever) over the tuned Megatron configuration's (None: no configuration runs the model), printed
+    with every configuration's curve."""
+    node = llama3_node(HARDWARE["h100"], configs)
+    adaptive = adaptive_curve(node, lengths)
+    tuned = tuned_megatron(node, lengths)
+    print(
+        f"\nLlama-3-8B on one H100 node (configs/llama3-8b.yaml, every lever), SIMULATED, against each static Megatron "
+        f"configuration | {DATASETS['githubcode'].name}: {len(lengths)} sequences, max {int(lengths[-1]):,}"
+    )
+    curves = [adaptive, *tuned.curves.values()]
+    rows = [[c.run.paper_name, _fmt_longest(c), _fmt_len(c.reached), _fmt_s(c.total_s)] for c in curves]
+    _print_table(["run", "max len", "reached", "total s"], rows)
+    print(f"  {tuned_line(tuned, adaptive)}")
+    if tuned.curve is None:
+        return None
+    adaptive_s, tuned_s = times_in_common(adaptive, tuned.curve)
+    print(
+        f"  over the sequences both train: adaptive {adaptive_s:,.1f} s, tuned Megatron {tuned_s:,.1f} s "
+        f"({adaptive_s / tuned_s:.2f})"
+    )
+    return adaptive_s / tuned_s
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -400,7 +440,7 @@ def _choices(flag: str, text: str, known) -> list[str]:
 def _as_json(settings: list[Setting]) -> list[dict]:
     out = []
     for s in settings:
-        for c in [*s.curves, *s.ablations]:
+        for c in [*s.curves, *s.ablations, *s.tuned.curves.values()]:
             out.append(
                 {
                     "gpu": s.gpu.name,

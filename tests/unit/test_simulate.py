@@ -116,19 +116,27 @@ def test_stage_static_bytes_counts_18_bytes_per_parameter():
 
 def test_benchmark_prints_tables_checks_and_the_summary_line(tmp_path, capsys):
     plots = importlib.util.find_spec("matplotlib") is not None  # an optional dependency
-    argv = ["--gpus", "a100", "--models", "bert", "--datasets", "grch38", "--sequences", "40"]
+    argv = ["--gpus", "h100", "--models", "bert", "--datasets", "grch38", "--sequences", "40"]
     assert simulate.main([*argv, "--out-dir", str(tmp_path)] if plots else [*argv, "--no-plots"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("SIMULATED, NOT MEASURED")
     assert "MegatronTS" in out and "METP" in out and "ParaDySe" in out
     assert re.search(r"^(PASS|FAIL): METP reaches furthest of the static strategies", out, re.M)
+    # the tuned Megatron configuration: a row of the setting's table, and why it was chosen
+    assert re.search(r"^  tuned +Megatron TP=\d CP=\d.* DP=\d (no|full) recompute +(all fit|[\d,]+) ", out, re.M)
+    assert re.search(
+        r"^  tuned Megatron: TP=\d .*, the fastest of the \d+ of 12 configurations that train every", out, re.M
+    )
     last = out.strip().splitlines()[-1]
     assert re.fullmatch(
-        r"adaptive_max_len_bert_grch38_a100=\d+ llama3_8b_a100_max_len=\d+ paper=329728 ordering_ok=[01]", last
+        r"adaptive_max_len_bert_grch38_h100=\d+ mfu_128k=\d+\.\d mfu_1m=\d+\.\d adaptive_vs_tuned_megatron=\d\.\d\d "
+        r"llama3_8b_h100_max_len=\d+ paper=329728 ordering_ok=[01]",
+        last,
     ), last
     assert "Llama-3-8B on one node, the whole model" in out
+    assert "Llama-3-8B on one H100 node (configs/llama3-8b.yaml, every lever), SIMULATED, against each" in out
     if plots:
-        assert (tmp_path / "figure2_a100.png").stat().st_size > 10_000
+        assert (tmp_path / "figure2_h100.png").stat().st_size > 10_000
 
 
 def test_llama3_8b_frontier_counts_the_whole_model_chunks_its_loss_and_offloads():
