@@ -10,7 +10,9 @@ them: :func:`~megatron_paradyse.run.job.job_arguments`), a cost profile (``--pro
 (``--lengths``, or every document of ``--dataset``, by the planner's length buckets): per length, the
 plan each pipeline stage would choose, its predicted time and peak per rank; the longest length each
 static strategy fits (Megatron's own TP+SP included) and the longest the planner fits; a plot and JSON
-on request. Nothing runs on a device: the answer is the analytic cost model's, priced by the profile.
+on request; with ``--vs-megatron``, the static Megatron configuration a careful user tunes for the lengths
+(:mod:`megatron_paradyse.bench.tuned`) and its time against the planner's. Nothing runs on a device: the
+answer is the analytic cost model's, priced by the profile.
 
 What imports megatron-core (the job's arguments, the stage planning, the datasets) is imported when a
 plan is made, inside the functions: ``paradyse``'s parser imports this module for every command.
@@ -56,6 +58,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         type=world_size,
         help="the job's ranks: its data-parallel size (default 1: the distributed optimizer's state unsharded)",
     )
+    parser.add_argument(
+        "--vs-megatron",
+        action="store_true",
+        help="with --gpu: also price the static Megatron configuration a careful user would tune for these "
+        "lengths on the job's TP group of GPUs, and its time against the planner's",
+    )
     parser.add_argument("--json", help="write the answer to this file")
     parser.add_argument("--plot", help="write a PNG of predicted peaks against length")
     parser.add_argument(
@@ -68,8 +76,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     asked = None if args.lengths is None else _asked_lengths(args.lengths)  # refused at once, if wrong
+    if args.vs_megatron and args.gpu is None:
+        raise ValueError("--vs-megatron prices Megatron's configurations on a node's published figures: add --gpu")
     config = load_config(args.config)
     job = _Job.from_config(config, args.megatron_flags, world_size=args.world_size, gpu=args.gpu, profile=args.profile)
+    if args.vs_megatron and job.args.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            f"--vs-megatron compares the plans of one pipeline stage; the job runs "
+            f"PP={job.args.pipeline_model_parallel_size}: plan it with --pipeline-model-parallel-size 1"
+        )
     lengths = asked or _dataset_lengths(args.dataset, config)
     # planned as for a job whose longest micro-batch is the longest asked: no bucket is priced past it
     cap = max(lengths)
@@ -98,6 +113,8 @@ def run_plan(args: argparse.Namespace) -> int:
         "static_longest": static,
         "longest": longest,
     }
+    if args.vs_megatron:
+        answer["vs_megatron"] = _versus_megatron(job, planner, lengths, args.gpu)
     print(_format(answer))
     if args.json:
         Path(args.json).write_text(json.dumps(answer, indent=1) + "\n")
@@ -120,6 +137,36 @@ def _decide(planner, layout: SequenceLayout) -> dict:
         "peak_gib": plan.predicted_peak_bytes / _GIB,
         "bucket_tokens": decision.bucket_length,
     }
+
+
+def _versus_megatron(job: _Job, planner: list, lengths: list[int], gpu: str) -> dict:
+    """The job's layers on its TP group of ``gpu``'s GPUs, one sequence of each length (in ascending order):
+    the planner's time against the static Megatron configuration a careful user tunes for them
+    (:mod:`megatron_paradyse.bench.tuned`), both priced as ``bench simulate`` prices them (its static count
+    of 18 bytes a parameter, the optimizer state sharded over the configuration's data-parallel replicas)."""
+    from megatron_paradyse.bench._node import NodeModel
+    from megatron_paradyse.bench.tuned import adaptive_curve, describe, times_in_common, tuned_megatron
+
+    cost = planner[0].cost_model
+    node = NodeModel(
+        gpu=gpu,
+        shape=cost.shape,
+        num_layers=planner[0].num_layers,
+        causal=job.causal,
+        budget_bytes=job.budget_bytes,
+        planner=planner[0].config,
+        vocab_size=cost.vocab_size,
+        rotary_dim=cost.rotary_dim,
+        bias=cost.bias,
+        normalization=cost.normalization,
+    )
+    ordered = sorted(lengths)
+    adaptive, tuned = adaptive_curve(node, ordered, job.tp), tuned_megatron(node, ordered, job.tp)
+    answer = {"line": describe(tuned, adaptive), "tuned": None if tuned.chosen is None else str(tuned.chosen)}
+    if tuned.curve is not None:
+        adaptive_s, tuned_s = times_in_common(adaptive, tuned.curve)
+        answer.update(adaptive_s=adaptive_s, tuned_s=tuned_s, ratio=adaptive_s / tuned_s)
+    return answer
 
 
 class _Job:
@@ -271,6 +318,14 @@ def _format(answer: dict) -> str:
     for pair, longest in answer["static_longest"].items():
         lines.append(f"  {STATIC[pair]:<28} {pair:<16} {longest:>9} tokens")
     lines.append(f"longest sequence the planner fits: {answer['longest']} tokens")
+    if versus := answer.get("vs_megatron"):
+        lines.append(versus["line"])
+        if versus["tuned"] is not None:
+            lines.append(
+                f"these lengths, one sequence each: the planner {versus['adaptive_s']:.4g} s, tuned Megatron "
+                f"{versus['tuned_s']:.4g} s (adaptive_vs_tuned_megatron={versus['ratio']:.2f}, "
+                f"over the lengths both fit)"
+            )
     return "\n".join(lines)
 
 

@@ -227,3 +227,41 @@ def test_plan_prices_no_length_past_the_longest_asked(tmp_path):
     assert paradyse(["plan", config, "--gpu", "h100", "--lengths", "600,1000", "--json", str(out)]) == 0
     rows = {row["tokens"]: row["stage0"] for row in json.loads(out.read_text())["lengths"]}
     assert (rows[600]["bucket_tokens"], rows[1000]["bucket_tokens"]) == (1008, 1008)
+
+
+def test_plan_prices_the_tuned_megatron_configuration_beside_the_planner(tmp_path, capsys):
+    from megatron_paradyse.bench.tuned import megatron_configs
+
+    llama = str(CONFIGS / "llama3-8b.yaml")
+    out = tmp_path / "plan.json"
+    assert (
+        paradyse(["plan", llama, "--gpu", "h100", "--lengths", "4096,131072", "--vs-megatron", "--json", str(out)]) == 0
+    )
+    printed = capsys.readouterr().out
+    versus = json.loads(out.read_text())["vs_megatron"]
+    assert versus["tuned"] in {str(c) for c in megatron_configs(8)}
+    assert versus["ratio"] == pytest.approx(versus["adaptive_s"] / versus["tuned_s"])
+    lines = printed.splitlines()
+    assert lines[-2] == versus["line"] and versus["line"].startswith(f"tuned Megatron: {versus['tuned']}, the fastest")
+    assert lines[-1] == (
+        f"these lengths, one sequence each: the planner {versus['adaptive_s']:.4g} s, tuned Megatron "
+        f"{versus['tuned_s']:.4g} s (adaptive_vs_tuned_megatron={versus['ratio']:.2f}, over the lengths both fit)"
+    )
+
+
+def test_plan_refuses_a_megatron_comparison_it_cannot_price(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_status:  # before the config is read: this one does not exist
+        paradyse(["plan", "no-such-config.yaml", "--profile", "p.json", "--lengths", "4096", "--vs-megatron"])
+    assert exit_status.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "paradyse: error: --vs-megatron prices Megatron's configurations on a node's published figures: add --gpu\n"
+    )
+    llama = str(CONFIGS / "llama3-8b.yaml")
+    two_stages = ["--", "--pipeline-model-parallel-size", "2"]
+    with pytest.raises(SystemExit) as exit_status:
+        paradyse(["plan", llama, "--gpu", "h100", "--lengths", "4096", "--vs-megatron", *two_stages])
+    assert exit_status.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "paradyse: error: --vs-megatron compares the plans of one pipeline stage; the job runs PP=2: plan it with "
+        "--pipeline-model-parallel-size 1\n"
+    )
