@@ -104,6 +104,8 @@ def simulate_curve(run: Run, planner: Planner, lengths: Sequence[int], p: int, *
         try:
             decision = planner.decide(SequenceLayout.build(int(n), p, causal=causal))
         except InfeasibleSequenceError:
+            decision = None
+        if decision is None:  # no plan fits: raised under on_infeasible=stop, None under skip
             stopped = int(n)
             break
         cumulative += decision.plan.predicted_time_s

@@ -2,9 +2,7 @@
 one a careful user picks for the dataset, priced by the cost model that prices the adaptive plans.
 **Simulated**: the rates are published figures (:mod:`megatron_paradyse.cost.hardware`).
 
-The configurations of ``gpus`` GPUs, ``TP x CP x DP = gpus``, each with no or full recompute (every
-layer recomputed from its input, Megatron's ``--recompute-granularity full``), that the strategies
-price as Megatron runs them:
+The layouts of ``gpus`` GPUs, ``TP x CP x DP = gpus``, that the strategies price as Megatron runs them:
 
 - ``TP=t, CP=1, DP=gpus/t`` for ``t`` in 1, 2, 4, 8 up to ``gpus``: Megatron's tensor + sequence parallelism (``tp_sp``
   on ``t`` GPUs), its distributed optimizer sharding the optimizer state over the ``DP`` replicas.
@@ -12,8 +10,11 @@ price as Megatron runs them:
   parallelism under Megatron-FSDP sharding weights, gradients and optimizer state over the DP x CP
   group (here the CP group), gathered per layer (``zero3``).
 
-A careful user runs the fastest of them, over the dataset, under which its longest sequence fits the
-budget (where none does, the one that reaches furthest). A step of ``DP`` replicas runs ``DP``
+Each recomputes the fewest layers under which the dataset's longest sequence fits the budget (Megatron's
+``--recompute-granularity full --recompute-method block --recompute-num-layers N``: a recomputed layer
+keeps only its input; fewer recomputed layers are faster on every sequence), or every layer where none
+does. A careful user runs the fastest of them over the dataset among those under which its longest
+sequence fits (where none does, the one that reaches furthest). A step of ``DP`` replicas runs ``DP``
 sequences of the curriculum, one each: it takes the longest of theirs, and the gradients'
 reduce-scatter and the parameters' all-gather across the replicas run beside it (Megatron's
 ``--overlap-grad-reduce``, ``--overlap-param-gather``), exposed as the cost model exposes streamed
@@ -29,11 +30,12 @@ import numpy as np
 
 from megatron_paradyse.bench._curves import Curve, Run, simulate_curve
 from megatron_paradyse.bench._node import NodeModel
+from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.base import CostModel
 from megatron_paradyse.cost.hardware import GROUP_SIZES, hardware_profile, node_group, stage_params_per_rank
 from megatron_paradyse.cost.pricing import TermPrices
-from megatron_paradyse.planner import Planner
+from megatron_paradyse.planner import Decision, Planner
 from megatron_paradyse.strategies import unsupported_reason
 from megatron_paradyse.strategies.terms import Collective
 
@@ -65,14 +67,16 @@ NOT_PRICED = (
 
 @dataclasses.dataclass(frozen=True, order=True)
 class MegatronConfig:
-    """One static Megatron configuration of a node: every layer alike, every step."""
+    """One static Megatron configuration of a node: every step alike."""
 
     tp: int
     cp: int
     dp: int
     cp_comm: str = ""
     """``a2a`` or ``p2p`` where ``cp > 1``."""
-    recompute: bool = False
+    recomputed: int = 0
+    """Layers recomputed in backward (Megatron's block method), of :attr:`layers`."""
+    layers: int = 0
 
     @property
     def group(self) -> int:
@@ -80,28 +84,66 @@ class MegatronConfig:
         return self.tp * self.cp
 
     @property
-    def option(self) -> LayerOption:
+    def pair(self) -> LayerOption:
+        """What a layer runs, not recomputed."""
         if self.cp == 1:
-            return LayerOption("tp_sp", "tp_sp", self.recompute)
-        return LayerOption(_CP_ATTENTION[self.cp_comm], "zero3", self.recompute)
+            return LayerOption("tp_sp", "tp_sp")
+        return LayerOption(_CP_ATTENTION[self.cp_comm], "zero3")
+
+    @property
+    def layout(self) -> str:
+        """Its parallel layout, as Megatron's flags set it."""
+        return f"TP={self.tp} CP={self.cp}{f' {self.cp_comm}' if self.cp > 1 else ''} DP={self.dp}"
 
     def __str__(self) -> str:
-        cp = f" {self.cp_comm}" if self.cp > 1 else ""
-        return f"TP={self.tp} CP={self.cp}{cp} DP={self.dp} {'full recompute' if self.recompute else 'no recompute'}"
+        if not self.recomputed:
+            return f"{self.layout} no recompute"
+        if self.recomputed == self.layers:
+            return f"{self.layout} full recompute"
+        return f"{self.layout} recompute {self.recomputed} of {self.layers} layers"
 
 
 def megatron_configs(gpus: int) -> tuple[MegatronConfig, ...]:
-    """The configurations of ``gpus`` GPUs of one node the cost model prices (module docstring)."""
+    """The layouts of ``gpus`` GPUs of one node the cost model prices (module docstring), none recomputed."""
     if gpus not in GROUP_SIZES:
         raise ValueError(
             f"a tuned Megatron configuration is priced on {', '.join(map(str, GROUP_SIZES))} GPUs, not {gpus}"
         )
-    configs = [
-        MegatronConfig(tp, 1, gpus // tp, recompute=rc) for tp in GROUP_SIZES if tp <= gpus for rc in (False, True)
-    ]
+    configs = [MegatronConfig(tp, 1, gpus // tp) for tp in GROUP_SIZES if tp <= gpus]
     if gpus > 1:
-        configs += [MegatronConfig(1, gpus, 1, comm, rc) for comm in _CP_ATTENTION for rc in (False, True)]
+        configs += [MegatronConfig(1, gpus, 1, comm) for comm in _CP_ATTENTION]
     return tuple(configs)
+
+
+class _BlockRecompute:
+    """A planner that runs one plan on every sequence: ``recomputed`` of ``planner``'s layers run its second
+    option (its first, recomputed), the others its first; as :func:`simulate_curve` and
+    :func:`longest_fitting` take a planner (None where the plan does not fit)."""
+
+    def __init__(self, planner: Planner, recomputed: int) -> None:
+        self.planner = planner
+        self.counts = (planner.num_layers - recomputed, recomputed)
+        # a bucket per padded length: what :meth:`fits` prices a layout at, as it is (as Planner.fits)
+        self._as_is = planner.with_config(dataclasses.replace(planner.config, bucket="linear", bucket_tokens=1))
+
+    @property
+    def buckets(self):
+        return self.planner.buckets
+
+    def decide(self, layout: SequenceLayout) -> Decision | None:
+        """The plan, priced at ``layout``'s bucket's edge; None where it does not fit there."""
+        return self._decide(self.planner, layout)
+
+    def fits(self, layout: SequenceLayout) -> bool:
+        return self._decide(self._as_is, layout) is not None
+
+    def _decide(self, planner: Planner, layout: SequenceLayout) -> Decision | None:
+        problem = planner.stage_problem(layout)
+        solution = problem.evaluate(self.counts)
+        if not problem.fits(solution):
+            return None
+        bucket = planner.bucket_layout(layout).padded_len
+        return Decision(problem.to_plan(solution), False, False, bucket, solution.time_s)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -127,42 +169,56 @@ class TunedBaseline:
 def tuned_megatron(
     node: NodeModel, lengths: Sequence[int], gpus: int = 8, *, priced: CostModel | None = None
 ) -> TunedBaseline:
-    """Every configuration of :func:`megatron_configs` over ``lengths`` (sorted: the curriculum), and the
-    one a careful user runs: the fastest that trains them all, else the one that reaches furthest.
-    ``priced``: ``node``'s cost model on all ``gpus`` GPUs where the caller has one, to share what it has
-    priced (the configurations of one group of them all)."""
+    """Every layout of :func:`megatron_configs` with the recompute it needs over ``lengths`` (sorted: the
+    curriculum), and the one a careful user runs: the fastest that trains them all, else the one that
+    reaches furthest. ``priced``: ``node``'s cost model on all ``gpus`` GPUs where the caller has one, to
+    share what it has priced (the layouts of one group of them all)."""
     curves, cannot_run = {}, {}
-    for config in megatron_configs(gpus):
-        option = config.option
+    for layout in megatron_configs(gpus):
+        pair = layout.pair
         reasons = [
             f"{sublayer} {name}: {why}"
-            for sublayer, name in (("attention", option.attention), ("mlp", option.mlp))
-            if (why := unsupported_reason(sublayer, name, node.shape, config.group)) is not None
+            for sublayer, name in (("attention", pair.attention), ("mlp", pair.mlp))
+            if (why := unsupported_reason(sublayer, name, node.shape, layout.group)) is not None
         ]
         if reasons:
-            cannot_run[config] = "; ".join(reasons)
+            cannot_run[layout] = "; ".join(reasons)
             continue
-        whole = priced is not None and config.group == gpus
-        cost = priced if whole else node.cost_model(config.group, dp=config.dp)
-        curves[config] = _curve(node, config, cost, lengths)
+        whole = priced is not None and layout.group == gpus
+        cost = priced if whole else node.cost_model(layout.group, dp=layout.dp)
+        config, planner = _recomputing_to_fit(node, layout, cost, int(lengths[-1]))
+        curves[config] = _curve(node, config, planner, lengths)
     chosen = min(
         curves, key=lambda c: (curves[c].stopped_at is not None, -curves[c].longest, curves[c].total_s), default=None
     )
     return TunedBaseline(chosen=chosen, curves=curves, cannot_run=cannot_run)
 
 
-def _curve(node: NodeModel, config: MegatronConfig, cost: CostModel, lengths: Sequence[int]) -> Curve:
-    """``config``'s curve, priced by ``cost``: one replica's times of each sequence, run ``DP`` at a time."""
-    planner_config = dataclasses.replace(node.planner, hysteresis=0.0, loss_chunk_tokens=0, on_infeasible="stop")
+def _recomputing_to_fit(
+    node: NodeModel, layout: MegatronConfig, cost: CostModel, longest: int
+) -> tuple[MegatronConfig, _BlockRecompute]:
+    """``layout`` recomputing the fewest layers under which ``longest`` tokens fit (every layer where none
+    do), and its planner."""
+    pair = layout.pair
     planner = Planner(
-        planner_config,
+        dataclasses.replace(node.planner, hysteresis=0.0, loss_chunk_tokens=0, on_infeasible="stop"),
         cost,
-        options=(config.option,),
+        options=(pair, dataclasses.replace(pair, recompute=True)),
         num_layers=node.num_layers,
         budget_bytes=node.budget_bytes,
-        bucket_cap=int(lengths[-1]),
+        bucket_cap=longest,
     )
-    run = Run(name="tuned", paper_name=f"Megatron {config}", planner=planner_config, static=True)
+    sequence = SequenceLayout.build(longest, layout.group, causal=node.causal)
+    recomputed = next(
+        (n for n in range(node.num_layers) if _BlockRecompute(planner, n).fits(sequence)), node.num_layers
+    )
+    config = dataclasses.replace(layout, recomputed=recomputed, layers=node.num_layers)
+    return config, _BlockRecompute(planner, recomputed)
+
+
+def _curve(node: NodeModel, config: MegatronConfig, planner: _BlockRecompute, lengths: Sequence[int]) -> Curve:
+    """``config``'s curve: one replica's times of each sequence, run ``DP`` at a time."""
+    run = Run(name="tuned", paper_name=f"Megatron {config}", planner=planner.planner.config, static=True)
     curve = simulate_curve(run, planner, lengths, config.group, causal=node.causal)
     if config.dp == 1:
         return curve
@@ -215,16 +271,19 @@ def last_step_s(curve: Curve) -> float:
 
 def describe(tuned: TunedBaseline, adaptive: Curve) -> str:
     """One line: the configuration a careful user runs, why, and its last step beside the adaptive run's;
-    the configurations that cannot run the model, with the reason."""
+    the layouts that cannot run the model, with the reason."""
     priced = len(tuned.curves) + len(tuned.cannot_run)
-    cannot = "".join(f"; {config} cannot run this model: {why}" for config, why in tuned.cannot_run.items())
+    cannot = "".join(f"; {config.layout} cannot run this model: {why}" for config, why in tuned.cannot_run.items())
     curve = tuned.curve
     if curve is None:
-        return f"tuned Megatron: none of the {priced} configurations can run this model{cannot}"
+        return f"tuned Megatron: none of the {priced} layouts can run this model{cannot}"
     if tuned.fitting:
-        why = f"the fastest of the {tuned.fitting} of {priced} configurations that train every sequence"
+        why = (
+            f"the fastest of the {tuned.fitting} of {priced} layouts that train every sequence, each recomputing "
+            f"the fewest layers it needs"
+        )
     else:
-        why = f"none of {priced} configurations trains every sequence; this one reaches furthest"
+        why = f"none of the {priced} layouts trains every sequence, even recomputing every layer; this reaches furthest"
     return (
         f"tuned Megatron: {tuned.chosen}, {why}; last step {last_step_s(curve):,.2f} s "
         f"(adaptive {last_step_s(adaptive):,.2f} s){cannot}"
