@@ -321,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     print("GPU datasheets, FlashAttention-2 and nccl-tests figures, and attention kernels measured on one H200")
     print("(megatron_paradyse/cost/hardware.py).")
     print("tuned Megatron: the static configuration of the node a careful user runs for each dataset, the fastest")
-    print("that trains its longest sequence (megatron_paradyse/bench/tuned.py); not priced: " + "; ".join(NOT_PRICED))
+    print("that trains its longest sequence (megatron_paradyse/bench/tuned.py); not priced:")
+    for what in NOT_PRICED:
+        print(f"  {what}")
     specs = {name: load_paper_model(name, args.configs) for name in models}
     lengths = {  # every dataset's: the Llama-3-8B comparison runs on the code corpus whichever are chosen
         key: binned_lengths(ds.shares, args.sequences, ds.max_len, args.seed, reference_max=ds.max_len)

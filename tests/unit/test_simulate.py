@@ -122,7 +122,9 @@ def test_benchmark_prints_tables_checks_and_the_summary_line(tmp_path, capsys):
     assert out.startswith("SIMULATED, NOT MEASURED")
     assert "MegatronTS" in out and "METP" in out and "ParaDySe" in out
     assert re.search(r"^(PASS|FAIL): METP reaches furthest of the static strategies", out, re.M)
-    # the tuned Megatron configuration: a row of the setting's table, and why it was chosen
+    # the tuned Megatron configuration: what is not priced, said; a row of each setting's table, and why
+    assert "(megatron_paradyse/bench/tuned.py); not priced:\n  TP and CP both above 1 (" in out
+    assert "\n  selective recompute (no cost term recomputes the attention core alone)\n" in out
     assert re.search(
         r"^  tuned +Megatron TP=\d CP=\d.* DP=\d (no recompute|full recompute|recompute \d+ of \d+ layers) +"
         r"(all fit|[\d,]+) ",
