@@ -11,9 +11,6 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_paradyse.bench._curves import Curve, Run, longest_fitting, simulate_curve
-from megatron_paradyse.bench._node import NodeModel
-from megatron_paradyse.bench.tuned import TunedBaseline, tuned_megatron
 from megatron_paradyse.config import MemorySection, load_config
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
@@ -28,6 +25,9 @@ from megatron_paradyse.data.corpora import (
 from megatron_paradyse.planner import Planner, PlannerConfig
 from megatron_paradyse.run.config_cli import model_shape_from_args
 from megatron_paradyse.run.megatron_flags import parse_megatron_args
+from megatron_paradyse.simulation.curves import Curve, Run, longest_fitting, simulate_curve
+from megatron_paradyse.simulation.node import NodeModel
+from megatron_paradyse.simulation.tuned import TunedBaseline, tuned_megatron
 from megatron_paradyse.strategies import ModelShape
 
 __all__ = [

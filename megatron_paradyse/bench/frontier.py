@@ -31,13 +31,13 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from megatron_paradyse.bench._node import NodeModel
 from megatron_paradyse.config import load_config
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.cost.hardware import HARDWARE, NodeSpec
 from megatron_paradyse.planner import Planner
 from megatron_paradyse.run.config_cli import model_shape_from_args
 from megatron_paradyse.run.megatron_flags import parse_megatron_args
+from megatron_paradyse.simulation.node import NodeModel
 from megatron_paradyse.strategies import ModelShape
 
 __all__ = ["FrontierResult", "frontier", "llama3_node", "main", "print_frontier", "training_flops"]

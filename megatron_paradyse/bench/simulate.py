@@ -14,7 +14,7 @@ those four pairs, gamma = 5%), and under a planner that goes beyond the paper (a
 strategy, per-layer recompute). A curve is the predicted time per sequence summed over the sequences so
 far; it ends at the first sequence no plan fits, as an out-of-memory error ended the paper's curves.
 
-Beside them, the baseline a tuned Megatron user runs (:mod:`megatron_paradyse.bench.tuned`): the static
+Beside them, the baseline a tuned Megatron user runs (:mod:`megatron_paradyse.simulation.tuned`): the static
 configuration of the node (TP, CP all-to-all or ring, DP, recompute) that is fastest over the dataset among
 those that train its longest sequence; and, on the H100 node, Llama-3-8B over the code corpus under every
 such configuration against the planner with every lever (``adaptive_vs_tuned_megatron``).
@@ -52,10 +52,10 @@ from megatron_paradyse.bench._simulation import (
     simulate_setting,
 )
 from megatron_paradyse.bench.frontier import frontier, llama3_node, print_frontier
-from megatron_paradyse.bench.tuned import NOT_PRICED, adaptive_curve, times_in_common, tuned_megatron
-from megatron_paradyse.bench.tuned import describe as tuned_line
 from megatron_paradyse.cost.hardware import BYTES_PER_PARAM, HARDWARE
 from megatron_paradyse.data.corpora import binned_lengths
+from megatron_paradyse.simulation.tuned import NOT_PRICED, adaptive_curve, times_in_common, tuned_megatron
+from megatron_paradyse.simulation.tuned import describe as tuned_line
 
 __all__ = ["main", "ordering_checks", "print_setting"]
 
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     print("GPU datasheets, FlashAttention-2 and nccl-tests figures, and attention kernels measured on one H200")
     print("(megatron_paradyse/cost/hardware.py).")
     print("tuned Megatron: the static configuration of the node a careful user runs for each dataset, the fastest")
-    print("that trains its longest sequence (megatron_paradyse/bench/tuned.py); not priced:")
+    print("that trains its longest sequence (megatron_paradyse/simulation/tuned.py); not priced:")
     for what in NOT_PRICED:
         print(f"  {what}")
     specs = {name: load_paper_model(name, args.configs) for name in models}

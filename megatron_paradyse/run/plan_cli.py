@@ -11,7 +11,7 @@ them: :func:`~megatron_paradyse.run.job.job_arguments`), a cost profile (``--pro
 plan each pipeline stage would choose, its predicted time and peak per rank; the longest length each
 static strategy fits (Megatron's own TP+SP included) and the longest the planner fits; a plot and JSON
 on request; with ``--vs-megatron``, the static Megatron configuration a careful user tunes for the lengths
-(:mod:`megatron_paradyse.bench.tuned`) and its time against the planner's. Nothing runs on a device: the
+(:mod:`megatron_paradyse.simulation.tuned`) and its time against the planner's. Nothing runs on a device: the
 answer is the analytic cost model's, priced by the profile.
 
 What imports megatron-core (the job's arguments, the stage planning, the datasets) is imported when a
@@ -32,6 +32,8 @@ from megatron_paradyse.cost import load_profile
 from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile, node_group
 from megatron_paradyse.planner import InfeasibleSequenceError
 from megatron_paradyse.run.config_cli import world_size
+from megatron_paradyse.simulation.node import NodeModel
+from megatron_paradyse.simulation.tuned import adaptive_curve, describe, times_in_common, tuned_megatron
 
 __all__ = ["add_plan_arguments", "run_plan"]
 
@@ -142,11 +144,8 @@ def _decide(planner, layout: SequenceLayout) -> dict:
 def _versus_megatron(job: _Job, planner: list, lengths: list[int], gpu: str) -> dict:
     """The job's layers on its TP group of ``gpu``'s GPUs, one sequence of each length (in ascending order):
     the planner's time against the static Megatron configuration a careful user tunes for them
-    (:mod:`megatron_paradyse.bench.tuned`), both priced as ``bench simulate`` prices them (its static count
+    (:mod:`megatron_paradyse.simulation.tuned`), both priced as ``bench simulate`` prices them (its static count
     of 18 bytes a parameter, the optimizer state sharded over the configuration's data-parallel replicas)."""
-    from megatron_paradyse.bench._node import NodeModel
-    from megatron_paradyse.bench.tuned import adaptive_curve, describe, times_in_common, tuned_megatron
-
     cost = planner[0].cost_model
     node = NodeModel(
         gpu=gpu,

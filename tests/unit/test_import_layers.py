@@ -21,6 +21,7 @@ LAYERS = (
     ("strategies",),
     ("cost",),
     ("planner",),
+    ("simulation",),
     ("config",),
     ("mcore",),
     ("data",),

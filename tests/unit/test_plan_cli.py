@@ -230,7 +230,7 @@ def test_plan_prices_no_length_past_the_longest_asked(tmp_path):
 
 
 def test_plan_prices_the_tuned_megatron_configuration_beside_the_planner(tmp_path, capsys):
-    from megatron_paradyse.bench.tuned import megatron_configs
+    from megatron_paradyse.simulation.tuned import megatron_configs
 
     llama = str(CONFIGS / "llama3-8b.yaml")
     out = tmp_path / "plan.json"

@@ -123,7 +123,7 @@ def test_benchmark_prints_tables_checks_and_the_summary_line(tmp_path, capsys):
     assert "MegatronTS" in out and "METP" in out and "ParaDySe" in out
     assert re.search(r"^(PASS|FAIL): METP reaches furthest of the static strategies", out, re.M)
     # the tuned Megatron configuration: what is not priced, said; a row of each setting's table, and why
-    assert "(megatron_paradyse/bench/tuned.py); not priced:\n  TP and CP both above 1 (" in out
+    assert "(megatron_paradyse/simulation/tuned.py); not priced:\n  TP and CP both above 1 (" in out
     assert "\n  selective recompute (no cost term recomputes the attention core alone)\n" in out
     assert re.search(
         r"^  tuned +Megatron TP=\d CP=\d.* DP=\d (no recompute|full recompute|recompute \d+ of \d+ layers) +"

@@ -8,12 +8,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from megatron_paradyse.bench._node import NodeModel
-from megatron_paradyse.bench.tuned import MegatronConfig, describe, megatron_configs, tuned_megatron
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.hardware import stage_params_per_rank
 from megatron_paradyse.planner import Planner, PlannerConfig
+from megatron_paradyse.simulation.node import NodeModel
+from megatron_paradyse.simulation.tuned import MegatronConfig, describe, megatron_configs, tuned_megatron
 from megatron_paradyse.strategies import ModelShape
 
 SHAPE = ModelShape(hidden_size=256, num_attention_heads=8, num_query_groups=8, kv_channels=32, ffn_hidden_size=1024)

@@ -28,14 +28,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megatron_paradyse.bench._curves import Curve, Run, simulate_curve
-from megatron_paradyse.bench._node import NodeModel
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.base import CostModel
 from megatron_paradyse.cost.hardware import GROUP_SIZES, hardware_profile, node_group, stage_params_per_rank
 from megatron_paradyse.cost.pricing import TermPrices
 from megatron_paradyse.planner import Decision, Planner
+from megatron_paradyse.simulation.curves import Curve, Run, simulate_curve
+from megatron_paradyse.simulation.node import NodeModel
 from megatron_paradyse.strategies import unsupported_reason
 from megatron_paradyse.strategies.terms import Collective
 
