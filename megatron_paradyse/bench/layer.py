@@ -45,7 +45,6 @@ import math
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -54,7 +53,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron_paradyse.attention import get_kernel, segment_attention
 from megatron_paradyse.bench.memory import TRACE_MODELS
-from megatron_paradyse.core.host_sync import HostSyncs, cuda_sync_debug, wait_for_device
+from megatron_paradyse.core.host_sync import wait_for_device, watch_host_syncs
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.micro_batch import MicroBatch, micro_batch_scope
 from megatron_paradyse.core.plan import LayerOption, Plan
@@ -350,18 +349,11 @@ def _or_oom(measure: Callable[[], float], *errors: type[BaseException]) -> float
 
 def _host_syncs(run: Callable[[], None], device: torch.device) -> int:
     """Host synchronisations in one ``run()`` after a first one (which sets up what a process sets up
-    once: library handles, workspaces): the sync-debug mode's warnings on CUDA, each printed with where
-    it was raised, else the operators :class:`HostSyncs` finds."""
+    once: library handles, workspaces) (:func:`~megatron_paradyse.core.host_sync.watch_host_syncs`), on
+    CUDA each printed with where it was raised."""
     run()
-    if device.type != "cuda":
-        with HostSyncs(device) as watch:
-            run()
-        return len(watch.found)
-    with warnings.catch_warnings(record=True) as caught, cuda_sync_debug("warn"):
-        warnings.simplefilter("always")
+    with watch_host_syncs(device) as syncs:
         run()
-    # the mode also warns, once, that it is a prototype ("... synchronizing operations"): not a sync
-    syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
-    for w in syncs:
-        print(f"[bench layer] host sync: {w.message} (at {w.filename}:{w.lineno})", file=sys.stderr)
+    for sync in syncs if device.type == "cuda" else ():
+        print(f"[bench layer] host sync: {sync}", file=sys.stderr)
     return len(syncs)

@@ -23,13 +23,14 @@ import contextlib
 import dataclasses
 import os
 import traceback
+import warnings
 from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["HostSync", "HostSyncs", "cuda_sync_debug", "wait_for_device"]
+__all__ = ["HostSync", "HostSyncs", "cuda_sync_debug", "wait_for_device", "watch_host_syncs"]
 
 _COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
 _HOST_READS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
@@ -67,7 +68,7 @@ class HostSyncs(TorchDispatchMode):
             source, target = _copy_ends(func, args, kwargs)
             if source.type != target.type and self.device.type in (source.type, target.type):
                 self._record(func, f"copies from {source.type} to {target.type}")
-        elif any(on_device) and any(tag in func.tags for tag in _HOST_READS):
+        elif any(on_device) and _host_reads(func, args):
             self._record(func, "the host reads its result from the device")
         elif any(on_device) and any(not d and t.dim() > 0 for t, d in zip(inputs, on_device)):
             where = sorted({t.device.type for t, d in zip(inputs, on_device) if not d})
@@ -83,6 +84,16 @@ class HostSyncs(TorchDispatchMode):
         self.found.append(HostSync(str(func), reason, where))
 
 
+def _host_reads(func, args) -> bool:
+    """Whether the host reads ``func``'s result before it can go on: an operator torch tags as data-dependent,
+    except indexing with integer indices, whose result's shape is theirs (only a boolean mask's is read)."""
+    if not any(tag in func.tags for tag in _HOST_READS):
+        return False
+    if func is torch.ops.aten.index.Tensor:
+        return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    return True
+
+
 @contextlib.contextmanager
 def cuda_sync_debug(mode: str = "error") -> Iterator[None]:
     """``torch.cuda.set_sync_debug_mode(mode)`` inside the block (``"error"``: a host synchronisation
@@ -92,6 +103,29 @@ def cuda_sync_debug(mode: str = "error") -> Iterator[None]:
         yield
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@contextlib.contextmanager
+def watch_host_syncs(device: torch.device) -> Iterator[list[str]]:
+    """``with watch_host_syncs(device) as syncs: work()``, then ``syncs``: each host synchronisation of the
+    block, with where it happened. On CUDA, what ``torch.cuda.set_sync_debug_mode("warn")`` warns of (the
+    authority); elsewhere the operators :class:`HostSyncs` finds (on the CPU, where the device is the host,
+    those whose result the host reads: what would wait for a GPU)."""
+    found: list[str] = []
+    if device.type != "cuda":
+        with HostSyncs(device) as watch:
+            yield found
+        found.extend(map(str, watch.found))
+        return
+    with warnings.catch_warnings(record=True) as caught, cuda_sync_debug("warn"):
+        warnings.simplefilter("always")
+        yield found
+    # the mode also warns, once, that it is a prototype ("... synchronizing operations"): not a sync
+    found.extend(
+        f"{w.message} (at {w.filename}:{w.lineno})"
+        for w in caught
+        if "called a synchronizing CUDA operation" in str(w.message)
+    )
 
 
 def _copy_ends(func, args, kwargs) -> tuple[torch.device, torch.device]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_paradyse.core.host_sync import HostSyncs
+from megatron_paradyse.core.host_sync import HostSyncs, watch_host_syncs
 from megatron_paradyse.core.layout import LayoutIndices, SequenceLayout
 from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.mcore import compat
@@ -93,3 +93,19 @@ def test_the_checker_names_reads_of_device_data_and_host_tensors():
     assert watch.found[0].reason == "copies from meta to cpu"
     assert watch.found[1].reason == "the host reads its result from the device"
     assert watch.found[0].where.startswith(__file__)
+
+
+def test_watching_on_the_cpu_lists_what_would_wait_for_a_gpu():
+    """Without a GPU, :func:`watch_host_syncs` lists the operators whose result the host reads, each with
+    where it ran; the device being the host, its copies and reads of host tensors are none."""
+    x = torch.arange(6.0)
+    with watch_host_syncs(torch.device("cpu")) as syncs:
+        y = x * 2 + x.to("cpu", copy=True)
+        y[torch.tensor([0, 2])]  # integer indices: the result's shape is theirs, whatever they hold
+        y.nonzero()
+        y[y > 1]  # a boolean mask: its count sets the shape
+        y.sum().item()
+        assert syncs == []  # filled when the block ends
+    ops = ["aten.nonzero.default", "aten.index.Tensor", "aten._local_scalar_dense.default"]
+    assert [s.split(":")[0] for s in syncs] == ops
+    assert all(f"the host reads its result from the device (at {__file__}:" in s for s in syncs), syncs
