@@ -4,8 +4,10 @@ passes, the arms taking turns at each step."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
+import math
+import os
 import random
 import sys
 import time
@@ -27,11 +29,21 @@ from megatron_paradyse.bench._e2e_results import (
     CorpusResult,
     SequenceResult,
 )
+from megatron_paradyse.bench._e2e_state import (
+    Adam,
+    accumulate_into_main_grads,
+    gradient,
+    gradient_buffer,
+    resident_bytes,
+)
+from megatron_paradyse.bench.frontier import training_flops
+from megatron_paradyse.core.host_sync import wait_for_device, watch_host_syncs
 from megatron_paradyse.core.memory import peak_bytes_of, storage_bytes
 from megatron_paradyse.core.micro_batch import MicroBatch
 from megatron_paradyse.core.plan import LayerOption, Plan
 from megatron_paradyse.cost import AnalyticCostModel
 from megatron_paradyse.cost.correction import TimeCorrections
+from megatron_paradyse.cost.hardware import HARDWARE
 from megatron_paradyse.data import make_micro_batch
 from megatron_paradyse.mcore.chunked_loss import micro_batch_loss
 from megatron_paradyse.mcore.model_shape import model_shape, rotary_dim
@@ -39,15 +51,28 @@ from megatron_paradyse.mcore.spec import get_paradyse_layer_spec
 from megatron_paradyse.mcore.static_memory import OptimizerSetup, pipeline_footprints, torch_optimizer_implementation
 from megatron_paradyse.mcore.step_buffers import release_step_buffers
 from megatron_paradyse.mcore.stock_spec import stock_block_spec
+from megatron_paradyse.mcore.trace import LayerModel
 from megatron_paradyse.planner import Planner, PlannerConfig
 from megatron_paradyse.run.log import MicroBatchMeter
+from megatron_paradyse.strategies import ModelShape
 
 from megatron.core import parallel_state
+from megatron.core.extensions.transformer_engine import HAVE_TE
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron.core.transformer import TransformerConfig
 
-__all__ = ["MEGATRON_CANNOT_PACK", "MODEL", "LEARNING_RATE", "Settings", "arm_order", "bench_on_rank", "demo_config"]
+__all__ = [
+    "MEGATRON_CANNOT_PACK",
+    "DEMO",
+    "DEMO_LAYERS",
+    "LEARNING_RATE",
+    "Settings",
+    "arm_order",
+    "bench_on_rank",
+    "model_config",
+    "transformer_impl",
+]
 
 
 MEGATRON_PLAN = "megatron local spec"
@@ -56,25 +81,33 @@ MEGATRON_CANNOT_PACK = (
     "Transformer Engine or flash-attn)"
 )
 
-MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=8, ffn_hidden_size=512, normalization="LayerNorm")
-"""The CPU demo's GPT (``configs/tiny-cpu.yaml``)."""
+DEMO = LayerModel(
+    shape=ModelShape(hidden_size=128, num_attention_heads=8, num_query_groups=8, kv_channels=16, ffn_hidden_size=512),
+    normalization="LayerNorm",
+    bias=True,
+)
+"""The layer of the CPU demo's GPT (``configs/tiny-cpu.yaml``, :data:`DEMO_LAYERS` of them): the default
+model (``--model`` takes a config's)."""
+DEMO_LAYERS = 4
 LEARNING_RATE = 1e-3
 SEED = 1234
 
 
-def demo_config(p: int):
-    """The demo GPT's :data:`MODEL` as a Megatron ``TransformerConfig`` for TP=``p`` with sequence
-    parallelism, fp32 on the CPU, no dropout."""
-    return TransformerConfig(
-        **MODEL,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=p,
-        sequence_parallel=p > 1,
+def model_config(
+    model: LayerModel, layers: int, p: int, dtype: torch.dtype = torch.float32, transformer_impl: str = "local"
+):
+    """A GPT of ``layers`` layers ``model`` as a Megatron ``TransformerConfig`` for TP=``p`` with sequence
+    parallelism, in ``dtype``, initialised on the CPU, no dropout."""
+    config = model.transformer_config(p, dtype)
+    return dataclasses.replace(
+        config, num_layers=layers, perform_initialization=True, transformer_impl=transformer_impl
     )
+
+
+def transformer_impl(device: str) -> str:
+    """The layers' modules on ``device``: Transformer Engine's where it is installed (GPU only), the
+    Paradyse layers' and Megatron's stock ones alike (the same weights), else Megatron's local ones."""
+    return "transformer_engine" if HAVE_TE and device == "cuda" else "local"
 
 
 def arm_order(names: Sequence[str], repeat: int, step: int) -> list[str]:
@@ -94,6 +127,14 @@ def arm_order(names: Sequence[str], repeat: int, step: int) -> list[str]:
 class Settings:
     tp: int
     dp: int
+    model: LayerModel
+    """The GPT's layer (:data:`DEMO`, or a config's, ``--model``), RoPE base included."""
+    layers: int
+    tied_embeddings: bool
+    device: str
+    """``cpu`` (gloo) or ``cuda`` (NCCL, one GPU per rank: the local rank's)."""
+    dtype: str
+    """The model's parameters and activations: ``float32`` or ``bfloat16`` (:mod:`._e2e_state`)."""
     pack_tokens: int | None
     """``--pack`` (None: one document per micro-batch)."""
     repeats: int
@@ -108,6 +149,8 @@ class Settings:
 
 
 def bench_on_rank(rank: int, world_size: int, corpora: list[Corpus], settings: Settings) -> list[CorpusResult]:
+    if settings.device == "cuda":  # the rank's own GPU, as NCCL wants (LOCAL_RANK under torchrun)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=settings.tp)
     try:
         placement = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank())
@@ -128,7 +171,10 @@ class _CorpusBench:
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.config = demo_config(p)
+        cuda = settings.device == "cuda"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        impl = transformer_impl(settings.device)
+        self.config = model_config(settings.model, settings.layers, p, getattr(torch, settings.dtype), impl)
         multiple = 128 * p  # Megatron's --make-vocab-size-divisible-by 128, times TP
         self.vocab_size = -(-corpus.vocab_size // multiple) * multiple
         longest = max(sum(corpus.micro_batch_tokens(m)) for m in corpus.micro_batches)
@@ -141,46 +187,61 @@ class _CorpusBench:
                 vocab_size=self.vocab_size,
                 max_sequence_length=longest + 2 * p,
                 position_embedding_type="rope",
-                share_embeddings_and_output_weights=True,  # Megatron's default (no --untie-embeddings-...)
-            )
+                rotary_base=settings.model.rotary_base,
+                share_embeddings_and_output_weights=settings.tied_embeddings,
+            ).to(self.device)
 
-        self.stock = build(stock_block_spec(self.config))  # also without the megatron arm: the initial weights
+        if impl == "transformer_engine":
+            stock = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.config.qk_layernorm)  # norm: config's
+        else:
+            stock = stock_block_spec(self.config)
+        self.stock = build(stock)  # also without the megatron arm: the initial weights
         self.paradyse = build(get_paradyse_layer_spec(self.config))
+        for model in (self.stock, self.paradyse):
+            accumulate_into_main_grads(model)
         self.initial = {k: v.clone() if torch.is_tensor(v) else v for k, v in self.stock.state_dict().items()}
         (self.footprint,) = pipeline_footprints(
             self.config,
             vocab_size=self.vocab_size,
-            tied_embeddings=True,
+            tied_embeddings=settings.tied_embeddings,
             learned_positions=0,
-            optimizer=OptimizerSetup(torch_optimizer_implementation("cpu"), weight_decay=False),  # _reset's Adam
+            optimizer=OptimizerSetup(torch_optimizer_implementation(self.device.type), weight_decay=False),  # Adam
             grads_in_fp32=True,
         )
         self.cost_model = AnalyticCostModel(
             settings.profile,
             model_shape(self.config),
             p,
-            dtype=torch.float32,
+            dtype=self.config.params_dtype,
             static_bytes=self.footprint.static_bytes,
             vocab_size=self.vocab_size,
             rotary_dim=rotary_dim(self.config, "rope"),
             bias=self.config.add_bias_linear,
             normalization=self.config.normalization,
-            tied_unfused_output=not self.config.gradient_accumulation_fusion,  # tied, one stage
+            tied_unfused_output=settings.tied_embeddings and not self.config.gradient_accumulation_fusion,
         )
         # Step k runs micro-batch k * dp + d on DP rank d; a trailing remainder of fewer than dp is dropped.
         steps = [corpus.micro_batches[k * dp : (k + 1) * dp] for k in range(len(corpus.micro_batches) // dp)]
         self.document_tokens = [tuple(map(corpus.micro_batch_tokens, step)) for step in steps]
-        self.batches = []  # this DP rank's micro-batch of each step
+        self.batches = []  # this DP rank's micro-batch of each step, on the device
         for step in steps:
             documents = [corpus.documents[d] for d in step[self.dp_rank]]
-            self.batches.append(
-                make_micro_batch(documents, [False] * len(documents), p=p, causal=True, pad_id=corpus.pad_id)
-            )
-        if MEGATRON in settings.arms:
-            for batch in self.batches:  # what Megatron's stock layers take: natural order, padding kept (last)
+            batch = make_micro_batch(documents, [False] * len(documents), p=p, causal=True, pad_id=corpus.pad_id)
+            if MEGATRON in settings.arms:  # what Megatron's stock layers take: natural order, padding kept (last)
                 order = batch["layout"].canonical_index
-                keys = ("tokens", "labels", "loss_mask", "position_ids")
-                batch["natural"] = {k: batch[k].index_select(1, order) for k in keys}
+                batch["natural"] = {k: batch[k].index_select(1, order).to(self.device) for k in _INPUTS}
+            batch.update({k: batch[k].to(self.device) for k in _INPUTS})
+            batch["layout"].indices(self.device)  # copied once, before any step, as the entry point does
+            self.batches.append(batch)
+        shape = model_shape(self.config)
+        self.step_flops = tuple(
+            math.fsum(training_flops(shape, self.config.num_layers, n) for tokens in step for n in tokens)
+            for step in self.document_tokens
+        )
+        self.meter = MicroBatchMeter(self.device, 0.0, memory=False)  # forward + backward, as a run measures
+        self.meter.attach(self.stock)
+        self.meter.attach(self.paradyse)
+        self.predictor = self._planner(2.0**62)  # the cost model's time of any plan (a budget none reaches)
 
     # -- arms -------------------------------------------------------------------------------------
     def run(self) -> CorpusResult:
@@ -198,8 +259,6 @@ class _CorpusBench:
                     s.status = OOM
         if LEARNING in names:  # it trains what the adaptive arm holds within budget; its peaks come after
             self.learning_planner = self._planner(budget, learn=True)
-            self.learning_meter = MicroBatchMeter(torch.device("cpu"), 0.0, memory=False)  # time only
-            self.learning_meter.attach(self.paradyse)
             adaptive = results[ADAPTIVE].sequences
             results[LEARNING] = ArmResult(LEARNING, [SequenceResult(s.document_tokens, s.status) for s in adaptive])
             self._learned_plans: dict[tuple[int, int], object] = {}  # (sequence, repeat): this rank's plan
@@ -215,7 +274,16 @@ class _CorpusBench:
         arms = {n: results[n] for n in names}
         s = self.settings
         return CorpusResult(
-            self.corpus.name, s.tp, s.dp, s.pack_tokens, budget, rule, self.footprint.static_bytes, arms
+            self.corpus.name,
+            s.tp,
+            s.dp,
+            s.pack_tokens,
+            budget,
+            rule,
+            self.footprint.static_bytes,
+            arms,
+            step_flops=self.step_flops,
+            peak_flops=_peak_flops(self.device),
         )
 
     def _progress(self, what: str) -> None:
@@ -262,7 +330,8 @@ class _CorpusBench:
         """The arm's model at the initial weights, its Adam, and its flat gradient buffer."""
         model = self._model(name)
         model.load_state_dict(self.initial)
-        return model, torch.optim.Adam(model.parameters(), lr=LEARNING_RATE), _gradient_buffer(model)
+        grads = gradient_buffer(model)  # before Adam: a bf16 model's fp32 weights take their gradients there
+        return model, Adam(model, list(model.parameters()), LEARNING_RATE), grads
 
     def _model(self, name: str) -> torch.nn.Module:
         return self.stock if name == MEGATRON else self.paradyse
@@ -288,7 +357,7 @@ class _CorpusBench:
         planner = self._planner(budget) if name == ADAPTIVE else None
         if planner is not None:
             self.adaptive_planner = planner  # the timed passes reuse its cached plans
-        results, deciding = [], 0.0
+        results, deciding, syncs = [], 0.0, []
         for batch, document_tokens in zip(self.batches, self.document_tokens):
             layout = batch["layout"]
             try:
@@ -297,9 +366,7 @@ class _CorpusBench:
                     plan = self._arm_plan(name, planner, layout)
                 finally:
                     deciding += time.perf_counter() - start
-                planned = (
-                    (MEGATRON_PLAN, None) if plan is None else (plan.compact(), self._predicted_peak(plan, layout))
-                )
+                planned = (MEGATRON_PLAN, None, None) if plan is None else self._predicted(plan, layout)
             except _Infeasible:
                 planned = None
             plans = self._per_dp_rank(self._gather(planned))
@@ -307,18 +374,26 @@ class _CorpusBench:
                 results.append(SequenceResult(document_tokens, INFEASIBLE))
                 continue
             creates_optimizer_state = not optimizer.state
-            peaks = self._measured_peaks(model, optimizer, grads, batch, plan)
+            watched = None if creates_optimizer_state else syncs  # the first step sets up what a process does once
+            peaks = self._measured_peaks(model, optimizer, grads, batch, plan, syncs=watched)
             results.append(
                 SequenceResult(
                     document_tokens,
                     TRAINED,
                     tuple(peaks),
-                    plans=tuple(text for text, _ in plans),
-                    predicted_peak_bytes=tuple(peak for _, peak in plans if peak is not None),
+                    plans=tuple(text for text, _, _ in plans),
+                    predicted_peak_bytes=tuple(peak for _, peak, _ in plans if peak is not None),
                     creates_optimizer_state=creates_optimizer_state,
+                    predicted_time_s=tuple(time_s for _, _, time_s in plans if time_s is not None),
                 )
             )
-        return ArmResult(name, results, first_decisions_s=deciding if planner is not None else 0.0)
+        found = max(self._gather(tuple(syncs)), key=len)
+        return ArmResult(name, results, first_decisions_s=deciding if planner is not None else 0.0, host_syncs=found)
+
+    def _predicted(self, plan, layout) -> tuple[str, float, float]:
+        """``plan`` in short, and the cost model's peak of one step of it at ``layout`` and its forward +
+        backward time."""
+        return plan.compact(), self._predicted_peak(plan, layout), self.predictor.predicted_time_s(plan, layout)
 
     def _predicted_peak(self, plan, layout) -> float:
         """The cost model's peak of one step of ``plan`` at ``layout``: its micro-batch's, or the optimizer
@@ -326,13 +401,21 @@ class _CorpusBench:
         step = self.footprint.static_bytes + self.footprint.optimizer_step_bytes
         return max(self.cost_model.plan_peak_bytes(plan, layout, 1), step)
 
-    def _measured_peaks(self, model, optimizer, grads: torch.Tensor, batch: dict, plan) -> list[int]:
+    def _measured_peaks(self, model, optimizer, grads: torch.Tensor, batch: dict, plan, syncs=None) -> list[int]:
         """Every rank's peak of one step of ``plan`` (None: Megatron's layers) on ``batch``: what it holds
-        before the step, plus the high-water mark of forward + backward + all-reduces or of Adam's step."""
+        before the step, plus the high-water mark of forward + backward + all-reduces or of Adam's step;
+        the host synchronisations of the forward + backward added to ``syncs`` (a list; None: not watched)."""
         release_step_buffers()  # Megatron's all-gather buffer and rotary tables: the step's own
-        resident = _resident_bytes(model, optimizer) + _input_bytes(batch, plan)
-        forward_backward = peak_bytes_of(functools.partial(self._forward_backward, model, grads, batch, plan))
-        step = peak_bytes_of(lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=False)))
+        resident = resident_bytes(model, optimizer) + _input_bytes(batch, plan, self.device)
+
+        def forward_backward() -> None:
+            with watch_host_syncs(self.device) if syncs is not None else contextlib.nullcontext([]) as found:
+                self._forward_backward(model, grads, batch, plan)
+            if syncs is not None:
+                syncs.extend(found)
+
+        forward_backward = peak_bytes_of(forward_backward, self.device)
+        step = peak_bytes_of(lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=False)), self.device)
         return self._gather(resident + max(forward_backward, step))
 
     def _pass(self, arms: list[ArmResult], repeat: int, *, first: bool, timed: bool = True) -> None:
@@ -342,7 +425,7 @@ class _CorpusBench:
         ``first``: the losses too). The arms of one model keep their own weights and Adam between their
         steps, swapped in and out of it outside the timed window."""
         models = {id(model): model for model in (self._model(arm.name) for arm in arms)}
-        grads = {key: _gradient_buffer(model) for key, model in models.items()}  # one per model, shared
+        grads = {key: gradient_buffer(model) for key, model in models.items()}  # one per model, shared
         turns = {arm.name: self._turn(arm, grads) for arm in arms}
         for index in range(len(self.batches)):
             for name in arm_order(list(turns), repeat, index):
@@ -352,48 +435,50 @@ class _CorpusBench:
                 turn.swap_out()
         for turn in turns.values():
             turn.swap_in()
-            turn.arm.resident_bytes = _resident_bytes(turn.model, turn.optimizer)
+            turn.arm.resident_bytes = resident_bytes(turn.model, turn.optimizer)
             checksum = sum(float(param.detach().double().sum()) for param in turn.model.parameters())
             turn.arm.weight_checksums = tuple(self._gather(checksum))
 
     def _turn(self, arm: ArmResult, grads: dict) -> _Turn:
         model = self._model(arm.name)
-        planner, meter = None, None
+        planner = None
         if arm.name == ADAPTIVE:  # plans cached by the memory pass, as in a run where length buckets recur
             planner = self.adaptive_planner
         if arm.name == LEARNING:  # what it learned in the passes before, as in a run's later epochs
-            planner, meter = self.learning_planner, self.learning_meter
+            planner = self.learning_planner
         if planner is not None:
             planner.forget_previous()
         initial = [self.initial[name].clone() for name, _ in model.named_parameters()]
-        optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
-        return _Turn(arm, model, optimizer, grads[id(model)], initial, planner, meter)
+        return _Turn(arm, model, Adam(model, initial, LEARNING_RATE), grads[id(model)], initial, planner)
 
     def _step(self, turn: _Turn, index: int, *, first: bool, timed: bool) -> None:
         """``turn``'s arm trains on sequence ``index`` (if it holds it within budget), timed between barriers."""
-        arm, planner, meter = turn.arm, turn.planner, turn.meter
+        arm, planner = turn.arm, turn.planner
         batch, result = self.batches[index], turn.arm.sequences[index]
         if result.status != TRAINED:
             if planner is not None:  # the planner sees every sequence, as in the memory pass (hysteresis)
                 planner.decide(batch["layout"])
             return
         explored = _explorations(planner)
+        wait_for_device(self.device)
         dist.barrier()
         start = time.perf_counter()
         plan = self._arm_plan(arm.name, planner, batch["layout"])
-        if meter is not None:
-            meter.begin()
+        self.meter.begin()
         loss = self._forward_backward(turn.model, turn.grads, batch, plan)
         turn.optimizer.step()
         turn.optimizer.zero_grad(set_to_none=False)
-        if meter is not None:
-            self._learn(planner, meter, batch["layout"], plan)
+        (measured,) = self.meter.collect()
+        if arm.name == LEARNING:
+            self._learn(planner, batch["layout"], plan, measured.time_s)
+        wait_for_device(self.device)
         dist.barrier()
         if timed:
             result.times_s.append(time.perf_counter() - start)
+            result.rank_times_s.append(tuple(self._gather(measured.time_s)))
         if first:
-            result.losses = tuple(self._gather(loss)[:: self.p])
-        if meter is not None:
+            result.losses = tuple(self._gather(loss.item())[:: self.p])
+        if arm.name == LEARNING:
             self._learned_plans[(index, len(result.plans_run))] = plan
             result.plans_run.append(self._per_dp_rank(self._gather(plan.compact())))
             result.explored += _explorations(planner) > explored
@@ -403,11 +488,10 @@ class _CorpusBench:
             )
 
     @staticmethod
-    def _learn(planner, meter, layout, plan) -> None:
+    def _learn(planner, layout, plan, measured_s: float) -> None:
         """What the training loop does with a measured micro-batch when ``planner.learn_time`` is on, here
         after every step: correct the time model, agree on it across the ranks, and plan with it."""
-        (measured,) = meter.collect()
-        planner.observe_time(layout, plan, measured.time_s)
+        planner.observe_time(layout, plan, measured_s)
         if planner.cost_model.corrections.agree(most_entries=len(planner.options)):  # one micro-batch a step
             planner.clear_cache()
 
@@ -436,10 +520,11 @@ class _CorpusBench:
             raise RuntimeError(f"{LEARNING}: the ranks learned different time corrections: {learned}")
         arm.time_corrections = learned[0]
 
-    def _forward_backward(self, model, grads: torch.Tensor, batch: dict, plan) -> float:
-        """Mean loss per token of one micro-batch, backward, Megatron's TP all-reduce of the gradients of
-        parameters every rank holds whole (norms, row-parallel biases), and the average over the DP ranks
-        of every gradient (``grads``: the flat buffer they live in)."""
+    def _forward_backward(self, model, grads: torch.Tensor, batch: dict, plan) -> torch.Tensor:
+        """Mean loss per token of one micro-batch (left on the device: reading it would make the host wait),
+        backward, Megatron's TP all-reduce of the gradients of parameters every rank holds whole (norms,
+        row-parallel biases), and the average over the DP ranks of every gradient (``grads``: the flat
+        buffer they live in)."""
         if plan is None:  # Megatron's own layers: natural token order (padding last), its causal mask
             natural = batch["natural"]
             per_token = model(natural["tokens"], natural["position_ids"], None, labels=natural["labels"])
@@ -449,11 +534,11 @@ class _CorpusBench:
         loss.backward()
         for param in model.parameters():
             if getattr(param, "sequence_parallel", False) and self.p > 1:
-                dist.all_reduce(param.grad, group=self.tp_group)
+                dist.all_reduce(gradient(param), group=self.tp_group)
         if self.settings.dp > 1:
             dist.all_reduce(grads, group=self.dp_group)
             grads.div_(self.settings.dp)
-        return loss.item()
+        return loss.detach()
 
 
 @dataclasses.dataclass
@@ -467,7 +552,6 @@ class _Turn:
     """The model's flat gradient buffer, shared by the arms of that model (each step zeroes it)."""
     weights: list[torch.Tensor]
     planner: object | None
-    meter: object | None
 
     def swap_in(self) -> None:
         with torch.no_grad():
@@ -480,16 +564,12 @@ class _Turn:
                 weight.copy_(param)
 
 
-def _gradient_buffer(model: torch.nn.Module) -> torch.Tensor:
-    """One flat buffer holding every parameter's gradient, made before any step, as Megatron's DDP keeps
-    them (one DP all-reduce)."""
-    params = list(model.parameters())
-    grads = torch.zeros(sum(param.numel() for param in params))
-    offset = 0
-    for param in params:
-        param.grad = grads[offset : offset + param.numel()].view_as(param)
-        offset += param.numel()
-    return grads
+def _peak_flops(device: torch.device) -> float:
+    """The dense bf16 peak of ``device``'s GPU model, FLOP/s, where :data:`HARDWARE` lists it (nan elsewhere)."""
+    if device.type != "cuda":
+        return math.nan
+    name = torch.cuda.get_device_name(device)
+    return next((spec.peak_bf16_flops for spec in HARDWARE.values() if spec.device_name == name), math.nan)
 
 
 def _explorations(planner) -> int:
@@ -497,23 +577,20 @@ def _explorations(planner) -> int:
     return 0 if planner is None or planner.exploration is None else planner.exploration.explored
 
 
+_INPUTS = ("tokens", "labels", "loss_mask", "position_ids")
+"""The micro-batch's tensors the model reads (:func:`~megatron_paradyse.data.make_micro_batch`)."""
+
+
 class _Infeasible(Exception):
     """The planner found no plan that fits the budget for this micro-batch."""
 
 
-def _input_bytes(batch: dict, plan) -> int:
+def _input_bytes(batch: dict, plan, device: torch.device) -> int:
     """Bytes of the micro-batch's inputs the step reads (Megatron's layers: natural order, no index
     tensors), which exist before it starts: the cost model counts them (``stage_bytes``)."""
     if plan is None:
         tensors = list(batch["natural"].values())
     else:
-        tensors = [batch[k] for k in ("tokens", "labels", "loss_mask", "position_ids")]
-        tensors += list(batch["layout"].indices("cpu"))
-    return storage_bytes(tensors)
-
-
-def _resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the distinct storages of ``model``'s parameters and gradients and ``optimizer``'s state."""
-    tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
-    tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+        tensors = [batch[k] for k in _INPUTS]
+        tensors += list(batch["layout"].indices(device))
     return storage_bytes(tensors)

@@ -42,6 +42,7 @@ def print_corpus(result: CorpusResult, corpus: Corpus) -> None:
     head += ["peak MiB", "over budget", "peak vs model", "last loss"]
     _print_table(head, [_arm_row(arm, bins) for arm in arms.values()])
     _print_adaptive(result)
+    _print_ranks(result)
     if result.dp > 1:
         print(
             "weights after training, largest relative difference of a rank's parameter checksum from its TP "
@@ -116,6 +117,44 @@ def _print_adaptive(result: CorpusResult) -> None:
             print(f"adaptive / {name}: {time_ratio(adaptive, arm):.3f} over the {len(both)} sequences both trained")
 
 
+def _print_ranks(result: CorpusResult) -> None:
+    """Every rank's predicted and measured peak and forward + backward time under each arm the cost model
+    predicts; each arm's throughput, MFU and host synchronisations."""
+    rows = [
+        [
+            arm.name,
+            str(f.rank),
+            f"{f.predicted_peak_bytes / MIB:.1f}",
+            f"{f.peak_bytes / MIB:.1f}",
+            f"{f.predicted_peak_bytes / f.peak_bytes:.3f}",
+            f"{f.predicted_s:.3f}",
+            f"{f.measured_s:.3f}",
+            f"{f.predicted_s / f.measured_s:.3f}",
+        ]
+        for arm in result.arms.values()
+        for f in arm.per_rank()
+    ]
+    print(
+        "per rank: the peak of the step of the rank's largest measured peak (after the arm's first), and "
+        "forward + backward (as the training loop measures a micro-batch) summed over the steps trained, "
+        "medians over the repeats; predicted by the cost model (no prediction for Megatron's layers)"
+    )
+    _print_table(["arm", "rank", "pred peak MiB", "peak MiB", "pred/meas", "pred f+b s", "f+b s", "pred/meas"], rows)
+    rows = []
+    for name, arm in result.arms.items():
+        syncs = "-" if arm.host_syncs is None else str(len(arm.host_syncs))
+        first = f" (first: {arm.host_syncs[0]})" if arm.host_syncs else ""
+        done = bool(arm.trained())
+        speed = f"{arm.tokens_per_s():.0f}" if done else "-"
+        rows.append([name, speed, f"{result.mfu(name):.1%}" if done else "-", syncs + first])
+    print(
+        "throughput: tokens of the steps trained over their times; MFU: their model FLOPs (transformer layers, "
+        "forward and backward) over their times at the GPU's dense bf16 peak on every rank (nan: no known "
+        "peak); host syncs: in forward + backward, every step of the memory pass after the first"
+    )
+    _print_table(["arm", "tokens/s", "MFU", "host syncs"], rows)
+
+
 def _plan_counts(plans_per_step) -> str:
     """``"3x [plan]; 1x [other plan]"`` over the DP ranks' plans of each step, in order of first use."""
     counts: dict[str, int] = {}
@@ -184,6 +223,12 @@ def summary_line(results: list[CorpusResult]) -> str:
         return math.nan if any(math.isnan(v) for v in values) else pick(values)
 
     errors = [abs(e) for r in results for e in r.arms[ADAPTIVE].peak_errors()]
+    peaks = [ratio for r in results for arm in r.arms.values() for ratio in arm.peak_ratios()]
+    times = [f.predicted_s / f.measured_s for r in results for arm in r.arms.values() for f in arm.per_rank()]
+    adaptive = [r.arms[ADAPTIVE] for r in results]
+    syncs = [len(arm.host_syncs) for arm in adaptive]
+    throughput = [arm.tokens_per_s() if arm.trained() else math.nan for arm in adaptive]
+    mfu = [r.mfu(ADAPTIVE) for r in results]
     return (
         f"adaptive_vs_best_static={worst('adaptive_vs_best_static', max):.3f} "
         f"adaptive_vs_megatron={worst('adaptive_vs_megatron', max):.3f} "
@@ -191,5 +236,15 @@ def summary_line(results: list[CorpusResult]) -> str:
         f"adaptive_vs_best_per_bucket_max={worst('adaptive_vs_best_per_bucket_max', max):.3f} "
         f"step_mem_err_max={max(errors, default=math.nan) * 100:.2f} "
         f"learn_vs_adaptive={worst('learn_vs_adaptive', max):.3f} "
-        f"learn_vs_best_per_bucket_max={worst('learn_vs_best_per_bucket_max', max):.3f}"
+        f"learn_vs_best_per_bucket_max={worst('learn_vs_best_per_bucket_max', max):.3f} "
+        f"peak_predicted_over_measured_min={min(peaks, default=math.nan):.3f} "
+        f"peak_predicted_over_measured_max={max(peaks, default=math.nan):.3f} "
+        f"time_predicted_over_measured_min={min(times, default=math.nan):.3f} "
+        f"time_predicted_over_measured_max={max(times, default=math.nan):.3f} "
+        f"host_syncs={max(syncs)} tokens_per_s={_least(throughput):.0f} mfu={_least(mfu) * 100:.1f}"
     )
+
+
+def _least(values: list[float]) -> float:
+    """The smallest of ``values``; nan if any is."""
+    return math.nan if any(math.isnan(v) for v in values) else min(values)

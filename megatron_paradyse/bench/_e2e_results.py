@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,6 +21,7 @@ __all__ = [
     "OOM",
     "TRAINED",
     "ArmResult",
+    "RankFigures",
     "Corpus",
     "CorpusResult",
     "SequenceResult",
@@ -67,6 +69,12 @@ class SequenceResult:
     """The arm's first step: Adam makes its moments in the optimizer step, after the activations are
     freed, so its peak is below the steady state's, which the cost model gives (it counts the moments as
     held: ``static_memory``)."""
+    predicted_time_s: tuple[float, ...] = ()
+    """Per DP rank, the cost model's forward + backward time of its plan at its micro-batch's exact length
+    (``Planner.predicted_time_s``; none for Megatron's layers, nor for the adaptive+learn arm)."""
+    rank_times_s: list[tuple[float, ...]] = dataclasses.field(default_factory=list)
+    """Per timed repeat, every rank's forward + backward, in rank order, as the training loop measures a
+    micro-batch (:class:`~megatron_paradyse.run.log.MicroBatchMeter`): what ``predicted_time_s`` predicts."""
 
     @property
     def tokens(self) -> int:
@@ -81,6 +89,10 @@ class SequenceResult:
     @property
     def time_s(self) -> float:
         return statistics.median(self.times_s)
+
+    def rank_time_s(self, rank: int) -> float:
+        """``rank``'s forward + backward, the median over the repeats."""
+        return statistics.median(times[rank] for times in self.rank_times_s)
 
     def peaks_vs_predicted(self) -> list[tuple[int, str, float, int]]:
         """Per DP rank with a prediction: its micro-batch's tokens, its plan, the predicted peak and the
@@ -103,6 +115,9 @@ class ArmResult:
     """Per rank, in rank order, the float64 sum of the parameters it holds after training."""
     time_corrections: str = ""
     """The adaptive+learn arm: what it learned, per option and length bucket (rank 0's; every rank agrees)."""
+    host_syncs: tuple[str, ...] | None = None
+    """The host synchronisations of its memory pass after its first step, on the rank with the most, each
+    with where it happened (None: not watched: the adaptive+learn arm has no memory pass)."""
 
     def trained(self) -> dict[int, SequenceResult]:
         return {i: s for i, s in enumerate(self.sequences) if s.status == TRAINED}
@@ -119,6 +134,43 @@ class ArmResult:
             if s.peak_bytes and not s.creates_optimizer_state
             for _, _, predicted, measured in s.peaks_vs_predicted()
         ]
+
+    def per_rank(self) -> list[RankFigures]:
+        """Every rank's predicted and measured figures, over the steps with a prediction (none: Megatron's
+        layers): the step of the rank's largest measured peak in the steady state, its forward + backward
+        summed over the steps the arm trained."""
+        with_peak = [s for s in self.sequences if s.predicted_peak_bytes and not s.creates_optimizer_state]
+        timed = [s for s in self.trained().values() if s.predicted_time_s and s.rank_times_s]
+        if not with_peak or not timed:
+            return []
+        figures = []
+        for rank in range(len(with_peak[0].peak_bytes)):
+            dp_rank = rank * len(with_peak[0].document_tokens) // len(with_peak[0].peak_bytes)  # r // tp
+            worst = max(with_peak, key=lambda s: s.peak_bytes[rank])
+            figures.append(
+                RankFigures(
+                    rank,
+                    worst.predicted_peak_bytes[dp_rank],
+                    worst.peak_bytes[rank],
+                    math.fsum(s.predicted_time_s[dp_rank] for s in timed),
+                    math.fsum(s.rank_time_s(rank) for s in timed),
+                )
+            )
+        return figures
+
+    def peak_ratios(self) -> list[float]:
+        """Predicted / measured peak of every rank at every step with a prediction, in the steady state."""
+        return [
+            s.predicted_peak_bytes[rank * len(s.document_tokens) // len(s.peak_bytes)] / peak
+            for s in self.sequences
+            if s.predicted_peak_bytes and not s.creates_optimizer_state
+            for rank, peak in enumerate(s.peak_bytes)
+        ]
+
+    def tokens_per_s(self) -> float:
+        """Tokens of every DP rank's micro-batches over the step times, over the steps the arm trained."""
+        done = self.trained().values()
+        return sum(sum(map(sum, s.document_tokens)) for s in done) / math.fsum(s.time_s for s in done)
 
     def completes(self) -> bool:
         return all(s.status == TRAINED for s in self.sequences)
@@ -137,6 +189,16 @@ class ArmResult:
         return max((abs(c - sums[r % tp]) / max(abs(sums[r % tp]), 1e-30) for r, c in enumerate(sums)), default=0.0)
 
 
+class RankFigures(NamedTuple):
+    """One rank's predicted and measured peak (of one step) and forward + backward time (of all)."""
+
+    rank: int
+    predicted_peak_bytes: float
+    peak_bytes: int
+    predicted_s: float
+    measured_s: float
+
+
 @dataclasses.dataclass
 class CorpusResult:
     corpus: str
@@ -148,6 +210,21 @@ class CorpusResult:
     budget_rule: str
     planner_static_bytes: float
     arms: dict[str, ArmResult]
+    step_flops: tuple[float, ...] = ()
+    """Model FLOPs of each step: its micro-batches' transformer layers, forward and backward
+    (:func:`~megatron_paradyse.bench.frontier.training_flops`, per document)."""
+    peak_flops: float = math.nan
+    """The GPU's dense bf16 peak, FLOP/s (:data:`~megatron_paradyse.cost.hardware.HARDWARE`; nan: a CPU,
+    or a GPU not listed there)."""
+
+    def mfu(self, name: str) -> float:
+        """Model FLOP utilisation of arm ``name``: the model FLOPs of the steps it trained over their times,
+        all ranks at the GPU's bf16 peak (nan without one)."""
+        arm = self.arms[name]
+        done = arm.trained()
+        seconds = math.fsum(s.time_s for s in done.values())
+        ranks = self.tp * self.dp
+        return math.fsum(self.step_flops[i] for i in done) / (seconds * ranks * self.peak_flops) if done else math.nan
 
     def ratios(self) -> dict[str, float]:
         adaptive = self.arms[ADAPTIVE]

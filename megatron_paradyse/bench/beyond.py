@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_paradyse.bench._e2e_arms import demo_config
+from megatron_paradyse.bench._e2e_arms import DEMO, DEMO_LAYERS, model_config
 from megatron_paradyse.core.memory import peak_bytes_of, storage_bytes
 from megatron_paradyse.core.micro_batch import MicroBatch
 from megatron_paradyse.core.multiprocess import run_on_ranks
@@ -87,7 +87,7 @@ def _on_rank(rank: int, world_size: int, settings: _Settings) -> dict | None:
     p = settings.tp
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=p)
     model_parallel_cuda_manual_seed(SEED)
-    config = demo_config(p)
+    config = model_config(DEMO, DEMO_LAYERS, p)
     torch.manual_seed(SEED)
     model = GPTModel(
         config,

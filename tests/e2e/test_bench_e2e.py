@@ -21,7 +21,6 @@ end with the same weights (their gradients averaged).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
 import math
@@ -33,8 +32,9 @@ from megatron_paradyse.bench import _e2e_arms as e2e_arms
 from megatron_paradyse.bench import _e2e_results as e2e_results
 from megatron_paradyse.bench import e2e
 from megatron_paradyse.bench.memory import PAIRINGS
-from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
 from megatron_paradyse.cost.profile import save_profile
+
+from helpers.cost_profiles import published_profile
 
 P = 2
 DP = 2
@@ -44,7 +44,9 @@ LEARN_PASSES = 2
 LAST_LINE = (
     r"adaptive_vs_best_static=(\S+) adaptive_vs_megatron=(\S+) max_len_ratio=(\S+) "
     r"adaptive_vs_best_per_bucket_max=(\S+) step_mem_err_max=(\S+) learn_vs_adaptive=(\S+) "
-    r"learn_vs_best_per_bucket_max=(\S+)"
+    r"learn_vs_best_per_bucket_max=(\S+) peak_predicted_over_measured_min=(\S+) peak_predicted_over_measured_max=(\S+) "
+    r"time_predicted_over_measured_min=(\S+) time_predicted_over_measured_max=(\S+) host_syncs=(\d+) "
+    r"tokens_per_s=(\S+) mfu=(\S+)"
 )
 PACKED_BUDGET_MIB = 14.75
 """The packed run's budget. The derived one (midway, 14.1 MiB) fell within 2 KiB of ring/zero3's measured peak
@@ -57,9 +59,7 @@ STEP_MEMORY_TOLERANCE_PERCENT = 2.0
 def _bench(tmp_path_factory, name: str, argv: list[str]) -> tuple[str, dict]:
     """(stdout, the JSON result of the one corpus) of a small run on the DNA corpus with ``argv`` added."""
     tmp = tmp_path_factory.mktemp(name)
-    profile = hardware_profile(dataclasses.replace(HARDWARE["a100"], p=P))
-    profile.update(dtype="float32", allocator_slack=0.0)
-    save_profile(profile, tmp / "profile.json")
+    save_profile(published_profile(P), tmp / "profile.json")
     argv = ["--p", str(P), "--corpora", "dna", "--min-len", "64", "--max-len", "512", *argv]
     argv += ["--repeats", "1", "--learn-passes", str(LEARN_PASSES)]
     argv += ["--profile", str(tmp / "profile.json"), "--cache-dir", str(tmp / "cache")]
@@ -128,11 +128,37 @@ def test_small_run_output_and_accounting(run):
     both = learning.trained().keys() & adaptive.trained().keys()
     learn_vs_adaptive = learning.time_on(both) / adaptive.time_on(both)
     learn_worst_bin = max(ratio for *_, ratio in results.per_bucket(e2e_results.LEARNING) if not math.isnan(ratio))
-    assert printed[5:] == pytest.approx([learn_vs_adaptive, learn_worst_bin], abs=1e-3)
+    assert printed[5:7] == pytest.approx([learn_vs_adaptive, learn_worst_bin], abs=1e-3)
     _check_learning_arm(out, result)
+    _check_rank_figures(out, results, printed[7:])
 
     assert _compare_losses_across_arms(results) >= 5  # at least the shortest document, trained by every arm
     _check_each_arm_trains_its_own_weights(results)
+
+
+def _check_rank_figures(out: str, results: e2e_results.CorpusResult, printed: list[float]) -> None:
+    """Every rank's predicted and measured peak and forward + backward time under each arm with a cost model,
+    in a table and, at their extremes, in the last line; the adaptive arm's host syncs, tokens/s and MFU."""
+    predicted = [*PAIRINGS, e2e_results.ADAPTIVE]
+    for name in predicted:
+        figures = results.arms[name].per_rank()
+        assert [f.rank for f in figures] == list(range(P)), name
+        for f in figures:
+            assert 0 < f.measured_s and 0 < f.predicted_s and 0 < f.peak_bytes and 0 < f.predicted_peak_bytes
+            row = (
+                rf"^{re.escape(name)}\s+{f.rank}\s+{f.predicted_peak_bytes / 2**20:.1f}\s+{f.peak_bytes / 2**20:.1f}\s"
+            )
+            assert re.search(row, out, re.M), (name, f)
+    assert not results.arms[e2e_results.MEGATRON].per_rank()  # no prediction for Megatron's own layers
+    peaks = [r for name in predicted for r in results.arms[name].peak_ratios()]
+    times = [f.predicted_s / f.measured_s for name in predicted for f in results.arms[name].per_rank()]
+    assert printed[:4] == pytest.approx([min(peaks), max(peaks), min(times), max(times)], abs=1e-3)
+    adaptive = results.arms[e2e_results.ADAPTIVE]
+    done = adaptive.trained().values()
+    tokens = sum(s.tokens for s in done)
+    assert printed[4] == len(adaptive.host_syncs)
+    assert printed[5] == pytest.approx(tokens / sum(s.time_s for s in done), abs=0.5)
+    assert math.isnan(printed[6]), "MFU on a CPU: no peak to compare with"
 
 
 def _check_each_arm_trains_its_own_weights(results: e2e_results.CorpusResult) -> None:
@@ -263,6 +289,7 @@ def _corpus_result(data: dict) -> e2e_results.CorpusResult:
             [e2e_results.SequenceResult(**s) for s in arm["sequences"]],
             arm["resident_bytes"],
             weight_checksums=tuple(arm["weight_checksums"]),
+            host_syncs=None if arm["host_syncs"] is None else tuple(arm["host_syncs"]),
         )
         for name, arm in data["arms"].items()
     }
@@ -278,6 +305,15 @@ def _corpus_result(data: dict) -> e2e_results.CorpusResult:
         (["--pack", "512", "--arms", "tp_sp/tp_sp,lean/lean,megatron,adaptive"], "megatron cannot run with --pack"),
         (["--dp", "0"], "--repeats, --p, --dp and --pack must be >= 1"),
         (["--learn-passes", "-1"], "--learn-passes must be >= 0, got -1"),
+        (["--layers", "0"], "--layers must be >= 1, got 0"),
+        (["--", "--hidden-size", "64"], "Megatron flags (--hidden-size 64) go with --model, which they override"),
+        (["--device", "cuda"], "--device cuda needs --profile, a cost profile calibrated on this machine"),
+        (
+            ["--model", "configs/llama3-8b.yaml", "--", "--position-embedding-type", "learned_absolute"],
+            "--model configs/llama3-8b.yaml: bench e2e trains RoPE GPTs, and its flags give "
+            "--position-embedding-type learned_absolute",
+        ),
+        (["--model", "configs/llama3-8b.yaml", "--", "--hidden-sise", "64"], "--hidden-sise: not a Megatron flag"),
     ],
 )
 def test_bad_arguments_exit_2_before_any_work(argv, message, capsys):
@@ -285,6 +321,20 @@ def test_bad_arguments_exit_2_before_any_work(argv, message, capsys):
         e2e.main(argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_under_torchrun_rank_zero_alone_says_what_is_wrong(monkeypatch, capsys):
+    """Every rank of a torchrun launch checks the arguments alike and exits 2; rank 0 alone prints why."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    for rank, said in (
+        ("0", "bench e2e: error: --p 2 x --dp 1 makes 2 ranks, and torchrun started 3: give --nproc-per-node 2\n"),
+        ("1", ""),
+    ):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exit_:
+            e2e.main(["--p", "2"])
+        assert (exit_.value.code, capsys.readouterr().err) == (2, said)
 
 
 def test_no_arm_always_follows_the_same_arm_in_the_timed_passes():

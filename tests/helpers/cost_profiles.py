@@ -4,7 +4,10 @@ a test."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron_paradyse.calibration import grid as grids
+from megatron_paradyse.cost.hardware import HARDWARE, hardware_profile
 from megatron_paradyse.cost.profile import PROFILE_SCHEMA, fingerprint
 from megatron_paradyse.strategies import ModelShape
 
@@ -46,6 +49,15 @@ def synthetic_profile(p_values=(2, 4)) -> dict:
         "allocator_slack": 0.0,
         "correction": None,
     }
+
+
+def published_profile(p: int, dtype: str = "float32") -> dict:
+    """Published A100 figures for ``p`` ranks relabelled ``dtype``, no allocator slack: for a CPU run whose
+    plans and peaks do not depend on the rates (the adaptive arm's choices do, which is all such a test
+    needs), where a CPU calibration would take minutes."""
+    profile = hardware_profile(dataclasses.replace(HARDWARE["a100"], p=p))
+    profile.update(dtype=dtype, allocator_slack=0.0)
+    return profile
 
 
 TINY_GRID = grids.Grid(
