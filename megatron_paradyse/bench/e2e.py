@@ -6,14 +6,14 @@
     python -m megatron_paradyse.bench e2e --pack 4096        # packed documents, attention per document
     python -m megatron_paradyse.bench e2e --dp 2             # TP=4 x DP=2 on 8 ranks
     torchrun --standalone --nproc-per-node 8 -m megatron_paradyse.bench e2e --p 8 --device cuda \
-        --model configs/llama3-8b.yaml --layers 4 --profile p8.json   # one node (scripts/node_check.sh)
+        --dtype bfloat16 --model configs/llama3-8b.yaml --layers 4 --profile p8.json  # scripts/node_check.sh
 
 **Ranks.** It starts its ranks itself (gloo; ``--device cuda``: NCCL, one GPU each), or, under torchrun,
 is one of them (``--p`` x ``--dp`` must be torchrun's world size): rank 0 builds the corpora and reads
 the profile, hands them to the others, and prints; a bad argument stops every rank, rank 0 saying why.
 On CUDA the model, the micro-batches and the gradients live on the rank's GPU, the peaks are the caching
 allocator's allocated bytes (:class:`~megatron_paradyse.core.memory.PeakMemory`), and ``--profile`` must
-be a profile calibrated there. ``--dtype bfloat16``: the model in bf16, its gradients, fp32 copies of its
+be a profile calibrated there. ``--dtype bfloat16``: the model in bf16; its gradients, fp32 copies of its
 weights and Adam's moments in fp32, as Megatron's mixed-precision optimizer keeps them
 (:mod:`megatron_paradyse.bench._e2e_state`; 18 bytes per parameter); Megatron's and the Paradyse layers
 use Transformer Engine's modules where it is installed on a GPU, else Megatron's local ones.
