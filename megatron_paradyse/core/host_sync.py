@@ -11,7 +11,8 @@ breaks this:
 - one that reads a host tensor beside device tensors (a 0-dim host tensor excepted: torch hands its
   value to the kernel as a number);
 - one whose result the host must read before it can go on (``.item()``, ``.tolist()``, ``nonzero``,
-  ``masked_select``: torch tags them ``data_dependent_output`` or ``dynamic_output_shape``).
+  ``masked_select``, indexing with a boolean mask: torch tags them ``data_dependent_output`` or
+  ``dynamic_output_shape``; indexing with integer tensors, tagged alike, reads nothing back).
 
 On a GPU, ``torch.cuda.set_sync_debug_mode("error")`` is the authority; this mode needs no GPU: on a CPU
 machine the ``meta`` device stands in for it (tensors without data, on a device that is not the host).
