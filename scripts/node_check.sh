@@ -79,7 +79,8 @@ trap 'rm -rf "$log" "$work"' EXIT
     echo "[node_check] cost profile: $profile (given)"; calibrated=0
   else
     profile="$work/profile.json"
-    echo "[node_check] paradyse calibrate: configs/llama3-8b.yaml at p=$gpus, $device, bf16"
+    echo "[node_check] paradyse calibrate on $gpus ranks ($device, bf16): kernels, every collective at p=$gpus," \
+      "configs/llama3-8b.yaml's layer up to the longest sequence, the correction from whole layers"
     "$PYTHON" -m megatron_paradyse.cli calibrate --config configs/llama3-8b.yaml --device "$device" --dtype bfloat16 \
       --grid quick --fit-correction --quiet --output "$profile" -- --tensor-model-parallel-size "$gpus" "${model[@]}"
     calibrated=$?
