@@ -1,6 +1,6 @@
 """The pre-flight's choices and words (megatron_paradyse.run.preflight): which micro-batches fly, the line it
 prints and the budget it leaves, when it does not fly, and its config switch. The flight itself runs in
-tests/e2e/test_preflight.py."""
+tests/e2e/test_preflight_run.py."""
 
 from __future__ import annotations
 
