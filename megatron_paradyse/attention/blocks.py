@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from megatron_paradyse.attention.kept import kept_core
 from megatron_paradyse.attention.kernels import AttentionKernel, VarlenAttentionKernel, accumulation_dtype
 from megatron_paradyse.core.layout import Segment
 
@@ -121,6 +122,34 @@ def batch_cu_seqlens(cu_seqlens: Tensor, b: int) -> Tensor:
     return torch.cat([*(cu_seqlens[:-1] + s * i for i in range(b)), s * b])
 
 
+def _attend_segments(ctx, q, k, v, segments, scale, kernel, cu_seqlens, tail) -> tuple[Tensor, Tensor]:
+    """:class:`_SegmentAttention`'s output and log-sum-exp, by the calls ``ctx.whole`` and ``ctx.varlen`` say."""
+    causal = segments[0].causal
+    if ctx.whole:
+        out, lse = kernel.forward(q, k, v, causal, scale)
+        if tail:  # the padding's rows saw the document: redone over the padding alone
+            pad = slice(q.shape[2] - tail, None)
+            part_out, part_lse = kernel.forward(q[:, :, pad], k[:, :, pad], v[:, :, pad], True, scale)
+            out[:, :, pad] = part_out
+            lse[:, :, pad] = part_lse
+            del part_out, part_lse
+        return out, lse
+    if ctx.varlen:
+        out, lse = kernel.forward_varlen(
+            *map(_tokens_first, (q, k, v)), batch_cu_seqlens(cu_seqlens, q.shape[0]), ctx.max_len, causal, scale
+        )
+        return _heads_first(out, q.shape[0]), lse
+    out = torch.zeros_like(q)
+    lse = q.new_full(q.shape[:-1], float("-inf"), dtype=accumulation_dtype(q.dtype))
+    for seg in segments:
+        rows, cols = slice(seg.q_start, seg.q_end), slice(seg.k_start, seg.k_end)
+        part_out, part_lse = kernel.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], seg.causal, scale)
+        out[:, :, rows] = part_out
+        lse[:, :, rows] = part_lse
+        del part_out, part_lse  # freed before the next call allocates its own
+    return out, lse
+
+
 class _SegmentAttention(torch.autograd.Function):
     """Attention of a sequence against itself, with the kernel's own backward (no ``[s, s]`` tensor is
     kept). One call over the whole block where one segment covers it, or where the segments are one
@@ -131,32 +160,10 @@ class _SegmentAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, segments, scale, kernel, cu_seqlens, tail):
-        causal = segments[0].causal
         ctx.whole = tail > 0 or _one_call(segments, q.shape[2], k.shape[2])
         ctx.varlen = not ctx.whole and cu_seqlens is not None and kernel.varlen(q)
-        if ctx.whole:
-            out, lse = kernel.forward(q, k, v, causal, scale)
-            if tail:  # the padding's rows saw the document: redone over the padding alone
-                pad = slice(q.shape[2] - tail, None)
-                part_out, part_lse = kernel.forward(q[:, :, pad], k[:, :, pad], v[:, :, pad], True, scale)
-                out[:, :, pad] = part_out
-                lse[:, :, pad] = part_lse
-                del part_out, part_lse
-        elif ctx.varlen:
-            ctx.max_len = max(seg.q_end - seg.q_start for seg in segments)
-            out, lse = kernel.forward_varlen(
-                *map(_tokens_first, (q, k, v)), batch_cu_seqlens(cu_seqlens, q.shape[0]), ctx.max_len, causal, scale
-            )
-            out = _heads_first(out, q.shape[0])
-        else:
-            out = torch.zeros_like(q)
-            lse = q.new_full(q.shape[:-1], float("-inf"), dtype=accumulation_dtype(q.dtype))
-            for seg in segments:
-                rows, cols = slice(seg.q_start, seg.q_end), slice(seg.k_start, seg.k_end)
-                part_out, part_lse = kernel.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], seg.causal, scale)
-                out[:, :, rows] = part_out
-                lse[:, :, rows] = part_lse
-                del part_out, part_lse  # freed before the next call allocates its own
+        ctx.max_len = max(seg.q_end - seg.q_start for seg in segments)
+        out, lse = kept_core(lambda: _attend_segments(ctx, q, k, v, segments, scale, kernel, cu_seqlens, tail))
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
         ctx.segments, ctx.scale, ctx.kernel, ctx.tail = segments, scale, kernel, tail
         return out

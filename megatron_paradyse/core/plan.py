@@ -20,10 +20,13 @@ class LayerOption:
     layer is recomputed from its ``[s/p, b, h]`` input in backward, whether that input waits for the
     backward in host memory (``offload``, with recompute only: :mod:`megatron_paradyse.core.offload`),
     and whether the MLP runs over sequence tiles of ``mlp_tile_tokens`` gathered tokens, each recomputed in
-    backward (:mod:`megatron_paradyse.strategies.tiling`; 0: at once).
+    backward (:mod:`megatron_paradyse.strategies.tiling`; 0: at once). ``keep_core`` (with recompute): the
+    attention core's output and log-sum-exp are kept from the forward, on the device (the input may be
+    offloaded beside), so the rerun recomputes the norms, projections and MLP but not the attention
+    kernel (:mod:`megatron_paradyse.attention.kept`).
 
-    Written ``attention/mlp``, then ``+tile<tokens>``, ``+rc``, ``+off`` as they apply:
-    ``ulysses/lean+tile65536+rc+off``.
+    Written ``attention/mlp``, then ``+tile<tokens>``, ``+rc``, ``+keepcore``, ``+off`` as they apply:
+    ``ulysses/lean+tile65536+rc+off``, ``ulysses/zero3+rc+keepcore+off``.
     """
 
     attention: str
@@ -31,6 +34,7 @@ class LayerOption:
     recompute: bool = False
     offload: bool = False
     mlp_tile_tokens: int = 0
+    keep_core: bool = False
 
     def __post_init__(self) -> None:
         if self.offload and not self.recompute:
@@ -38,17 +42,25 @@ class LayerOption:
                 f"{self.attention}/{self.mlp}: offload moves a recomputed layer's input to host memory; "
                 f"it needs recompute (write '{self.attention}/{self.mlp}+rc+off')"
             )
+        if self.keep_core and not self.recompute:
+            raise ValueError(
+                f"{self.attention}/{self.mlp}: keeping the attention core spares its rerun in a recomputed layer; "
+                f"it needs recompute (write '{self.attention}/{self.mlp}+rc+keepcore')"
+            )
         if not isinstance(self.mlp_tile_tokens, int) or self.mlp_tile_tokens < 0:
             raise ValueError(f"mlp_tile_tokens must be a non-negative int (0: no tiles), got {self.mlp_tile_tokens!r}")
 
     def __str__(self) -> str:
-        tile = f"+tile{self.mlp_tile_tokens}" if self.mlp_tile_tokens else ""
-        return f"{self.attention}/{self.mlp}{tile}{'+rc' if self.recompute else ''}{'+off' if self.offload else ''}"
+        flags = [f"tile{self.mlp_tile_tokens}"] * bool(self.mlp_tile_tokens) + [
+            flag for flag, on in (("rc", self.recompute), ("keepcore", self.keep_core), ("off", self.offload)) if on
+        ]
+        return "+".join((f"{self.attention}/{self.mlp}", *flags))
 
     @classmethod
     def parse(cls, text: str) -> LayerOption:
         """Inverse of ``str``: ``"ring/zero3+rc"`` -> ``LayerOption("ring", "zero3", True)``,
-        ``"ring/lean+tile65536+rc+off"`` -> ``LayerOption("ring", "lean", True, True, 65536)``."""
+        ``"ring/lean+tile65536+rc+off"`` -> ``LayerOption("ring", "lean", True, True, 65536)``,
+        ``"ring/zero3+rc+keepcore"`` -> ``LayerOption("ring", "zero3", True, keep_core=True)``."""
         body, *flags = text.strip().split("+")
         attention, slash, mlp = body.partition("/")
         tile = flags[0].removeprefix("tile") if flags and flags[0].startswith("tile") else None
@@ -57,15 +69,15 @@ class LayerOption:
             not slash
             or not attention
             or not mlp
-            or rest not in ([], ["rc"], ["rc", "off"])
+            or rest not in ([], ["rc"], ["rc", "off"], ["rc", "keepcore"], ["rc", "keepcore", "off"])
             or tile is not None
             and not (tile.isdigit() and int(tile) > 0)
         ):
             raise ValueError(
-                f"a layer option reads 'attention/mlp', then '+tile<tokens>', '+rc', '+off' as they apply "
-                f"(e.g. 'ulysses/lean+tile65536+rc+off'), got {text!r}"
+                f"a layer option reads 'attention/mlp', then '+tile<tokens>', '+rc', '+keepcore', '+off' as they "
+                f"apply (e.g. 'ulysses/lean+tile65536+rc+off', 'ulysses/zero3+rc+keepcore'), got {text!r}"
             )
-        return cls(attention, mlp, bool(rest), len(rest) == 2, int(tile or 0))
+        return cls(attention, mlp, bool(rest), "off" in rest, int(tile or 0), "keepcore" in rest)
 
 
 @dataclasses.dataclass(frozen=True)

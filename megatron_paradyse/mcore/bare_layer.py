@@ -112,4 +112,5 @@ def run_layer(
 
     if not option.recompute:
         return layer(x_local)
-    return recompute(layer, x_local, offload=ActivationOffload() if option.offload else None)
+    offload = ActivationOffload() if option.offload else None
+    return recompute(layer, x_local, offload=offload, keep_core=option.keep_core)

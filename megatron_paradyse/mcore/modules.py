@@ -202,7 +202,8 @@ class ParadyseTransformerLayer(TransformerLayer):
 
         if not option.recompute:
             return run(hidden_states)
-        return recompute(run, hidden_states, offload=micro_batch.offload if option.offload else None)
+        offload = micro_batch.offload if option.offload else None
+        return recompute(run, hidden_states, offload=offload, keep_core=option.keep_core)
 
     @contextlib.contextmanager
     def _mlp_gathered_ahead(self, option: LayerOption) -> Iterator[None]:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megatron_paradyse.attention.kept import kept_core
 from megatron_paradyse.core.comm import linear_over_rows
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.strategies.allocations import (
@@ -111,10 +112,13 @@ class _LeanAttention(torch.autograd.Function):
         y = x_local.new_zeros(s_local * b, h)
         outs, lses = [], []
 
+        def core(w_qkv: Tensor, b_qkv: Tensor | None) -> tuple[Tensor, Tensor]:
+            q, k, v = _group_heads(linear_over_rows(x_local, w_qkv, b_qkv), actx, positions)
+            return ring_attention_forward(q, k, v, layout, group, actx.kernel, actx.softmax_scale)
+
         def hop(j: int, shard, _grad) -> None:
             w_qkv, w_proj, b_qkv = shard
-            q, k, v = _group_heads(linear_over_rows(x_local, w_qkv, b_qkv), actx, positions)
-            out, lse = ring_attention_forward(q, k, v, layout, group, actx.kernel, actx.softmax_scale)
+            out, lse = kept_core(lambda: core(w_qkv, b_qkv))  # a kept core's rerun needs no q, k, v
             outs.append(out)
             lses.append(lse)
             y.addmm_(_tokens_first(out), w_proj.t())
@@ -324,8 +328,8 @@ def _attention_forward_memory(d: Dims, ring_forward: Call) -> tuple[float, State
         fwd.alloc(qkv=qkv_group)
         qk = qk_forward(fwd, d, d.t, d.nq // p, d.ng // p, "qkv", grad=False)  # no autograd inside
         fwd.call(ring_forward, prefix=f"g{j}_")
+        fwd.free("qkv", *qk.transformed)  # when the group's core returns
         fwd.temporary(core_rows=core_group)  # the output as [t b, heads hn] for y.addmm_
-        fwd.free("qkv", *qk.transformed)
     fwd.free(f"shard{p - 1}")
     add_bias_memory(fwd, d, "y_sum")
     saved = fwd.returns("y_local", "x_local", *(f"g{j}_{name}" for j in range(p) for name, _ in ring_forward.leaves))

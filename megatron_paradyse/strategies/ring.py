@@ -27,6 +27,7 @@ from megatron_paradyse.attention import (
     accumulate_block_grads,
     accumulation_dtype,
 )
+from megatron_paradyse.attention.kept import kept_core
 from megatron_paradyse.core.comm import RingComm, Zero3Gathers, zero3_linear
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.strategies.allocations import (
@@ -143,7 +144,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, layout: SequenceLayout, group: ProcessGroup, kernel: AttentionKernel, scale: float):
-        out, lse = ring_attention_forward(q, k, v, layout, group, kernel, scale)
+        out, lse = kept_core(lambda: ring_attention_forward(q, k, v, layout, group, kernel, scale))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.layout, ctx.group, ctx.kernel, ctx.scale = layout, group, kernel, scale
         return out

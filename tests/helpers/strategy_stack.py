@@ -61,7 +61,8 @@ def qk_transform(replicated: dict[str, torch.Tensor]):
 
 def run_stack(x_local, attn_weights, mlp_weights, norms, plan, layout, cfg, group):
     """Pre-norm layers (``cfg``: a reference ``StackConfig``) on this rank's ``[s/p, b, h]`` shard, each
-    layer under its plan entry (recomputed, offloaded, its MLP in tiles as the entry says)."""
+    layer under its plan entry (recomputed, keeping its attention core, offloaded, its MLP in tiles as the
+    entry says)."""
     h = cfg.shape.hidden_size
     actx = AttentionContext(
         group=group,
@@ -89,6 +90,10 @@ def run_stack(x_local, attn_weights, mlp_weights, norms, plan, layout, cfg, grou
         if not isinstance(option, LayerOption):
             option = LayerOption(*option)  # an (attention, mlp) pair
         stored = offload if option.offload else None
-        run = functools.partial(recompute, layer, offload=stored) if option.recompute else layer
+        run = (
+            functools.partial(recompute, layer, offload=stored, keep_core=option.keep_core)
+            if option.recompute
+            else layer
+        )
         x_local = run(x_local, option, aw, mw, ln)
     return x_local

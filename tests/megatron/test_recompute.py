@@ -1,5 +1,6 @@
-"""Per-layer recompute leaves nothing behind in a Megatron GPT model: after backward, the bytes still
-alive are those the same model leaves without recompute (the gradients), on p=2 gloo ranks.
+"""Per-layer recompute (offloaded, or keeping the attention core) leaves nothing behind in a Megatron GPT
+model: after backward, the bytes still alive are those the same model leaves without recompute (the
+gradients), on p=2 gloo ranks.
 
 PyTorch's checkpoint stops a rerun early by default, at the last tensor autograd saved; in a Megatron
 layer (custom autograd functions, RoPE) the tensors a stopped rerun had built then outlived the
@@ -37,7 +38,7 @@ def _bytes_left_after_backward(rank: int, p: int) -> dict[str, int]:
             time.sleep(0.001)  # the GIL for gloo's worker thread to release the last collective's buffers
             return memory.current_bytes()
 
-    options = [LayerOption.parse(pairing + rc) for pairing in PAIRINGS for rc in ("", "+rc", "+rc+off")]
+    options = [LayerOption.parse(pairing + rc) for pairing in PAIRINGS for rc in ("", "+rc", "+rc+off", "+rc+keepcore")]
     for option in options:  # gradients and the layout's cached tensors exist before the measured runs
         step(option)
     with collective_buffers_freed_promptly():  # as calibration.measure.measure_layer
@@ -54,3 +55,4 @@ def test_recompute_leaves_what_the_plain_model_leaves(left_per_rank, pairing):
     for rank, left in enumerate(left_per_rank):
         assert left[pairing + "+rc"] == left[pairing], f"rank {rank}"
         assert left[pairing + "+rc+off"] == left[pairing], f"rank {rank}"
+        assert left[pairing + "+rc+keepcore"] == left[pairing], f"rank {rank}"  # the kept core freed too

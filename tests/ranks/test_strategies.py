@@ -1,5 +1,7 @@
 """Every strategy, and random per-layer mixes with and without recompute (and offload, and MLPs in tiles),
-equal a single-rank fp32 reference on p gloo ranks.
+equal a single-rank fp32 reference on p gloo ranks. A recompute that keeps the attention core runs no
+attention kernel forward in backward, and in bf16 gives the gradients of the layer not recomputed, bit
+for bit.
 
 One launch per p runs every case; each case is its own test. Every rank computes the reference
 itself and compares its own shards: loss, input gradient and every weight gradient, within 1e-5
@@ -23,7 +25,7 @@ from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.multiprocess import run_on_ranks
 from megatron_paradyse.core.plan import LayerOption
-from megatron_paradyse.mcore.bare_layer import make_layer_params
+from megatron_paradyse.mcore.bare_layer import make_layer_params, run_layer
 from megatron_paradyse.strategies import (
     AttentionContext,
     MLPContext,
@@ -55,6 +57,7 @@ class Case:
 
 def build_cases(p: int) -> list[Case]:
     rng = random.Random(1000 + p)
+    kept_seeds = random.Random(2000 + p)
 
     def random_plan(attn: list[str], mlp: list[str], offload: int = 0) -> tuple[LayerOption, ...]:
         """Random strategies, recompute on random layers; with ``offload``, every attention strategy in
@@ -105,6 +108,14 @@ def build_cases(p: int) -> list[Case]:
                 qk_scale=True,
             )
         )
+        # every attention strategy in turn, its core kept through the recompute: one document padded (alternate
+        # layers' inputs offloaded), and packed (drawn apart, so the cases above stay as they were)
+        for name, kept_docs, offload in (("keepcore", docs, True), ("keepcore_packed", (5, 4 * p + 1, 2 * p), False)):
+            kept = tuple(
+                LayerOption(attn[i % len(attn)], mlp[(i + config) % len(mlp)], True, offload and i % 2 == 1, 0, True)
+                for i in range(NUM_LAYERS)
+            )
+            cases.append(Case(f"{tag}-{name}", gqa, causal, kept_docs, kept, kept_seeds.randrange(10**6), True))
     return cases
 
 
@@ -137,7 +148,8 @@ def run_case(case: Case, rank: int, p: int) -> dict:
 
     y_local = run_stack(x_local, *zip(*shards), norms, case.plan, layout, cfg, group)
     loss_local = (y_local.square() * g_local).sum()
-    loss_local.backward()
+    with _Operators() as backward:
+        loss_local.backward()
 
     loss = loss_local.detach().clone()
     dist.all_reduce(loss, group=group)
@@ -168,11 +180,47 @@ def run_case(case: Case, rank: int, p: int) -> dict:
         "max_err": errors[worst],
         "worst": worst,
         "weights_unchanged": all(torch.equal(a, b.detach()) for a, b in zip(before, params)),
+        "kernel_forwards_in_backward": backward.names.count(KERNEL_FORWARD),
     }
 
 
+KERNEL_FORWARD = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+"""The CPU attention kernel's forward operator (``attention.kernels.TorchCpuKernel``)."""
+
+
+def _kept_core_in_bf16(rank: int, p: int) -> dict[str, bool]:
+    """Each attention strategy's layer (GQA, packed documents, causal) in bf16 under ``+rc+keepcore`` and
+    without recompute: whether the output and every gradient are equal, bit for bit (a kept core's
+    backward reads the forward's own output and log-sum-exp beside the same rebuilt q, k, v)."""
+    shape = model_shape(p, gqa=True)
+    layout = SequenceLayout.build((5, 4 * p + 1, 2 * p), p, causal=True)
+    group = dist.group.WORLD
+    params = make_layer_params(shape, p, rank, bias=True, dtype=torch.bfloat16, seed=7)
+    actx = AttentionContext(
+        group=group,
+        layout=layout,
+        shape=shape,
+        kernel=get_kernel("torch", torch.device("cpu"), torch.bfloat16),
+        softmax_scale=shape.kv_channels**-0.5,
+    )
+    mctx = MLPContext(group=group, shape=shape, activation=F.silu)
+    x = torch.randn(layout.local_len, 1, shape.hidden_size, generator=torch.Generator().manual_seed(rank))
+    equal = {}
+    for name in available_strategies("attention", shape, p)[0]:
+        results = []
+        for option in (LayerOption(name, "zero3"), LayerOption(name, "zero3", True, keep_core=True)):
+            x_local = x.to(torch.bfloat16).requires_grad_()
+            for t in params.tensors():
+                t.grad.zero_()
+            y = run_layer(x_local, params, option, actx, mctx)
+            y.float().square().sum().backward()
+            results.append([y.detach(), x_local.grad, *(t.grad.clone() for t in params.tensors())])
+        equal[name] = all(map(torch.equal, *results))
+    return equal
+
+
 def _all_cases(rank: int, p: int) -> dict:
-    return {case.id: run_case(case, rank, p) for case in build_cases(p)}
+    return {**{case.id: run_case(case, rank, p) for case in build_cases(p)}, "bf16": _kept_core_in_bf16(rank, p)}
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda p: f"p{p}")
@@ -192,6 +240,16 @@ def test_strategy_matches_single_rank_reference(launch, case_id):
         result = results[f"p{p}-{case_id}"]
         assert result["max_err"] <= TOLERANCE, f"rank {rank}: {result['worst']} off by {result['max_err']:.2e}"
         assert result["weights_unchanged"], f"rank {rank}: a weight changed during forward+backward"
+        if "keepcore" in case_id:  # every layer keeps its core: no kernel forward is rerun
+            assert result["kernel_forwards_in_backward"] == 0, f"rank {rank}: {result}"
+        if case_id.endswith("lean+lean-rc"):  # recomputed layers rerun theirs (what the count would show)
+            assert result["kernel_forwards_in_backward"] > 0, f"rank {rank}: {result}"
+
+
+def test_a_kept_core_gives_the_gradients_of_the_layer_not_recomputed_in_bf16(launch):
+    p, per_rank = launch
+    for rank, results in enumerate(per_rank):
+        assert results["bf16"] and all(results["bf16"].values()), f"rank {rank}: {results['bf16']}"
 
 
 EMBEDDING_TOKENS = 64

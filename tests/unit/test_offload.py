@@ -106,7 +106,7 @@ def test_offload_is_written_after_recompute_and_needs_it():
         LayerOption("ring", "zero3", False, True)
     with pytest.raises(
         ValueError,
-        match=r"a layer option reads .*'\+rc', '\+off' as they apply .*got 'ring/zero3\+off'",
+        match=r"a layer option reads .*'\+rc', '\+keepcore', '\+off' as they apply .*got 'ring/zero3\+off'",
     ):
         LayerOption.parse("ring/zero3+off")
 
