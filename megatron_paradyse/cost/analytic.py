@@ -1,6 +1,7 @@
 """The calibrated cost model: strategy terms (:mod:`cost.terms`) priced with a machine's profile.
 
-Time of one layer on one rank, forward + backward (+ one more forward with recompute)::
+Time of one layer on one rank, forward + backward (+ one more forward with recompute; keeping the
+attention core, the attention's rerun without the core, :meth:`SublayerTerms.without_core`)::
 
     compute  = sum over GEMMs  of gemm_fwd(m, n, k) + gemm_bwd(m, n, k)
              + sum over kernel calls of attn_fwd(call) + attn_bwd(call)      (ring hops' too)
@@ -86,6 +87,18 @@ class _Sublayer:
     backward: PassTime
     memory: SublayerMemory
     memory_key: tuple
+
+
+def _memory_key(memory: SublayerMemory) -> tuple:
+    """All that :func:`layer_memory` reads of a sublayer's memory."""
+    return (
+        memory.saved_bytes,
+        memory.fwd_peak,
+        memory.bwd_peak,
+        memory.bwd_prelude,
+        memory.handed_on,
+        memory.kept_core,
+    )
 
 
 @dataclasses.dataclass(slots=True)
@@ -379,13 +392,21 @@ class AnalyticCostModel:
         per_rank = []
         for rank in ranks:
             attn = self._sublayer(memo, layout, "attention", option.attention, rank, ahead)
-            key = (attn.memory_key, mlp.memory_key)
-            if key not in memo.layer_memory:
-                memo.layer_memory[key] = layer_memory(attn.memory, mlp.memory, memo.dims)
-            saved, peak = memo.layer_memory[key].saved_and_peak(
-                recompute=option.recompute, offload=option.offload, backward_held=self._backward_held_bytes()
+            kept = (
+                self._sublayer(memo, layout, "attention", option.attention, rank, ahead, core_kept=True)
+                if option.keep_core
+                else None
             )
-            per_rank.append((self._time((attn, mlp), option, memo.dims.x), saved, peak - saved))
+            key = (attn.memory_key, mlp.memory_key, kept and kept.memory_key)
+            if key not in memo.layer_memory:
+                memo.layer_memory[key] = layer_memory(attn.memory, mlp.memory, memo.dims, kept and kept.memory)
+            saved, peak = memo.layer_memory[key].saved_and_peak(
+                recompute=option.recompute,
+                offload=option.offload,
+                keep_core=option.keep_core,
+                backward_held=self._backward_held_bytes(),
+            )
+            per_rank.append((self._time(attn, mlp, kept, option, memo.dims.x), saved, peak - saved))
         return per_rank
 
     def _memo(self, layout: SequenceLayout, micro_batch_size: int) -> _LayoutMemo:
@@ -412,19 +433,28 @@ class AnalyticCostModel:
         return memo
 
     def _sublayer(
-        self, memo: _LayoutMemo, layout: SequenceLayout, sublayer: str, name: str, rank: int, mlp_weight_ahead: bool
+        self,
+        memo: _LayoutMemo,
+        layout: SequenceLayout,
+        sublayer: str,
+        name: str,
+        rank: int,
+        mlp_weight_ahead: bool,
+        *,
+        core_kept: bool = False,
     ) -> _Sublayer:
         """A sublayer's terms on ``rank`` and its priced forward and backward (the MLP's first weight gathered
-        during the attention or not: :attr:`Dims.mlp_weight_ahead`), memoised."""
-        key = (sublayer, name, rank, mlp_weight_ahead)
+        during the attention or not: :attr:`Dims.mlp_weight_ahead`), memoised. ``core_kept``: the
+        attention's rerun in a recompute that keeps its core (:attr:`Dims.core_kept`), its forward priced
+        without the core (:meth:`SublayerTerms.without_core`)."""
+        key = (sublayer, name, rank, mlp_weight_ahead, core_kept)
         entry = memo.sublayers.get(key)
         if entry is None:
-            dims = dataclasses.replace(memo.dims, mlp_weight_ahead=mlp_weight_ahead)
+            dims = dataclasses.replace(memo.dims, mlp_weight_ahead=mlp_weight_ahead, core_kept=core_kept)
             sub = sublayer_terms(sublayer, name, dims, layout, rank)
             memory = sublayer_memory(sublayer, name, dims, layout, rank)
-            # all layer_memory reads of a sublayer
-            memory_key = (memory.saved_bytes, memory.fwd_peak, memory.bwd_peak, memory.bwd_prelude, memory.handed_on)
-            forward = self._terms.sublayer_pass(sub, backward=False)
+            memory_key = _memory_key(memory)
+            forward = self._terms.sublayer_pass(sub.without_core() if core_kept else sub, backward=False)
             backward = self._terms.sublayer_pass(sub, backward=True)
             entry = _Sublayer(forward, backward, memory, memory_key)
             memo.sublayers[key] = entry
@@ -449,20 +479,24 @@ class AnalyticCostModel:
                     forward = forward + tile_forward * tiles
                     backward = backward + (tile_forward + tile_backward) * tiles
             memory = tiled_mlp_memory(name, d, layout, tile_tokens)
-            memory_key = (memory.saved_bytes, memory.fwd_peak, memory.bwd_peak, memory.bwd_prelude, memory.handed_on)
+            memory_key = _memory_key(memory)
             entry = memo.sublayers[key] = _Sublayer(forward, backward, memory, memory_key)
         return entry
 
-    def _time(self, sublayers: tuple[_Sublayer, ...], option: LayerOption, activation_bytes: float) -> TimeBreakdown:
-        """The layer's time from its sublayers' priced passes; ``activation_bytes``: one ``[t, b, h]``."""
+    def _time(
+        self, attn: _Sublayer, mlp: _Sublayer, kept: _Sublayer | None, option: LayerOption, activation_bytes: float
+    ) -> TimeBreakdown:
+        """The layer's time from its sublayers' priced passes; ``kept``: the attention's rerun where the
+        option keeps its core; ``activation_bytes``: one ``[t, b, h]``."""
         forwards = 2 if option.recompute else 1
+        attention_forwards = [(attn.forward, 1), (kept.forward, 1)] if kept else [(attn.forward, forwards)]
+        passes = [*attention_forwards, (attn.backward, 1), (mlp.forward, forwards), (mlp.backward, 1)]
         compute = comm = 0.0
         syncs = 0
-        for sub in sublayers:
-            for priced, times in ((sub.forward, forwards), (sub.backward, 1)):
-                compute += times * priced.compute_s
-                comm += times * priced.comm_s
-                syncs += times * priced.syncs
+        for priced, times in passes:
+            compute += times * priced.compute_s
+            comm += times * priced.comm_s
+            syncs += times * priced.syncs
         elementwise = (
             self.profile["elementwise"]["per_byte_s"] * _NORMS_AND_RESIDUALS_PASSES * activation_bytes * (forwards + 2)
         )
@@ -470,7 +504,7 @@ class AnalyticCostModel:
         syncs = syncs if self.p > 1 else 0
         total = self._k_compute * compute + self._k_comm * comm + self._per_sync * syncs + self._per_layer
         if option.offload:
-            forward = sum(sub.forward.compute_s for sub in sublayers)
+            forward = attn.forward.compute_s + mlp.forward.compute_s
             host = self._terms.host_copies(forward, compute - forward, activation_bytes)
             comm += host
             total += host

@@ -98,12 +98,22 @@ class LayerMemory:
     """High-water mark of the backward, above the layer's input."""
     rebuilt_peak_bytes: float
     """High-water mark of recompute's rebuilt forward, in the backward."""
+    kept_core_bytes: float = 0.0
+    """The attention core's results that a recompute keeping them (``+rc+keepcore``) holds from the
+    forward to the backward (0: not priced)."""
+    kept_core_rebuilt_peak_bytes: float = 0.0
+    """High-water mark of the rebuilt forward of a recompute that keeps the attention core."""
 
     def saved_and_peak(
-        self, *, recompute: bool, offload: bool = False, backward_held: float = 0.0
+        self, *, recompute: bool, offload: bool = False, keep_core: bool = False, backward_held: float = 0.0
     ) -> tuple[float, float]:
         """(saved bytes, high-water mark) with or without recompute; ``backward_held``: bytes that exist
         beside the layer in backward only (a tied output layer's weight gradient).
+
+        ``keep_core`` (with recompute) keeps the attention core's results on the device too, and reruns
+        the layer without its attention kernel; its first forward is counted at the forward's high-water
+        mark without recompute (an upper bound: the checkpoint drops what only autograd holds), which
+        that rerun may no longer reach.
 
         ``offload`` (with recompute) keeps the layer's input in host memory: the device holds one
         activation less from the forward to the backward, counted here as the layer's own saved
@@ -111,24 +121,22 @@ class LayerMemory:
         back, in place of the layer's output that the count of the layers before stands for (it is gone,
         its gradient in its place), and beside it the next offloaded layer's input, prefetched: one
         activation more."""
-        backward = max(self.backward_peak_bytes, self.rebuilt_peak_bytes if recompute else 0.0) + backward_held
+        rebuilt = self.rebuilt_peak_bytes if recompute else 0.0
+        kept = 0.0
+        if keep_core:
+            rebuilt, kept = max(self.kept_core_rebuilt_peak_bytes, self.forward_peak_bytes), self.kept_core_bytes
+        backward = max(self.backward_peak_bytes, rebuilt) + backward_held
         if offload:
-            return 0.0, backward + self.activation_bytes
-        if recompute:  # the forward keeps nothing, and works no more than the rebuilt forward
-            return self.activation_bytes, backward
+            return kept, backward + self.activation_bytes
+        if recompute:  # the forward keeps nothing else, and works no more than the rebuilt forward
+            return self.activation_bytes + kept, backward
         return self.saved_bytes, max(self.forward_peak_bytes, backward)
 
 
-def layer_memory(attn: SublayerMemory, mlp: SublayerMemory, d: Dims) -> LayerMemory:
-    """A layer's memory from its sublayers' between the layer's own tensors, with and without recompute.
-
-    Forward: norm 1 (output and statistics; it keeps the layer's input), the attention, the residual
-    ``x1``, norm 2 (keeping ``x1``), the MLP, the output. Backward from the output's gradient (the
-    next layer's or the loss's), which takes the output's place (by then the output's consumer has freed
-    it) and dies into the residual's summed gradient: the MLP, norm 2's backward, that sum, the attention,
-    norm 1's. Recompute keeps only the output; its forward keeps nothing,
-    and the backward first reruns the whole layer, then runs as without recompute.
-    """
+def _layer_forward(attn: SublayerMemory, mlp: SublayerMemory, d: Dims) -> Allocations:
+    """The layer's forward, above its input: norm 1 (output and statistics; it keeps the layer's input),
+    the attention, the residual ``x1``, norm 2 (keeping ``x1``), the MLP, the output. An attention core
+    kept for a recompute (:attr:`SublayerMemory.kept_core`) is alive from the start."""
     x = d.x
 
     def forward(m: Allocations, sub: SublayerMemory, prefix: str) -> None:
@@ -138,13 +146,9 @@ def layer_memory(attn: SublayerMemory, mlp: SublayerMemory, d: Dims) -> LayerMem
         handed_on = (("handed_on", sub.handed_on),) if sub.handed_on else ()
         m.call(Call(sub.fwd_peak, (("saved", sub.saved_bytes), ("y_local", x), *handed_on)), prefix)
 
-    def backward(m: Allocations, sub: SublayerMemory, prefix: str) -> None:
-        m.peak = max(m.peak, m.live + sub.bwd_peak)
-        m.free(f"{prefix}saved")
-        m.alloc(**{f"{prefix}dx_local": x})
-
     m = Allocations()
     norm_forward(m, d, "ln1")
+    m.peak += attn.kept_core  # beside norm 1's working set (the attention's counts it from its start)
     m.rename(ln1_out="attn.x_local")
     forward(m, attn, "attn.")
     m.alloc(x1=x)
@@ -154,10 +158,38 @@ def layer_memory(attn: SublayerMemory, mlp: SublayerMemory, d: Dims) -> LayerMem
     forward(m, mlp, "mlp.")
     m.alloc(output=x)
     m.free("mlp.y_local")
+    return m
+
+
+def layer_memory(
+    attn: SublayerMemory, mlp: SublayerMemory, d: Dims, kept_core: SublayerMemory | None = None
+) -> LayerMemory:
+    """A layer's memory from its sublayers' between the layer's own tensors, with and without recompute;
+    ``kept_core``: the attention's memory with its core's results kept (:attr:`Dims.core_kept`), where
+    a recompute that keeps them is priced.
+
+    Forward: :func:`_layer_forward`. Backward from the output's gradient (the
+    next layer's or the loss's), which takes the output's place (by then the output's consumer has freed
+    it) and dies into the residual's summed gradient: the MLP, norm 2's backward, that sum, the attention,
+    norm 1's. Recompute keeps only the output (and a kept core's results); its forward keeps nothing
+    else, and the backward first reruns the whole layer, then runs as without recompute.
+    """
+    x = d.x
+
+    def backward(m: Allocations, sub: SublayerMemory, prefix: str) -> None:
+        m.peak = max(m.peak, m.live + sub.bwd_peak)
+        m.free(f"{prefix}saved")
+        m.alloc(**{f"{prefix}dx_local": x})
+
+    m = _layer_forward(attn, mlp, d)
     saved, forward_peak = m.live, m.peak
     # recompute reruns this forward to the layer's end (no early stop) once the MLP's backward first
     # reads a saved tensor: beside the output's gradient and what that backward made before
     rebuilt_peak = x + mlp.bwd_prelude + forward_peak
+    core_bytes = core_rebuilt_peak = 0.0
+    if kept_core is not None:  # the same rerun, without the attention kernel, beside the kept results
+        core_bytes = kept_core.kept_core
+        core_rebuilt_peak = x + mlp.bwd_prelude + _layer_forward(kept_core, mlp, d).peak
     m.peak = m.live  # the backward's high-water mark from here
     backward(m, mlp, "mlp.")
     norm_backward(m, d, "ln2", "mlp.dx_local")
@@ -167,4 +199,4 @@ def layer_memory(attn: SublayerMemory, mlp: SublayerMemory, d: Dims) -> LayerMem
     backward(m, attn, "attn.")
     norm_backward(m, d, "ln1", "attn.dx_local")
     m.alloc(dx=x)
-    return LayerMemory(x, saved, forward_peak, m.peak, rebuilt_peak)
+    return LayerMemory(x, saved, forward_peak, m.peak, rebuilt_peak, core_bytes, core_rebuilt_peak)

@@ -46,11 +46,15 @@ def layer_terms(option: LayerOption, d: Dims, layout: SequenceLayout, rank: int 
         mlp = tiled_mlp_memory(option.mlp, d, layout, option.mlp_tile_tokens)
     else:
         mlp = sublayer_memory("mlp", option.mlp, d, layout, rank)
-    memory = layer_memory(sublayer_memory("attention", option.attention, d, layout, rank), mlp, d)
+    attention = sublayer_memory("attention", option.attention, d, layout, rank)
+    kept_core = None
+    if option.keep_core:
+        kept_core = sublayer_memory("attention", option.attention, dataclasses.replace(d, core_kept=True), layout, rank)
+    memory = layer_memory(attention, mlp, d, kept_core)
     return LayerTerms(
         sublayer_terms("attention", option.attention, d, layout, rank),
         sublayer_terms("mlp", option.mlp, d, layout, rank),
         option.recompute,
         d.x,
-        *memory.saved_and_peak(recompute=option.recompute, offload=option.offload),
+        *memory.saved_and_peak(recompute=option.recompute, offload=option.offload, keep_core=option.keep_core),
     )

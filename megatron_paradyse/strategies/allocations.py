@@ -41,7 +41,7 @@ class Allocations:
     high-water mark. Names are unique while alive; freeing a name that is not alive is a bug in a
     script and raises ``KeyError``."""
 
-    __slots__ = ("sizes", "live", "peak", "grads_held", "handed")
+    __slots__ = ("sizes", "live", "peak", "grads_held", "handed", "kept_bytes")
 
     def __init__(self, grads: Dims | None = None, /, **alive: float):
         """``grads``: the weight-gradient setting of :meth:`to_autograd` (:attr:`Dims.grads_held` and
@@ -52,6 +52,7 @@ class Allocations:
         self.peak = self.live
         self.grads_held = grads is not None and grads.grads_held
         self.handed: list[float] = []
+        self.kept_bytes = 0.0
 
     def alloc(self, **tensors: float) -> None:
         sizes, live = self.sizes, self.live  # locals: the planner runs thousands of these per decision
@@ -87,6 +88,15 @@ class Allocations:
                 self.rename(**{name: held})
             else:
                 self.free(name)
+
+    def kept(self, **tensors: float) -> None:
+        """Tensors made before this code ran and alive all through it, which it takes over here (an
+        attention core's results kept for a recompute, :attr:`Dims.core_kept`): they count in the
+        high-water mark so far, and from here on as its own (in :attr:`kept_bytes` too)."""
+        nbytes = sum(tensors.values())
+        self.peak += nbytes  # at or above the bytes alive, now theirs too
+        self.alloc(**tensors)
+        self.kept_bytes += nbytes
 
     def temporary(self, **tensors: float) -> None:
         """Tensors that live for one operation."""
@@ -169,6 +179,9 @@ class SublayerMemory:
     handed_on: float = 0.0
     """Bytes the forward leaves alive for the next sublayer beside its output: the MLP's first weight,
     gathered ahead (:attr:`Dims.mlp_weight_ahead`); the next sublayer's forward peak counts them."""
+    kept_core: float = 0.0
+    """With :attr:`Dims.core_kept`: the bytes of the attention core's results, which exist before the
+    forward (in :attr:`saved`, and in :attr:`fwd_peak` from its start)."""
 
     @property
     def saved_bytes(self) -> float:
@@ -176,11 +189,18 @@ class SublayerMemory:
 
 
 def sublayer_memory_of(
-    fwd_peak: float, bwd: Allocations, saved: dict[str, float], prelude: float = 0.0, handed_on: float = 0.0
+    fwd_peak: float,
+    bwd: Allocations,
+    saved: dict[str, float],
+    prelude: float = 0.0,
+    handed_on: float = 0.0,
+    kept_core: float = 0.0,
 ) -> SublayerMemory:
     """A sublayer's memory from its forward's high-water mark and its backward, which must release
     everything saved and leave the input's gradient."""
     if {name for name in bwd.sizes if not name.startswith("held:")} != {"dy_local", "dx_local"}:
         raise AssertionError(f"memory script: backward ends with {sorted(bwd.sizes)} alive")
     backward_peak = bwd.peak - sum(saved.values())
-    return SublayerMemory(tuple(saved.items()), fwd_peak, backward_peak, prelude, tuple(bwd.handed), handed_on)
+    return SublayerMemory(
+        tuple(saved.items()), fwd_peak, backward_peak, prelude, tuple(bwd.handed), handed_on, kept_core
+    )

@@ -331,11 +331,11 @@ def full_attention_forward(
     of the projection copied dense, v always, so the projection dies unless q/k norms keep it), the attention (one
     causal document and its padding: one call over the whole sequence, then the padding's rows redone;
     several documents: FlashAttention's one variable-length call, :func:`_varlen_call`; elsewhere one
-    kernel call per document, written into a zeroed output), the output as ``[s, b, heads hn]`` in canonical
-    order (causal: a copy; otherwise a view, the kernel lays its output out sequence-major, but for the
-    variable-length call's sample-major output of several samples: a copy). Returns what the attention
-    keeps for backward (the transform's own kept apart, in the :class:`QK`) and the name of that
-    output."""
+    kernel call per document, written into a zeroed output; none with :attr:`Dims.core_kept`), the output
+    as ``[s, b, heads hn]`` in canonical order (causal: a copy; otherwise a view, the kernel lays its
+    output out sequence-major, but for the variable-length call's sample-major output of several
+    samples: a copy). Returns what the attention keeps for backward (the transform's own kept apart, in
+    the :class:`QK`) and the name of that output."""
     core = d.s * d.b * heads * d.hn * d.e
     kv = d.s * d.b * kv_heads * d.hn * d.e
     qk = qk_forward(m, d, d.s, heads, kv_heads, qkv)
@@ -354,7 +354,10 @@ def full_attention_forward(
         kept = ("q_natural", "k_natural", "v_natural")
     segments, tail = layout.full_segments(), layout.causal_tail_padding
     varlen = len(segments) > 1 and not tail and _fused_kernel(d)
-    if len(segments) == 1 or tail:
+    whole = len(segments) == 1 or tail
+    if d.core_kept:  # the forward's output and log-sum-exp, taken back: no kernel runs
+        m.kept(attn_out=core, lse=d.b * heads * (_lse_rows(d, d.s) if whole else d.s) * d.acc)
+    elif whole:
         _kernel_forward(m, d, "attn_out", "lse", heads, kv_heads, d.s, d.s)
         if tail:  # the padding's rows redone, written into the whole call's
             _kernel_forward(m, d, "seg_out", "seg_lse", heads, kv_heads, tail, tail)

@@ -45,6 +45,11 @@ class Dims:
     (:func:`~megatron_paradyse.strategies.gathers_mlp_weight_ahead`): the attention starts that gather
     after its projection's and hands the weight on, the MLP's forward starts with it."""
 
+    core_kept: bool = False
+    """The attention core's results exist before this forward: the rerun of a layer that keeps them
+    (``+rc+keepcore``, :mod:`megatron_paradyse.attention.kept`) runs no attention kernel, and they count
+    from its start (:meth:`~megatron_paradyse.strategies.allocations.Allocations.kept`)."""
+
     def __post_init__(self) -> None:
         if self.mlp_weight_ahead and self.p == 1:
             raise ValueError(

@@ -240,6 +240,7 @@ def attention_terms(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
     return SublayerTerms(
         gemms=(Gemm(t * b, qkv_rows, d.h), Gemm(t * b, d.h, d.a // p)) * p,
         recompute_gemms=(Gemm(t * b, qkv_rows, d.h),) * p,
+        core_gemms=(Gemm(t * b, qkv_rows, d.h),) * p,
         rings=(ring,) * p,
         fwd_comm=(broadcast,) if p > 1 else (),
         fwd_streamed=(broadcast,) * (p - 1),
@@ -291,7 +292,7 @@ def attention_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemo
     heads, kv_heads = d.nq // d.p, d.ng // d.p
     shard = _attention_sizes(d)[0]
     blocks = tuple(map(block_of, ring_hops(layout, rank)))
-    fwd_peak, kept = _attention_forward_memory(d, ring_forward_memory(d, blocks, heads, kv_heads))
+    fwd_peak, kept, kept_core = _attention_forward_memory(d, ring_forward_memory(d, blocks, heads, kv_heads))
     saved = dict(kept)
     ring_backward = ring_backward_memory(d, blocks, heads, kv_heads)
     start = Allocations(dy_local=0.0, saved=sum(saved.values()))
@@ -308,13 +309,14 @@ def attention_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemo
         bwd.rename(own_cast="own")
     # the function's backward returns; the shard gradient is accumulated
     bwd.free("saved", "own")
-    return sublayer_memory_of(fwd_peak, bwd, saved)
+    return sublayer_memory_of(fwd_peak, bwd, saved, kept_core=kept_core)
 
 
 @functools.lru_cache(maxsize=MEMO_SIZE)
-def _attention_forward_memory(d: Dims, ring_forward: Call) -> tuple[float, State]:
-    """``lean`` attention's forward: its high-water mark and what it saves (each group's ring
-    output and log-sum-exp). It depends on the rank only through ``ring_forward`` (the same for
+def _attention_forward_memory(d: Dims, ring_forward: Call) -> tuple[float, State, float]:
+    """``lean`` attention's forward: its high-water mark, what it saves (each group's ring output and
+    log-sum-exp) and the bytes of those it takes back (:attr:`Dims.core_kept`: no group's q/k/v is
+    projected, no ring runs). It depends on the rank only through ``ring_forward`` (the same for
     every group), which ranks often share: memoised."""
     shard, qkv_group, core_group = _attention_sizes(d)
     p = d.p
@@ -325,15 +327,18 @@ def _attention_forward_memory(d: Dims, ring_forward: Call) -> tuple[float, State
             fwd.free(f"shard{j - 1}")
         if j + 1 < p:
             fwd.alloc(**{f"shard{j + 1}": shard})
-        fwd.alloc(qkv=qkv_group)
-        qk = qk_forward(fwd, d, d.t, d.nq // p, d.ng // p, "qkv", grad=False)  # no autograd inside
-        fwd.call(ring_forward, prefix=f"g{j}_")
-        fwd.free("qkv", *qk.transformed)  # when the group's core returns
+        if d.core_kept:
+            fwd.kept(**{f"g{j}_{name}": nbytes for name, nbytes in ring_forward.leaves})
+        else:
+            fwd.alloc(qkv=qkv_group)
+            qk = qk_forward(fwd, d, d.t, d.nq // p, d.ng // p, "qkv", grad=False)  # no autograd inside
+            fwd.call(ring_forward, prefix=f"g{j}_")
+            fwd.free("qkv", *qk.transformed)  # when the group's core returns
         fwd.temporary(core_rows=core_group)  # the output as [t b, heads hn] for y.addmm_
     fwd.free(f"shard{p - 1}")
     add_bias_memory(fwd, d, "y_sum")
     saved = fwd.returns("y_local", "x_local", *(f"g{j}_{name}" for j in range(p) for name, _ in ring_forward.leaves))
-    return fwd.peak, tuple(saved.items())
+    return fwd.peak, tuple(saved.items()), fwd.kept_bytes
 
 
 @functools.lru_cache(maxsize=MEMO_SIZE)

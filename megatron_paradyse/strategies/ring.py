@@ -219,7 +219,10 @@ def _memory_around_ring(d: Dims, ring_forward: Call, ring_backward: Call) -> Sub
     qk = qk_forward(fwd, d, d.t, d.nq, d.ng, "qkv_local")
     gather_ahead(fwd, d, "proj", w_proj)  # while the ring runs
     gather_mlp_weight_ahead(fwd, d)
-    fwd.call(ring_forward)
+    if d.core_kept:  # the ring's output and log-sum-exp, taken back: no hop runs
+        fwd.kept(**dict(ring_forward.leaves))
+    else:
+        fwd.call(ring_forward)
     fwd.alloc(core=core_local)  # [s/p, b, nq hn]: the output permuted
     zero3_forward(fwd, d, "proj", "proj_out", d.x, w_proj, row=True, gathered=True)
     add_bias_memory(fwd, d, "proj_out")
@@ -242,7 +245,7 @@ def _memory_around_ring(d: Dims, ring_forward: Call, ring_backward: Call) -> Sub
     bwd.free(*grads)
     release = ("d_qkv_local", "x_local")
     zero3_backward(bwd, d, "qkv", "dx_local", d.x, w_qkv, bias=qkv_bias, release=release, gathered=True)
-    return sublayer_memory_of(fwd.peak, bwd, saved, handed_on=handed_on)
+    return sublayer_memory_of(fwd.peak, bwd, saved, handed_on=handed_on, kept_core=fwd.kept_bytes)
 
 
 register(

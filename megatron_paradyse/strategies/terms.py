@@ -136,6 +136,17 @@ class SublayerTerms:
     elementwise_bytes: float = 0.0
     """Bytes read + written by memory-bound ops (norms, copies, merges, activations), forward;
     backward counts twice as many."""
+    core_gemms: tuple[Gemm, ...] = ()
+    """Of ``gemms``, those whose output only the attention core reads (``lean``'s per-group q/k/v
+    projections): a rerun that keeps the core's results (``+rc+keepcore``) skips them."""
+
+    def without_core(self) -> SublayerTerms:
+        """The forward that a recompute keeping the attention core's results reruns: no kernel call,
+        no ring (nor its sends), no GEMM only the core reads (its memory-bound work is still counted)."""
+        gemms = list(self.gemms)
+        for gemm in self.core_gemms:
+            gemms.remove(gemm)
+        return dataclasses.replace(self, gemms=tuple(gemms), core_gemms=(), attention=(), rings=())
 
     def syncs(self, *, backward: bool) -> int:
         """Collectives and ring hops of the forward or the backward: where the ranks wait for each other."""

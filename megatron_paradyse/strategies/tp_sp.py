@@ -137,7 +137,7 @@ def attention_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemo
     row_backward(bwd, d, "d_core", core, d.h * d.a // p * e, release=proj_input)
     d_qkv = full_attention_backward(bwd, d, layout, "d_core", kept, qk, heads, kv_heads)
     column_backward(bwd, d, d_qkv, d.qkv // p * d.h * e, d.qkv // p * e if d.bias else 0.0)
-    return sublayer_memory_of(fwd.peak, bwd, saved, prelude=gathered_gradient(d))
+    return sublayer_memory_of(fwd.peak, bwd, saved, prelude=gathered_gradient(d), kept_core=fwd.kept_bytes)
 
 
 def mlp_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
@@ -159,7 +159,7 @@ def mlp_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
         bwd.alloc(fc1_bias_grad=d.f1 // p * e)
         bwd.to_autograd("fc1_bias_grad")
     column_backward(bwd, d, d_fc1, d.f1 // p * d.h * e, 0.0)
-    return sublayer_memory_of(fwd.peak, bwd, saved, prelude=gathered_gradient(d))
+    return sublayer_memory_of(fwd.peak, bwd, saved, prelude=gathered_gradient(d), kept_core=fwd.kept_bytes)
 
 
 register(

@@ -125,7 +125,7 @@ def attention_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemo
         d_qkv = "d_qkv_local"
     release = (d_qkv, "x_local")
     zero3_backward(bwd, d, "qkv", "dx_local", d.x, w_qkv, bias=qkv_bias, release=release, gathered=True)
-    return sublayer_memory_of(fwd.peak, bwd, saved, handed_on=handed_on)
+    return sublayer_memory_of(fwd.peak, bwd, saved, handed_on=handed_on, kept_core=fwd.kept_bytes)
 
 
 register(

@@ -49,6 +49,10 @@ OPTIONS = [
     for m in ("tp_sp", "zero3", "lean")
     for rc in ("", "+rc")
 ]
+KEPT_CORE_OPTIONS = [
+    f"{a}/{m}+rc+keepcore" for a in ("tp_sp", "ulysses", "ring", "lean") for m in ("tp_sp", "zero3", "lean")
+]
+"""Every pair recomputed around its kept attention core: each attention strategy in fp32, bf16 and fp16."""
 
 
 def model_shape(kind: str, p: int, qk_norm: bool = False) -> ModelShape:
@@ -123,9 +127,10 @@ def strategy_cells(p: int) -> list[Cell]:
         out.append(Cell("attention", name, shape, docs, i % 2 == 0, dtype, bias=i % 3 == 0, mlp_ahead=True))
     if p > 1:  # one rank gathers nothing
         out += [Cell("mlp", "zero3", "wide", "one", True, dt, bias=dt != "fp32", mlp_ahead=True) for dt in DTYPES]
-    for i, option in enumerate(OPTIONS):
-        dtype = ("fp32", "bf16", "fp16")[i % 3]
-        out.append(Cell("layer", option, "gqa", "packed", True, dtype, bias=option.startswith(("tp_sp", "ring"))))
+    for options in (OPTIONS, KEPT_CORE_OPTIONS):
+        for i, option in enumerate(options):
+            dtype = ("fp32", "bf16", "fp16")[i % 3]
+            out.append(Cell("layer", option, "gqa", "packed", True, dtype, bias=option.startswith(("tp_sp", "ring"))))
     return out
 
 
@@ -143,6 +148,9 @@ def megatron_cells(p: int) -> list[Cell]:
         shape = "gqa" if norm == "RMSNorm" else "mha"
         dtype, docs = ("fp32", "bf16", "fp16")[i % 3], ("one", "packed")[(i + i // 4) % 2]
         out.append(Cell("megatron", option, shape, docs, True, dtype, bias=False, norm=norm, qk_norm=True))
+    # recomputed around a kept attention core (the ring's per rank, lean's per head group)
+    for option, norm in (("ring/zero3+rc+keepcore", "RMSNorm"), ("lean/tp_sp+rc+keepcore", "LayerNorm")):
+        out.append(Cell("megatron", option, "gqa", "packed", True, "bf16", bias=False, norm=norm, qk_norm=True))
     # where the MLP's first weight, gathered during the attention, sets the layer's peak (and the rebuilt one)
     for option, shape, docs in (("ulysses/zero3", "gqa", "packed"), ("ulysses/zero3+rc", "wide", "one")):
         out.append(Cell("megatron", option, shape, docs, True, "fp32", bias=False, norm="RMSNorm"))

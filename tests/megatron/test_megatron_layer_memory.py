@@ -5,6 +5,7 @@ own sublayers and layers: ``tests/ranks/test_memory_scripts.py``; the cells: ``t
 - bf16: options with every attention and MLP strategy, recompute among them;
 - with q/k norms (``qk_layernorm``: MHA, where the norms keep views of the projection, and GQA, where the q
   norm keeps q's copy) under every attention strategy, in fp32, bf16 and fp16, one and packed documents;
+- recomputed around a kept attention core (``ring``'s, ``lean``'s per head group), with q/k norms;
 - where the MLP's first weight, gathered during the attention, sets the layer's peak (and the rebuilt
   one's).
 """

@@ -14,7 +14,8 @@ cross-entropy and the backward's weight gradients included (host copies of offlo
 not device memory: left out; where every layer is offloaded the model may count one activation more, the
 stage's input, which it keeps beside the loss but the loss's backward no longer has). Plans: every
 strategy family with and without recompute at TP=2, and the recompute choices TP=1 plans from; every
-layer offloaded, and one offloaded after one recomputed; MLPs in tiles (uneven: 256 gathered tokens of
+layer offloaded, and one offloaded after one recomputed; recomputed layers that keep their attention
+core, one of them offloaded; MLPs in tiles (uneven: 256 gathered tokens of
 500 and 1000 rows); the output layer and loss in chunks (:mod:`megatron_paradyse.mcore.chunked_loss`)
 beside Megatron's whole-sequence buffer (``tp_sp``) and without it; one document and three packed; each
 plan in every dtype, the variants and documents covering every pair of factors (:func:`_runs`). At TP=1
@@ -61,6 +62,7 @@ PLANS = {
         "ring/zero3+tile256",
         "ulysses/lean+tile256+rc, lean/lean+tile256+rc+off",
         "ulysses/zero3+rc, ring/zero3",  # the recomputed layer's working set before the plain one's saved bytes
+        "ring/zero3+rc+keepcore, ulysses/lean+rc+keepcore+off",
     ),
     1: (
         "tp_sp/tp_sp",

@@ -15,7 +15,7 @@ compares them with the scripts for its rank, to the byte:
   each sublayer on its own in every dtype, the weight the attention hands on counted too, and two
   Megatron layers where that weight sets the layer's peak (and the rebuilt one);
 - the whole layer (norms, residuals, recompute): every option, in fp32, bf16 and fp16 in turn, GQA,
-  packed documents.
+  packed documents; and every pair recomputed around its kept attention core (``+rc+keepcore``).
 
 Megatron's own layer under the same scripts: ``tests/megatron/test_megatron_layer_memory.py``. The cells and
 their measurement: ``tests/helpers/memory_cells.py``.

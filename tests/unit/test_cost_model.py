@@ -287,6 +287,22 @@ def test_recompute_costs_one_more_forward():
         assert plain.total_s < rc.total_s < 2 * plain.total_s
 
 
+def test_a_kept_core_is_saved_and_not_rerun():
+    """``+rc+keepcore`` keeps the attention core's output and log-sum-exp beside the layer's output, ``t b
+    (a e + nq acc)`` whatever the strategy splits (heads or tokens, ``lean`` per head group), and its rerun
+    runs no attention kernel: cheaper than ``+rc``, dearer than no recompute."""
+    p, s = 4, 16384
+    layout = SequenceLayout.build(s, p, causal=True)
+    d = Dims(MHA, p, s, 1, 4)
+    model = AnalyticCostModel(synthetic_profile(), MHA, p)
+    core = d.t * d.b * (d.a * d.e + d.nq * d.acc)
+    for attention in ("tp_sp", "ulysses", "ring", "lean"):
+        plain, rc, kept = (LayerOption.parse(f"{attention}/zero3{flags}") for flags in ("", "+rc", "+rc+keepcore"))
+        assert layer_terms(kept, d, layout).saved_bytes == layer_terms(rc, d, layout).saved_bytes + core, attention
+        plain_s, rc_s, kept_s = (model.layer_cost(option, layout, 1).time_s for option in (plain, rc, kept))
+        assert plain_s < kept_s < rc_s, attention
+
+
 def test_time_is_compute_plus_synchronous_comm():
     """tp_sp with a profile whose only cost is 1 s per collective: 10 collectives per layer (per
     sublayer: AG and RS forward; AG of the output gradient, RS of the input gradient and AG of the
@@ -309,6 +325,12 @@ def test_time_is_compute_plus_synchronous_comm():
     # lean: with nothing to hide behind, every streamed collective counts: attention 4 broadcasts
     # forward, 4 + 4 reduces backward, 4 rings of 10 hops; MLP 3 shard hops forward, 3 + 4 backward
     assert model.layer_cost(LayerOption("lean", "lean"), layout, 1).time_s == pytest.approx(4 + 8 + 40 + 3 + 7)
+    # recompute reruns the forward's collectives; keeping the attention core, not its rings' forward hops
+    for pair, rerun, ring_hops in (("ring/zero3", 4 + 3, 3), ("lean/lean", 4 + 12 + 3, 4 * 3)):
+        plain, rc, kept = (
+            model.layer_cost(LayerOption.parse(pair + f), layout, 1).time_s for f in ("", "+rc", "+rc+keepcore")
+        )
+        assert (rc - plain, kept - plain) == (pytest.approx(rerun), pytest.approx(rerun - ring_hops)), pair
     # the fitted correction: scales, a cost per synchronisation point (collective or hop), a constant
     profile["correction"] = {"compute": 1.0, "comm": 2.0, "per_sync_s": 0.5, "per_layer_s": 0.25, "fitted_on": []}
     corrected = AnalyticCostModel(profile, MHA, 4)
