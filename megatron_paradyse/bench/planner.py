@@ -1,14 +1,14 @@
 """Planner decision latency: ``python -m megatron_paradyse.bench planner [--layers 96] [--gpu h100]``
 (or ``--profile FILE``: a calibrated profile, for ``--p`` ranks; ``--pipeline-stages N``).
 
-One pipeline stage of ``--layers`` layers, every registered strategy for attention and MLP, each with
-and without recompute. Prints the plans along a length sweep (with the paper's Algorithm 1 beside
-the exact planner), then the median latency of ``Planner.decide``: uncached (the cache cleared
-before every call, lengths drawn at random) and cached (every bucket already planned). With
-``--pipeline-stages N`` the layers are split over ``N`` stages, each with its planner, and a call is
-every stage's ``decide``: what each rank of a pipeline-parallel job spends on a micro-batch, since every
-rank plans every stage (:mod:`megatron_paradyse.run.planned_loader`). Last line:
-``planner_us_cached=<x> planner_us_uncached=<y>``.
+One pipeline stage of ``--layers`` layers, every registered strategy for attention and MLP, each
+without recompute, with it, and with it keeping the attention core. Prints the plans along a length
+sweep (with the paper's Algorithm 1 beside the exact planner), then the median latency of
+``Planner.decide``: uncached (the cache cleared before every call, lengths drawn at random) and cached
+(every bucket already planned). With ``--pipeline-stages N`` the layers are split over ``N`` stages,
+each with its planner, and a call is every stage's ``decide``: what each rank of a pipeline-parallel
+job spends on a micro-batch, since every rank plans every stage
+(:mod:`megatron_paradyse.run.planned_loader`). Last line: ``planner_us_cached=<x> planner_us_uncached=<y>``.
 
 The planner prices options with the analytic cost model training uses
 (:class:`~megatron_paradyse.cost.AnalyticCostModel`), from a profile: by default the one

@@ -42,7 +42,8 @@ class SearchSpace:
     ``tp_sp/tp_sp``, ``ulysses/zero3``). None: any allowed attention with any allowed MLP (a
     per-sublayer plan). Excludes ``attention`` and ``mlp``."""
     recompute: bool = True
-    """Let the planner recompute a layer in backward (less saved memory, one more forward)."""
+    """Let the planner recompute a layer in backward (less saved memory, one more forward), its attention
+    core with it (``+rc``) or kept from the forward (``+rc+keepcore``)."""
     host_memory_gib: float = 0.0
     """Host memory (GiB per rank) that recomputed layers may keep their inputs in until their backward
     (:mod:`megatron_paradyse.core.offload`): the planner then also weighs each recomputed option offloaded
@@ -238,8 +239,9 @@ def layer_options(config: PlannerConfig, shape: ModelShape, p: int) -> tuple[tup
 
     Strategies whose preconditions fail for ``shape`` on ``p`` ranks are left out, whether listed
     in the config or not (unknown names never get this far: the config refuses them). Options come in
-    the library's order (fastest first), each without then with recompute (then offloaded, where host
-    memory is given), then the same with the MLP in tiles (where a tile size is given).
+    the library's order (fastest first), each without then with recompute, rerunning its attention core
+    or keeping it (then both offloaded, where host memory is given), then the same with the MLP in tiles
+    (where a tile size is given).
     """
     space = config.space
     allowed, excluded = {}, {}
@@ -262,9 +264,13 @@ def layer_options(config: PlannerConfig, shape: ModelShape, p: int) -> tuple[tup
                 excluded[f"pair {text}"] = f"{' and '.join(missing)} cannot run this model"
             else:
                 pairs.append((option.attention, option.mlp))
-    kinds = [(False, False)] + [(True, False)] * space.recompute + [(True, True)] * bool(space.host_memory_gib)
+    recomputes = [(True, False, False), (True, False, True)] * space.recompute  # the core rerun or kept
+    offloaded = [(True, True, False), (True, True, True)] * bool(space.host_memory_gib)
+    kinds = [(False, False, False), *recomputes, *offloaded]
     tiles = (0, space.mlp_tile_tokens) if space.mlp_tile_tokens else (0,)
-    options = tuple(LayerOption(a, m, rc, off, tile) for a, m in pairs for tile in tiles for rc, off in kinds)
+    options = tuple(
+        LayerOption(a, m, rc, off, tile, keep) for a, m in pairs for tile in tiles for rc, off, keep in kinds
+    )
     if not options:
         reasons = "; ".join(f"{what}: {why}" for what, why in excluded.items()) or "none enabled"
         raise ValueError(f"no layer option is left for this model on p={p} ranks ({reasons})")
