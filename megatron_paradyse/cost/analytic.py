@@ -454,8 +454,12 @@ class AnalyticCostModel:
             sub = sublayer_terms(sublayer, name, dims, layout, rank)
             memory = sublayer_memory(sublayer, name, dims, layout, rank)
             memory_key = _memory_key(memory)
-            forward = self._terms.sublayer_pass(sub.without_core() if core_kept else sub, backward=False)
-            backward = self._terms.sublayer_pass(sub, backward=True)
+            if core_kept:  # the rerun's forward; its backward is the attention's own
+                forward = self._terms.sublayer_pass(sub.without_core(), backward=False)
+                backward = self._sublayer(memo, layout, sublayer, name, rank, mlp_weight_ahead).backward
+            else:
+                forward = self._terms.sublayer_pass(sub, backward=False)
+                backward = self._terms.sublayer_pass(sub, backward=True)
             entry = _Sublayer(forward, backward, memory, memory_key)
             memo.sublayers[key] = entry
         return entry

@@ -22,6 +22,7 @@ K/V rings of ``1/p`` of the heads: more, smaller messages than any other strateg
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -292,15 +293,17 @@ def attention_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemo
     heads, kv_heads = d.nq // d.p, d.ng // d.p
     shard = _attention_sizes(d)[0]
     blocks = tuple(map(block_of, ring_hops(layout, rank)))
-    fwd_peak, kept, kept_core = _attention_forward_memory(d, ring_forward_memory(d, blocks, heads, kv_heads))
+    plain = dataclasses.replace(d, core_kept=False) if d.core_kept else d  # the rings and backward: the same
+    ring_forward = ring_forward_memory(plain, blocks, heads, kv_heads)
+    fwd_peak, kept, kept_core = _attention_forward_memory(d, ring_forward)
     saved = dict(kept)
-    ring_backward = ring_backward_memory(d, blocks, heads, kv_heads)
+    ring_backward = ring_backward_memory(plain, blocks, heads, kv_heads)
     start = Allocations(dy_local=0.0, saved=sum(saved.values()))
     bias_grad(start, d, d.bias)
     start.alloc(dx_local=d.x, shard=shard)  # dx accumulates group by group
     loop = Loop(start)
     for j in range(d.p):
-        loop.add(_attention_backward_group_memory(d, ring_backward, loop.state, last=j + 1 == d.p, own=j == rank))
+        loop.add(_attention_backward_group_memory(plain, ring_backward, loop.state, last=j + 1 == d.p, own=j == rank))
     bwd = loop.end()
     bwd.free("shard_prev", *(("reducing",) if "reducing" in bwd.sizes else ()))
     if d.half:  # the complete gradient rounded to the shard's dtype

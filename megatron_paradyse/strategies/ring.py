@@ -15,6 +15,7 @@ Memory: ``O(s/p)`` activations, two K/V blocks and the gathered weights.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -200,8 +201,9 @@ def attention_terms(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms
 
 def attention_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
     blocks = tuple(map(block_of, ring_hops(layout, rank)))
+    plain = dataclasses.replace(d, core_kept=False) if d.core_kept else d  # the ring's own: the same
     return _memory_around_ring(
-        d, ring_forward_memory(d, blocks, d.nq, d.ng), ring_backward_memory(d, blocks, d.nq, d.ng)
+        d, ring_forward_memory(plain, blocks, d.nq, d.ng), ring_backward_memory(plain, blocks, d.nq, d.ng)
     )
 
 
