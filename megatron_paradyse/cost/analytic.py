@@ -98,6 +98,7 @@ def _memory_key(memory: SublayerMemory) -> tuple:
         memory.bwd_prelude,
         memory.handed_on,
         memory.kept_core,
+        memory.bwd_peaks_around_use,
     )
 
 
@@ -143,18 +144,20 @@ class AnalyticCostModel:
         rotary_dim: int = 0,
         bias: bool = True,
         normalization: str = "LayerNorm",
+        hidden_dropout: bool = False,
         tied_unfused_output: bool = False,
         use_correction: bool = True,
     ):
-        """``static_bytes``: what the rank holds whatever the plan, its weights, gradients and optimizer
-        state (see :mod:`megatron_paradyse.mcore.static_memory`) and anything else resident;
-        ``vocab_size``: Megatron's padded vocabulary if the stage holds the output layer, else 0 (see
-        :meth:`loss_bytes`); ``rotary_dim``: the channels of each head RoPE rotates (0: the model has no
-        RoPE); ``bias``: the linear layers have biases; ``normalization``: Megatron's ``LayerNorm`` or
-        ``RMSNorm`` (they keep different tensors); ``tied_unfused_output``: the stage's output layer shares
-        its embedding's weight and weight gradients are not fused into Megatron's buffer (no Transformer
-        Engine or apex): autograd then holds the output layer's weight gradient ``[V/p, h]`` until the
-        embedding's backward adds its own, through every layer's backward. Memory is counted for the
+        """``static_bytes``: what the rank holds whatever the plan, its weights, gradients and optimizer state
+        (see :mod:`megatron_paradyse.mcore.static_memory`) and anything else resident; ``vocab_size``:
+        Megatron's padded vocabulary if the stage holds the output layer, else 0 (see :meth:`loss_bytes`);
+        ``rotary_dim``: the channels of each head RoPE rotates (0: the model has no RoPE); ``bias``: the
+        linear layers have biases; ``normalization``: Megatron's ``LayerNorm`` or ``RMSNorm`` (they keep
+        different tensors); ``hidden_dropout``: Megatron's hidden dropout is on (the embedding's output and
+        every sublayer's are dropped out, each keeping its mask); ``tied_unfused_output``: the stage's output
+        layer shares its embedding's weight and weight gradients are not fused into Megatron's buffer (no
+        Transformer Engine or apex): autograd then holds the output layer's weight gradient ``[V/p, h]`` until
+        the embedding's backward adds its own, through every layer's backward. Memory is counted for the
         profile's device."""
         if p > 1 and str(p) not in profile["collectives"]:
             raise ValueError(f"the profile has no collectives for p={p}; run `paradyse calibrate --p {p}`")
@@ -174,6 +177,7 @@ class AnalyticCostModel:
         self.rotary_dim = rotary_dim
         self.bias = bias
         self.normalization = normalization
+        self.hidden_dropout = hidden_dropout
         self.tied_unfused_output = tied_unfused_output
         self.device = profile["fingerprint"]["device"]
         correction = profile.get("correction") if use_correction else None
@@ -301,7 +305,8 @@ class AnalyticCostModel:
         layout's index tensors (:meth:`SequenceLayout.indices`: three int64 ``[s]``); its input
         ``[t, b, h]`` (the embedding's output or the previous stage's activation; the first layer's norm
         keeps it) and, with p > 1, what Megatron's vocab-parallel embedding keeps for its backward (its
-        out-of-range mask, bool, and masked token ids, int64, ``[b, s]``; counted on every stage);
+        out-of-range mask, bool, and masked token ids, int64, ``[b, s]``; counted on every stage), and with
+        hidden dropout the mask of the embedding's dropout (:attr:`Dims.dropout_mask`; every stage too);
         GPTModel's rotary table ``[s, 1, 1, rotary_dim]`` (fp32); with sequence parallelism, Megatron's
         global all-gather buffer: Megatron's sequence-parallel column linears (``tp_sp``'s, the output
         layer's) gather their input into it and keep it, so the layers' memory (:mod:`cost.layer_memory`)
@@ -313,6 +318,8 @@ class AnalyticCostModel:
         tokens = layout.padded_len * micro_batch_size
         inputs = tokens * (3 * 8 + 4) + 3 * layout.padded_len * 8
         embedding_saved = tokens * (1 + 8) if self.p > 1 else 0
+        if self.hidden_dropout:
+            embedding_saved += self._memo(layout, micro_batch_size).dims.dropout_mask
         activation = tokens * self.shape.hidden_size * self.element_size
         gathered_rows = 0  # by the layers (tp_sp) or the output layer, whichever gathers more
         if self.p > 1 and (stage.sequence_buffer or (self.vocab_size and not stage.loss_chunk_tokens)):
@@ -427,6 +434,7 @@ class AnalyticCostModel:
                 bias=self.bias,
                 normalization=self.normalization,
                 device=self.device,
+                hidden_dropout=self.hidden_dropout,
             )
             memo = self._latest.memo = _LayoutMemo(key, dims)
             self._terms.forget_calls()

@@ -133,31 +133,41 @@ class LayerMemory:
         return self.saved_bytes, max(self.forward_peak_bytes, backward)
 
 
+def _dropout_add(m: Allocations, d: Dims, prefix: str, out: str) -> None:
+    """Megatron's bias-dropout-add of sublayer ``prefix``'s output into the residual stream, as ``out``.
+    With hidden dropout, torch's dropout first: on the CPU a noise tensor, then the product; on CUDA one
+    kernel, its output and a bool mask (:attr:`Dims.dropout_mask`), which autograd keeps. The sublayer's
+    output and the dropped-out copy die after the sum."""
+    dropped = (f"{prefix}dropped",) if d.hidden_dropout else ()
+    if d.hidden_dropout:
+        m.alloc(**{f"{prefix}dropout_mask": d.dropout_mask, f"{prefix}dropped": d.x})
+    m.alloc(**{out: d.x})
+    m.free(f"{prefix}y_local", *dropped)
+
+
 def _layer_forward(attn: SublayerMemory, mlp: SublayerMemory, d: Dims) -> Allocations:
     """The layer's forward, above its input: norm 1 (output and statistics; it keeps the layer's input),
-    the attention, the residual ``x1``, norm 2 (keeping ``x1``), the MLP, the output. An attention core
-    kept for a recompute (:attr:`SublayerMemory.kept_core`) is alive from the start."""
-    x = d.x
+    the attention, the residual ``x1`` (:func:`_dropout_add`), norm 2 (keeping ``x1``), the MLP, the
+    output. An attention core kept for a recompute (:attr:`SublayerMemory.kept_core`) is alive from the
+    start."""
 
     def forward(m: Allocations, sub: SublayerMemory, prefix: str) -> None:
         """On ``{prefix}x_local`` (and what the sublayer before handed on): the high-water mark (the input
         in it), then what it keeps, its output and what it hands on."""
         m.free(f"{prefix}x_local", *(name for name in m.sizes if name.endswith("handed_on")))
         handed_on = (("handed_on", sub.handed_on),) if sub.handed_on else ()
-        m.call(Call(sub.fwd_peak, (("saved", sub.saved_bytes), ("y_local", x), *handed_on)), prefix)
+        m.call(Call(sub.fwd_peak, (("saved", sub.saved_bytes), ("y_local", d.x), *handed_on)), prefix)
 
     m = Allocations()
     norm_forward(m, d, "ln1")
     m.peak += attn.kept_core  # beside norm 1's working set (the attention's counts it from its start)
     m.rename(ln1_out="attn.x_local")
     forward(m, attn, "attn.")
-    m.alloc(x1=x)
-    m.free("attn.y_local")
+    _dropout_add(m, d, "attn.", "x1")
     norm_forward(m, d, "ln2")
     m.rename(ln2_out="mlp.x_local")
     forward(m, mlp, "mlp.")
-    m.alloc(output=x)
-    m.free("mlp.y_local")
+    _dropout_add(m, d, "mlp.", "output")
     return m
 
 
@@ -171,25 +181,37 @@ def layer_memory(
     Forward: :func:`_layer_forward`. Backward from the output's gradient (the
     next layer's or the loss's), which takes the output's place (by then the output's consumer has freed
     it) and dies into the residual's summed gradient: the MLP, norm 2's backward, that sum, the attention,
-    norm 1's. Recompute keeps only the output (and a kept core's results); its forward keeps nothing
-    else, and the backward first reruns the whole layer, then runs as without recompute.
+    norm 1's. With hidden dropout each sublayer's backward starts from the dropout's (the gradient times
+    the mask, which dies), a gradient only autograd holds: it dies once the sublayer's first node has
+    used it (:attr:`SublayerMemory.bwd_peaks_around_use`). Recompute keeps only the output (and a kept
+    core's results); its forward keeps nothing else, and the backward first reruns the whole layer, then
+    runs as without recompute.
     """
     x = d.x
 
     def backward(m: Allocations, sub: SublayerMemory, prefix: str) -> None:
-        m.peak = max(m.peak, m.live + sub.bwd_peak)
-        m.free(f"{prefix}saved")
+        if not d.hidden_dropout:
+            m.peak = max(m.peak, m.live + sub.bwd_peak)
+            m.free(f"{prefix}saved")
+        else:
+            m.alloc(**{f"{prefix}dy": x})
+            m.free(f"{prefix}dropout_mask")
+            until, after = sub.bwd_peaks_around_use or (sub.bwd_peak, 0.0)
+            m.peak = max(m.peak, m.live + until, m.live - x + after)
+            m.free(f"{prefix}saved", f"{prefix}dy")
         m.alloc(**{f"{prefix}dx_local": x})
 
     m = _layer_forward(attn, mlp, d)
     saved, forward_peak = m.live, m.peak
-    # recompute reruns this forward to the layer's end (no early stop) once the MLP's backward first
-    # reads a saved tensor: beside the output's gradient and what that backward made before
-    rebuilt_peak = x + mlp.bwd_prelude + forward_peak
+    # recompute reruns this forward to the layer's end (no early stop) once the backward first reads a
+    # saved tensor: beside the output's gradient and what the MLP's backward made before (with dropout,
+    # its mask is the first read)
+    prelude = x + (0.0 if d.hidden_dropout else mlp.bwd_prelude)
+    rebuilt_peak = prelude + forward_peak
     core_bytes = core_rebuilt_peak = 0.0
     if kept_core is not None:  # the same rerun, without the attention kernel, beside the kept results
         core_bytes = kept_core.kept_core
-        core_rebuilt_peak = x + mlp.bwd_prelude + _layer_forward(kept_core, mlp, d).peak
+        core_rebuilt_peak = prelude + _layer_forward(kept_core, mlp, d).peak
     m.peak = m.live  # the backward's high-water mark from here
     backward(m, mlp, "mlp.")
     norm_backward(m, d, "ln2", "mlp.dx_local")

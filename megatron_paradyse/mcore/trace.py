@@ -93,6 +93,8 @@ class LayerModel:
     None: no position embedding in the layer. ``run_layer`` has none either way."""
     bias: bool = False
     """Biases of the linear layers (Megatron's ``add_bias_linear``)."""
+    hidden_dropout: float = 0.0
+    """Megatron's ``hidden_dropout`` (``run_layer`` has none: its traces leave it out)."""
 
     def __post_init__(self) -> None:
         if self.normalization not in ("LayerNorm", "RMSNorm"):
@@ -121,11 +123,12 @@ class LayerModel:
             bias=self.bias,
             normalization=self.normalization if megatron else "LayerNorm",
             device=device,
+            hidden_dropout=megatron and self.hidden_dropout > 0,
         )
 
     def transformer_config(self, p: int, dtype: torch.dtype):
         """Megatron's ``TransformerConfig`` of one such layer on ``p`` tensor-parallel ranks (sequence
-        parallel, no dropout, fusions off as Megatron-Core's config defaults them; parameters in
+        parallel, no attention dropout, fusions off as Megatron-Core's config defaults them; parameters in
         ``dtype`` and left uninitialised: memory does not depend on their values)."""
         s = self.shape
         return TransformerConfig(
@@ -141,7 +144,7 @@ class LayerModel:
             normalization=self.normalization,
             layernorm_epsilon=self.norm_epsilon,
             add_bias_linear=self.bias,
-            hidden_dropout=0.0,
+            hidden_dropout=self.hidden_dropout,
             attention_dropout=0.0,
             use_cpu_initialization=True,
             perform_initialization=False,

@@ -81,6 +81,7 @@ def stage_cost_models(args: argparse.Namespace, transformer, profile: dict, foot
         rotary_dim=rotary_dim(transformer, args.position_embedding_type, args.rotary_percent),
         bias=transformer.add_bias_linear,
         normalization=transformer.normalization,
+        hidden_dropout=transformer.hidden_dropout > 0,
     )
     # one stage holds both: with pipeline stages the last one's copy is tied by an all-reduce
     tied_unfused_output = (

@@ -41,7 +41,7 @@ class Allocations:
     high-water mark. Names are unique while alive; freeing a name that is not alive is a bug in a
     script and raises ``KeyError``."""
 
-    __slots__ = ("sizes", "live", "peak", "grads_held", "handed", "kept_bytes")
+    __slots__ = ("sizes", "live", "peak", "grads_held", "handed", "kept_bytes", "peak_until_used")
 
     def __init__(self, grads: Dims | None = None, /, **alive: float):
         """``grads``: the weight-gradient setting of :meth:`to_autograd` (:attr:`Dims.grads_held` and
@@ -53,6 +53,7 @@ class Allocations:
         self.grads_held = grads is not None and grads.grads_held
         self.handed: list[float] = []
         self.kept_bytes = 0.0
+        self.peak_until_used: float | None = None
 
     def alloc(self, **tensors: float) -> None:
         sizes, live = self.sizes, self.live  # locals: the planner runs thousands of these per decision
@@ -88,6 +89,13 @@ class Allocations:
                 self.rename(**{name: held})
             else:
                 self.free(name)
+
+    def output_gradient_used(self) -> None:
+        """A backward's first node has run: the output's gradient it was given (``dy_local``, 0 bytes here:
+        the caller counts it) dies here unless the caller holds it too. The high-water mark so far is kept
+        apart (:attr:`peak_until_used`), the one from here on starts again."""
+        self.peak_until_used = self.peak
+        self.peak = self.live
 
     def kept(self, **tensors: float) -> None:
         """Tensors made before this code ran and alive all through it, which it takes over here (an
@@ -182,6 +190,10 @@ class SublayerMemory:
     kept_core: float = 0.0
     """With :attr:`Dims.core_kept`: the bytes of the attention core's results, which exist before the
     forward (in :attr:`saved`, and in :attr:`fwd_peak` from its start)."""
+    bwd_peaks_around_use: tuple[float, float] | None = None
+    """:attr:`bwd_peak` split where the backward's first node has used the output's gradient
+    (:meth:`Allocations.output_gradient_used`): the high-water marks until then and after, both on the
+    same base. A gradient only autograd holds (a dropout's) dies there; None: used to the end."""
 
     @property
     def saved_bytes(self) -> float:
@@ -200,7 +212,11 @@ def sublayer_memory_of(
     everything saved and leave the input's gradient."""
     if {name for name in bwd.sizes if not name.startswith("held:")} != {"dy_local", "dx_local"}:
         raise AssertionError(f"memory script: backward ends with {sorted(bwd.sizes)} alive")
-    backward_peak = bwd.peak - sum(saved.values())
+    saved_bytes = sum(saved.values())
+    around_use = None
+    if bwd.peak_until_used is not None:
+        around_use = (bwd.peak_until_used - saved_bytes, bwd.peak - saved_bytes)
+    backward_peak = max(bwd.peak, bwd.peak_until_used or 0.0) - saved_bytes
     return SublayerMemory(
-        tuple(saved.items()), fwd_peak, backward_peak, prelude, tuple(bwd.handed), handed_on, kept_core
+        tuple(saved.items()), fwd_peak, backward_peak, prelude, tuple(bwd.handed), handed_on, kept_core, around_use
     )

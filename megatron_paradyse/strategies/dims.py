@@ -45,6 +45,9 @@ class Dims:
     (:func:`~megatron_paradyse.strategies.gathers_mlp_weight_ahead`): the attention starts that gather
     after its projection's and hands the weight on, the MLP's forward starts with it."""
 
+    hidden_dropout: bool = False
+    """Megatron's hidden dropout is on: the layer drops out each sublayer's output before adding it to the
+    residual stream, keeping the mask for backward (:func:`~megatron_paradyse.cost.layer_memory.layer_memory`)."""
     core_kept: bool = False
     """The attention core's results exist before this forward: the rerun of a layer that keeps them
     (``+rc+keepcore``, :mod:`megatron_paradyse.attention.kept`) runs no attention kernel, and they count
@@ -111,6 +114,12 @@ class Dims:
     def x(self) -> int:
         """Bytes of one ``[t, b, h]`` activation."""
         return self.t * self.b * self.h * self.e
+
+    @property
+    def dropout_mask(self) -> int:
+        """Bytes of the mask a dropout of ``[t, b, h]`` keeps for its backward: on CUDA one kernel's bool
+        mask, on the CPU torch's unfused dropout's noise tensor, in the activations' dtype."""
+        return self.x if self.device == "cpu" else self.t * self.b * self.h
 
     @property
     def norm_stats(self) -> int:

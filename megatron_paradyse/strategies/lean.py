@@ -310,7 +310,8 @@ def attention_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemo
         bwd.alloc(own_cast=shard)
         bwd.free("own")
         bwd.rename(own_cast="own")
-    # the function's backward returns; the shard gradient is accumulated
+    # the function's backward returns, the one node of its backward; the shard gradient is accumulated
+    bwd.output_gradient_used()
     bwd.free("saved", "own")
     return sublayer_memory_of(fwd_peak, bwd, saved, kept_core=kept_core)
 
@@ -443,6 +444,7 @@ def mlp_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
         bwd.free(arrived)
         arrived = "grad_cast"
     bwd.free(f"shard{p - 1}", "x_local")
+    bwd.output_gradient_used()  # the function's backward, its one node, returns
     bwd.to_autograd(arrived)
     return sublayer_memory_of(fwd.peak, bwd, saved)
 

@@ -28,17 +28,27 @@ __all__ = [
 
 
 def linear_backward(
-    m: Allocations, dx: str, dx_bytes: float, w: float, bias: float, *, release: tuple[str, ...]
+    m: Allocations,
+    dx: str,
+    dx_bytes: float,
+    w: float,
+    bias: float,
+    *,
+    release: tuple[str, ...],
+    uses_output_gradient: bool = False,
 ) -> None:
     """``F.linear``'s own backward (a matmul; with a bias, an addmm): the input gradient ``dx`` and the
     weight's (and bias's) gradient, which autograd then accumulates into ``.grad``; then ``release``
-    dies. Without a bias autograd makes the weight's gradient first, with one the input's."""
+    dies. Without a bias autograd makes the weight's gradient first, with one the input's.
+    ``uses_output_gradient``: the backward's first node (:meth:`Allocations.output_gradient_used`)."""
     grads = {"linear_dw": w, **({"linear_db": bias} if bias else {})}
     if bias:
         m.alloc(**{dx: dx_bytes}, **grads)
     else:
         m.alloc(**grads, **{dx: dx_bytes})
     m.free(*release)
+    if uses_output_gradient:
+        m.output_gradient_used()
     m.to_autograd(*grads)
 
 
@@ -125,6 +135,7 @@ def zero3_backward(
     bias: float = 0.0,
     row: bool = False,
     gathered: bool = False,
+    uses_output_gradient: bool = False,
 ) -> None:
     """``zero3_linear``'s backward: the weight gathered again (``gathered``: its gather was started
     ahead, :func:`gather_ahead`; otherwise now) while the full weight gradient's GEMM runs; that
@@ -132,9 +143,10 @@ def zero3_backward(
     as ``[p, out, in/p]``, a copy), reduce-scattered to the shard while ``dx = dy W`` runs, alive until
     then, and the shard rounded back to its dtype; the bias's gradient likewise (summed straight into
     the accumulation dtype, waited for); then ``release`` (the incoming gradient, the saved input) and
-    the shard gradients (accumulated into ``.grad``) die."""
+    the shard gradients (accumulated into ``.grad``) die. ``uses_output_gradient``: the backward's first
+    node (:meth:`Allocations.output_gradient_used`)."""
     if d.p == 1:
-        linear_backward(m, dx, dx_bytes, w, bias, release=release)
+        linear_backward(m, dx, dx_bytes, w, bias, release=release, uses_output_gradient=uses_output_gradient)
         return
     if not gathered:
         m.alloc(**{f"{name}_w": w})
@@ -169,6 +181,8 @@ def zero3_backward(
             m.rename(db_shard="db")
         grads = ("dw", "db")
     m.free(*release)
+    if uses_output_gradient:
+        m.output_gradient_used()
     m.to_autograd(*grads)
 
 
@@ -224,15 +238,18 @@ def gathered_gradient(d: Dims) -> float:
 
 
 def row_backward(m: Allocations, d: Dims, dx: str, dx_bytes: float, w: float, *, release: tuple[str, ...]) -> None:
-    """The backward of Megatron's row-parallel linear (``tp_sp``): its reduce-scatter's backward
-    all-gathers the output gradient to ``[s, b, h]`` (p > 1), then the input gradient ``dx`` and the
-    weight's; then the gathered gradient, ``release`` (the saved input) and the weight gradient
-    (accumulated into ``.grad``) die."""
+    """The backward of Megatron's row-parallel linear (``tp_sp``), the sublayer's first node
+    (:meth:`Allocations.output_gradient_used`): its reduce-scatter's backward all-gathers the output
+    gradient to ``[s, b, h]`` (p > 1), then the input gradient ``dx`` and the weight's; then the gathered
+    gradient, ``release`` (the saved input) and the weight gradient (accumulated into ``.grad``) die."""
     gathered = ("dy_full",) if d.p > 1 else ()
     if gathered:
         m.alloc(dy_full=gathered_gradient(d))
+        m.output_gradient_used()
     m.alloc(**{dx: dx_bytes}, row_dw=w)
     m.free(*gathered, *release)
+    if not gathered:
+        m.output_gradient_used()
     m.to_autograd("row_dw")
 
 

@@ -234,7 +234,7 @@ def _memory_around_ring(d: Dims, ring_forward: Call, ring_backward: Call) -> Sub
 
     bwd = Allocations(dy_local=0.0, **saved)
     bias_grad(bwd, d, d.bias)
-    zero3_backward(bwd, d, "proj", "d_core", core_local, w_proj, row=True, release=("core",))
+    zero3_backward(bwd, d, "proj", "d_core", core_local, w_proj, row=True, release=("core",), uses_output_gradient=True)
     gather_ahead(bwd, d, "qkv", w_qkv)  # once the ring output's gradient (a view of d_core) is there
     bwd.call(ring_backward)
     bwd.free("d_core", *(() if qk.norms_keep_qkv else ("qkv_local",)), *qk.transformed, "out", "lse")

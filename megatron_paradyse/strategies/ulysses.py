@@ -112,7 +112,7 @@ def attention_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemo
     bwd = Allocations(dy_local=0.0, **saved)
     bias_grad(bwd, d, d.bias)
     release = () if core in kept else (core,)
-    zero3_backward(bwd, d, "proj", "d_core", core_local, w_proj, row=True, release=release)
+    zero3_backward(bwd, d, "proj", "d_core", core_local, w_proj, row=True, release=release, uses_output_gradient=True)
     if p > 1:
         bwd.alloc(a2a_send=core_local, d_core_full=core_local)
         bwd.free("a2a_send", "d_core")

@@ -86,7 +86,7 @@ def mlp_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
 
     bwd = Allocations(d, dy_local=0.0, **saved)
     bias_grad(bwd, d, d.bias)
-    zero3_backward(bwd, d, "fc2", "d_act", t * b * d.f * e, w2, row=True, release=(act[-1],))
+    zero3_backward(bwd, d, "fc2", "d_act", t * b * d.f * e, w2, row=True, release=(act[-1],), uses_output_gradient=True)
     gate = act[0] if len(act) > 1 else None
     d_fc1 = activation_backward(bwd, d, t, d.f, d_act="d_act", fc1_out="fc1_out", act_gate=gate)
     zero3_backward(bwd, d, "fc1", "dx_local", d.x, w1, bias=b1, release=(d_fc1, "x_local"))

@@ -105,6 +105,8 @@ class Cell:
     mlp_ahead: bool = False
     """The layer gathers the MLP's first weight during the attention (``Dims.mlp_weight_ahead``): the
     attention starts that gather and hands the weight on, the MLP starts with it."""
+    dropout: bool = False
+    """Megatron's hidden dropout on (``megatron`` cells): each sublayer's output dropped out, its mask kept."""
 
 
 def strategy_cells(p: int) -> list[Cell]:
@@ -154,6 +156,13 @@ def megatron_cells(p: int) -> list[Cell]:
     # where the MLP's first weight, gathered during the attention, sets the layer's peak (and the rebuilt one)
     for option, shape, docs in (("ulysses/zero3", "gqa", "packed"), ("ulysses/zero3+rc", "wide", "one")):
         out.append(Cell("megatron", option, shape, docs, True, "fp32", bias=False, norm="RMSNorm"))
+    # hidden dropout: every strategy's backward from a gradient only autograd holds, recomputed or not
+    for i, option in enumerate(
+        ("tp_sp/tp_sp", "ulysses/zero3+rc", "ring/lean", "lean/tp_sp+rc", "ring/zero3+rc+keepcore", "tp_sp/zero3")
+    ):
+        norm, shape = ("LayerNorm", "mha") if i % 2 else ("RMSNorm", "gqa")
+        dtype, docs = ("fp32", "bf16", "fp16")[i % 3], ("one", "packed")[i // 3]
+        out.append(Cell("megatron", option, shape, docs, True, dtype, bias=i == 5, norm=norm, dropout=True))
     return out
 
 
@@ -246,7 +255,12 @@ def _settle(tracker: _StorageTracker) -> None:
 def _measure_megatron(cell: Cell, rank: int, p: int) -> tuple[int, int]:
     from megatron_paradyse.mcore.trace import LayerModel, RankTracer
 
-    model = LayerModel(shape=model_shape(cell.shape, p, cell.qk_norm), normalization=cell.norm, bias=cell.bias)
+    model = LayerModel(
+        shape=model_shape(cell.shape, p, cell.qk_norm),
+        normalization=cell.norm,
+        bias=cell.bias,
+        hidden_dropout=0.1 if cell.dropout else 0.0,
+    )
     layout = layout_of(cell.docs, p, cell.causal)
     option = LayerOption.parse(cell.name)
     with RankTracer(model, layer="megatron", dtype=DTYPES[cell.dtype], fake=False, kernel="torch") as tracer:
@@ -282,7 +296,17 @@ def predicted(cell: Cell, rank: int, p: int) -> tuple[float, ...]:
     shape, layout = model_shape(cell.shape, p, cell.qk_norm), layout_of(cell.docs, p, cell.causal)
     e = DTYPES[cell.dtype].itemsize
     if cell.kind == "megatron":
-        d = Dims(shape, p, layout.padded_len, 1, e, shape.kv_channels, bias=cell.bias, normalization=cell.norm)
+        d = Dims(
+            shape,
+            p,
+            layout.padded_len,
+            1,
+            e,
+            shape.kv_channels,
+            bias=cell.bias,
+            normalization=cell.norm,
+            hidden_dropout=cell.dropout,
+        )
     else:
         d = Dims(shape, p, layout.padded_len, cell.batch, e, bias=cell.bias, mlp_weight_ahead=cell.mlp_ahead)
     if cell.kind in ("attention", "mlp"):
@@ -323,6 +347,7 @@ def _describe(cell: Cell) -> str:
     what = {"attention": "attention", "mlp": "MLP", "layer": "layer", "megatron": f"Megatron layer ({norms})"}
     mask = "causal" if cell.causal else "bidirectional"
     ahead = ", MLP weight gathered ahead" if cell.mlp_ahead else ""
+    ahead += ", hidden dropout" if cell.dropout else ""
     where = f"{cell.shape}, {cell.docs} {mask}, {cell.dtype}, bias={cell.bias}, b={cell.batch}{ahead}"
     return f"{what[cell.kind]} {cell.name}, {where}"
 

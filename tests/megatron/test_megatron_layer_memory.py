@@ -7,7 +7,10 @@ own sublayers and layers: ``tests/ranks/test_memory_scripts.py``; the cells: ``t
   norm keeps q's copy) under every attention strategy, in fp32, bf16 and fp16, one and packed documents;
 - recomputed around a kept attention core (``ring``'s, ``lean``'s per head group), with q/k norms;
 - where the MLP's first weight, gathered during the attention, sets the layer's peak (and the rebuilt
-  one's).
+  one's);
+- with hidden dropout (its masks; each sublayer's backward from a gradient only autograd holds, dead once
+  used), every attention and MLP strategy, with and without recompute, in fp32, bf16 and fp16 (one cell
+  with biases).
 """
 
 from __future__ import annotations

@@ -1,25 +1,25 @@
 """The whole step's memory against the cost model, measured on gloo ranks in fp32, bf16 and fp16.
 
-One micro-batch of a Megatron GPTModel built with the Paradyse layer spec (RoPE; GPT-style LayerNorm
-with biases, or LLaMA-style RMSNorm, GQA and SwiGLU without, with q/k norms as Qwen3 has them; each tied
-to its embedding at one TP size and untied at the other) runs forward, Megatron's vocab-parallel loss
-and backward under :class:`PeakMemory`, after :func:`release_step_buffers` (Megatron's all-gather buffer
-and rotary tables are the step's own, as in the training entry point), until the smallest peak recurs
-(:func:`recurring_peak_bytes`: gloo's worker thread may free a buffer late, and anything a first step
-made lazily would put its peak above the next ones'). The step's inputs and the layout's index tensors
-exist before the window and are added to what it measures. The largest rank's measured peak must be the
-cost model's ``peak_bytes`` for the plan (static bytes 0: the gradients exist before, as Megatron's
-buffer) within :data:`TOLERANCE`: embedding, every layer, the final norm, the output layer, the
-cross-entropy and the backward's weight gradients included (host copies of offloaded layers' inputs are
-not device memory: left out; where every layer is offloaded the model may count one activation more, the
-stage's input, which it keeps beside the loss but the loss's backward no longer has). Plans: every
-strategy family with and without recompute at TP=2, and the recompute choices TP=1 plans from; every
-layer offloaded, and one offloaded after one recomputed; recomputed layers that keep their attention
-core, one of them offloaded; MLPs in tiles (uneven: 256 gathered tokens of
-500 and 1000 rows); the output layer and loss in chunks (:mod:`megatron_paradyse.mcore.chunked_loss`)
-beside Megatron's whole-sequence buffer (``tp_sp``) and without it; one document and three packed; each
-plan in every dtype, the variants and documents covering every pair of factors (:func:`_runs`). At TP=1
-the two ranks are data-parallel replicas, and the plans run again under Megatron's DDP (the distributed
+One micro-batch of a Megatron GPTModel built with the Paradyse layer spec (RoPE; GPT-style LayerNorm with
+biases and hidden dropout, or LLaMA-style RMSNorm, GQA and SwiGLU without either, with q/k norms as Qwen3
+has them; each tied to its embedding at one TP size and untied at the other) runs forward, Megatron's
+vocab-parallel loss and backward under :class:`PeakMemory`, after :func:`release_step_buffers`
+(Megatron's all-gather buffer and rotary tables are the step's own, as in the training entry point),
+until the smallest peak recurs (:func:`recurring_peak_bytes`: gloo's worker thread may free a buffer
+late, and anything a first step made lazily would put its peak above the next ones'). The step's inputs
+and the layout's index tensors exist before the window and are added to what it measures. The largest
+rank's measured peak must be the cost model's ``peak_bytes`` for the plan (static bytes 0: the gradients
+exist before, as Megatron's buffer) within :data:`TOLERANCE`: embedding, every layer, the final norm, the
+output layer, the cross-entropy and the backward's weight gradients included (host copies of offloaded
+layers' inputs are not device memory: left out; where every layer is offloaded the model may count one
+activation more, the stage's input, which it keeps beside the loss but the loss's backward no longer
+has). Plans: every strategy family with and without recompute at TP=2, and the recompute choices TP=1
+plans from; every layer offloaded, and one offloaded after one recomputed; recomputed layers that keep
+their attention core, one of them offloaded; MLPs in tiles (uneven: 256 gathered tokens of 500 and 1000
+rows); the output layer and loss in chunks (:mod:`megatron_paradyse.mcore.chunked_loss`) beside
+Megatron's whole-sequence buffer (``tp_sp``) and without it; one document and three packed; each plan in
+every dtype, the variants and documents covering every pair of factors (:func:`_runs`). At TP=1 the two
+ranks are data-parallel replicas, and the plans run again under Megatron's DDP (the distributed
 optimizer's gradient buffer in fp32, reduce-scatters of several buckets overlapped with backward,
 finished inside the window): the gradients then go to DDP's buffer, and the peak must still be the
 model's.
@@ -109,6 +109,7 @@ def _cost_model(config, vocab_size: int, **overrides):
         rotary_dim=rotary_dim(config, "rope"),
         bias=config.add_bias_linear,
         normalization=config.normalization,
+        hidden_dropout=config.hidden_dropout > 0,
         **overrides,
     )
 
@@ -139,7 +140,7 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
     from helpers import megatron_harness as H
 
     variants = {
-        "gpt": dict(normalization="LayerNorm"),
+        "gpt": dict(normalization="LayerNorm", hidden_dropout=0.1),
         "llama": dict(
             normalization="RMSNorm",
             add_bias_linear=False,
@@ -147,6 +148,7 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
             activation_func=F.silu,
             num_query_groups=2,
             qk_layernorm=True,
+            hidden_dropout=0.0,
         ),
     }
     # the distributed optimizer's reduce-scatters, overlapped with backward, over buckets of about 20K
@@ -172,7 +174,6 @@ def _steps_on_rank(rank: int, world_size: int) -> list[tuple]:
                 pipeline_dtype=dtype,
                 bf16=dtype == torch.bfloat16,
                 fp16=dtype == torch.float16,
-                hidden_dropout=0.0,
                 attention_dropout=0.0,
                 tensor_model_parallel_size=tp,
                 sequence_parallel=tp > 1,
