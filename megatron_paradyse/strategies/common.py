@@ -75,11 +75,43 @@ def activate(h: Tensor, shape: ModelShape, activation, blocks: int) -> Tensor:
     """
     if not shape.gated_mlp:
         return activation(h)
-    # unbind, not two selects: its backward stacks the two halves' gradients into one new tensor, where
-    # each select's backward makes a zero tensor of the whole and autograd adds the two (in place, or
-    # under a dispatch mode, such as the CPU memory tracker, out of place: one more whole)
+    return _GatedActivation.apply(h, activation, blocks)
+
+
+def _gate_and_up(h: Tensor, blocks: int) -> tuple[Tensor, Tensor]:
+    """The gate and up halves of every shard of ``h``, as views ``[..., blocks, ffn/p]``."""
     gate, up = h.unflatten(-1, (blocks, 2, -1)).unbind(-2)
-    return (activation(gate) * up).flatten(-2)
+    return gate, up
+
+
+class _GatedActivation(torch.autograd.Function):
+    """``activation(gate) * up``, keeping only its input for backward and computing ``activation(gate)``
+    again there, as Megatron's fused SwiGLU does: autograd would keep ``activation(gate)`` too, one more
+    ``[..., ffn]`` a layer from forward to backward. The gradients are autograd's, to the bit (the same
+    operators on the same values)."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, activation, blocks: int) -> Tensor:
+        gate, up = _gate_and_up(h, blocks)
+        ctx.save_for_backward(h)
+        ctx.activation, ctx.blocks = activation, blocks
+        return (activation(gate) * up).flatten(-2)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        (h,) = ctx.saved_tensors
+        gate, up = _gate_and_up(h, ctx.blocks)
+        dy = dy.unflatten(-1, (ctx.blocks, -1))
+        dh = torch.empty_like(h)  # [gate | up] gradients, written in place
+        d_gate, d_up = _gate_and_up(dh, ctx.blocks)
+        with torch.enable_grad():
+            gate = gate.detach().requires_grad_()
+            act = ctx.activation(gate)
+        torch.mul(dy, act.detach(), out=d_up)
+        torch.mul(dy, up, out=d_gate)  # the activation's output gradient, in the place of its input's
+        (d_act,) = torch.autograd.grad(act, gate, d_gate)
+        d_gate.copy_(d_act)
+        return dh, None, None
 
 
 def add_bias(y: Tensor, bias: Tensor | None) -> Tensor:

@@ -402,8 +402,8 @@ def mlp_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
         if hop + 1 < p:
             fwd.alloc(**{f"shard{hop + 1}": shard})
         fwd.alloc(fc1_out=pre)
-        act = activation_forward(fwd, d, t, units)
-        fwd.free("fc1_out", *act)  # after y.addmm_
+        activation_forward(fwd, d, t, units)
+        fwd.free("fc1_out", "act_out")  # after y.addmm_
         fwd.free(f"shard{hop}")
     add_bias_memory(fwd, d, "y_sum")
     saved = fwd.returns("y_local", "x_local")
@@ -417,12 +417,11 @@ def mlp_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
             bwd.alloc(**{f"shard{hop + 1}": shard})
         grad = f"grad{hop}"
         bwd.alloc(**{grad: grad_bytes, "fc1_out": pre})
-        act = activation_forward(bwd, d, t, units)  # recomputed
+        activation_forward(bwd, d, t, units)  # recomputed
         _add_matmul_memory(bwd, d, d.h * units * e)  # fc2's gradient
         bwd.alloc(d_act=t * b * units * e)  # dy fc2_j: autograd.grad's argument, alive until it returns
-        gate = act[0] if len(act) > 1 else None
-        d_fc1 = activation_backward(bwd, d, t, units, d_act=None, fc1_out=None, act_gate=gate)
-        bwd.free("d_act", act[-1])
+        d_fc1 = activation_backward(bwd, d, t, units, d_act=None, fc1_out=None)
+        bwd.free("d_act", "act_out")
         _add_matmul_memory(bwd, d, d.f1 // p * d.h * e)  # fc1's gradient
         if d.bias:
             bwd.temporary(bias_sum=d.f1 // p * d.acc)

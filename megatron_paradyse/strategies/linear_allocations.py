@@ -253,35 +253,31 @@ def row_backward(m: Allocations, d: Dims, dx: str, dx_bytes: float, w: float, *,
     m.to_autograd("row_dw")
 
 
-def activation_forward(m: Allocations, d: Dims, rows: int, units: int) -> tuple[str, ...]:
-    """``activate`` on ``[rows, b, g units]`` (``fc1_out``, alive): the activation's output, gated:
-    the gate's activation and the product. Returns them, the output last."""
+def activation_forward(m: Allocations, d: Dims, rows: int, units: int) -> None:
+    """``activate`` on ``[rows, b, g units]`` (``fc1_out``, alive): its output ``act_out``; gated, the
+    gate's activation first, for the product only (``common._GatedActivation`` keeps its input alone)."""
     nbytes = rows * d.b * units * d.e
-    if not d.shape.gated_mlp:
+    if d.shape.gated_mlp:
+        m.alloc(act_gate=nbytes, act_out=nbytes)
+        m.free("act_gate")
+    else:
         m.alloc(act_out=nbytes)
-        return ("act_out",)
-    m.alloc(act_gate=nbytes, act_out=nbytes)
-    return "act_gate", "act_out"
 
 
 def activation_backward(
-    m: Allocations, d: Dims, rows: int, units: int, *, d_act: str | None, fc1_out: str | None, act_gate: str | None
+    m: Allocations, d: Dims, rows: int, units: int, *, d_act: str | None, fc1_out: str | None
 ) -> str:
-    """The activation's backward: releases ``act_gate`` (gated: kept by the product) and, unless None
-    (the caller holds them), ``d_act`` and ``fc1_out``; leaves ``d_fc1_out``. Gated: both factors'
-    gradients, stacked into one ``[rows, b, 2 units]`` tensor once both exist (``unbind``'s backward)."""
+    """The activation's backward: releases, unless None (the caller holds them), ``d_act`` and
+    ``fc1_out``; leaves ``d_fc1_out``. Gated: the ``[rows, b, 2 units]`` gradient, written in place, the
+    gate's activation again and its input's gradient, which die once copied in."""
     nbytes = rows * d.b * units * d.e
-    release_d_act, release_fc1 = ((d_act,) if d_act else ()), ((fc1_out,) if fc1_out else ())
+    release = tuple(name for name in (d_act, fc1_out) if name)
     if not d.shape.gated_mlp:
         m.alloc(d_fc1_out=nbytes)
-        m.free(*release_d_act, *release_fc1)
-        return "d_fc1_out"
-    m.alloc(d_up=nbytes, d_gate_act=nbytes)  # mul's backward
-    m.free(*release_d_act, act_gate)
-    m.alloc(d_gate=nbytes)  # the activation's backward
-    m.free("d_gate_act", *release_fc1)
-    m.alloc(d_fc1_out=2 * nbytes)
-    m.free("d_up", "d_gate")
+    else:
+        m.alloc(d_fc1_out=2 * nbytes, act_again=nbytes, d_gate=nbytes)
+        m.free("act_again", "d_gate")
+    m.free(*release)
     return "d_fc1_out"
 
 

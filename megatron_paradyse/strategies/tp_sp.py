@@ -146,15 +146,14 @@ def mlp_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
 
     fwd = Allocations(x_local=d.x)
     column_forward(fwd, d, "fc1_out", s * b * d.f1 // p * e, d.bias)
-    act = activation_forward(fwd, d, s, units)
+    activation_forward(fwd, d, s, units)
     row_forward(fwd, d, d.bias)
-    saved = fwd.returns("y_local", "x_local", "fc1_out", *act)
+    saved = fwd.returns("y_local", "x_local", "fc1_out", "act_out")
 
     bwd = Allocations(d, dy_local=0.0, **saved)
     bias_grad(bwd, d, d.bias)
-    row_backward(bwd, d, "d_act", s * b * units * e, d.h * units * e, release=(act[-1],))
-    gate = act[0] if len(act) > 1 else None
-    d_fc1 = activation_backward(bwd, d, s, units, d_act="d_act", fc1_out="fc1_out", act_gate=gate)
+    row_backward(bwd, d, "d_act", s * b * units * e, d.h * units * e, release=("act_out",))
+    d_fc1 = activation_backward(bwd, d, s, units, d_act="d_act", fc1_out="fc1_out")
     if d.bias:  # linear_fc1 returns its bias (skip_bias_add): its gradient is the addition's, summed first
         bwd.alloc(fc1_bias_grad=d.f1 // p * e)
         bwd.to_autograd("fc1_bias_grad")

@@ -79,16 +79,17 @@ def mlp_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
     fwd = Allocations(x_local=d.x, **({"fc1_w": w1} if d.mlp_weight_ahead else {}))
     ahead = d.mlp_weight_ahead
     zero3_forward(fwd, d, "fc1", "fc1_out", t * b * d.f1 * e, w1, bias=b1, gathered=ahead, ahead=("fc2", w2))
-    act = activation_forward(fwd, d, t, d.f)
+    activation_forward(fwd, d, t, d.f)
     zero3_forward(fwd, d, "fc2", "fc2_out", d.x, w2, row=True, gathered=True)
     add_bias_memory(fwd, d, "fc2_out")
-    saved = fwd.returns("y_local", "x_local", "fc1_out", *act)
+    saved = fwd.returns("y_local", "x_local", "fc1_out", "act_out")
 
     bwd = Allocations(d, dy_local=0.0, **saved)
     bias_grad(bwd, d, d.bias)
-    zero3_backward(bwd, d, "fc2", "d_act", t * b * d.f * e, w2, row=True, release=(act[-1],), uses_output_gradient=True)
-    gate = act[0] if len(act) > 1 else None
-    d_fc1 = activation_backward(bwd, d, t, d.f, d_act="d_act", fc1_out="fc1_out", act_gate=gate)
+    zero3_backward(
+        bwd, d, "fc2", "d_act", t * b * d.f * e, w2, row=True, release=("act_out",), uses_output_gradient=True
+    )
+    d_fc1 = activation_backward(bwd, d, t, d.f, d_act="d_act", fc1_out="fc1_out")
     zero3_backward(bwd, d, "fc1", "dx_local", d.x, w1, bias=b1, release=(d_fc1, "x_local"))
     return sublayer_memory_of(fwd.peak, bwd, saved)
 
