@@ -45,6 +45,7 @@ from megatron_paradyse.strategies import (
     run_mlp,
     unsupported_reason,
 )
+from megatron_paradyse.strategies.common import gated_activation_problem
 from megatron_paradyse.strategies.recompute import recompute
 from megatron_paradyse.strategies.tiling import over_row_tiles
 
@@ -83,6 +84,9 @@ def config_problems(config: TransformerConfig) -> list[str]:
         )
     if config.attention_dropout:
         problems.append(f"attention_dropout={config.attention_dropout}: the attention kernels have no dropout; set 0")
+    if config.gated_linear_unit and not config.bias_activation_fusion:
+        if (problem := gated_activation_problem(config.activation_func)) is not None:
+            problems.append(f"activation_func: {problem}")
     for flag in ("multi_latent_attention", "attention_output_gate", "use_te_activation_func"):
         if getattr(config, flag):
             problems.append(f"{flag}=True is not supported")

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_paradyse.attention import segment_attention
 from megatron_paradyse.strategies.base import AttentionContext, ModelShape
 
-__all__ = ["activate", "add_bias", "attend_full_sequence", "heads_first", "local_positions", "split_qkv"]
+__all__ = [
+    "activate",
+    "add_bias",
+    "attend_full_sequence",
+    "gated_activation_problem",
+    "heads_first",
+    "local_positions",
+    "split_qkv",
+]
 
 
 def split_qkv(mixed: Tensor, shape: ModelShape) -> tuple[Tensor, Tensor, Tensor]:
@@ -75,7 +87,43 @@ def activate(h: Tensor, shape: ModelShape, activation, blocks: int) -> Tensor:
     """
     if not shape.gated_mlp:
         return activation(h)
+    if (problem := gated_activation_problem(activation)) is not None:
+        raise ValueError(problem)
     return _GatedActivation.apply(h, activation, blocks)
+
+
+def gated_activation_problem(activation) -> str | None:
+    """Why ``activation`` cannot gate an MLP here (None: it can)."""
+    if _activation_operators(activation) is not None:
+        return None
+    return (
+        f"a gated MLP with activation {getattr(activation, '__name__', activation)!r}: the gated MLPs run torch's "
+        f"silu (SwiGLU) or gelu, exact or tanh (GEGLU), whose gradient they compute in place"
+    )
+
+
+def _activation_operators(activation) -> tuple[Callable, Callable] | None:
+    """``activation``'s operators that write into a given tensor, ``(forward(x, out), backward(grad, x))``
+    (the backward in place of ``grad``), for torch's silu and gelu; None for another."""
+    aten = torch.ops.aten
+    if activation is F.silu:
+        return (
+            lambda x, out: aten.silu.out(x, out=out),
+            lambda grad, x: aten.silu_backward.grad_input(grad, x, grad_input=grad),
+        )
+    gelu = activation is F.gelu or (
+        isinstance(activation, functools.partial)
+        and activation.func is F.gelu
+        and not activation.args
+        and set(activation.keywords) <= {"approximate"}
+    )
+    if not gelu:
+        return None
+    approximate = getattr(activation, "keywords", {}).get("approximate", "none")
+    return (
+        lambda x, out: aten.gelu.out(x, approximate=approximate, out=out),
+        lambda grad, x: aten.gelu_backward.grad_input(grad, x, approximate=approximate, grad_input=grad),
+    )
 
 
 def _gate_and_up(h: Tensor, blocks: int) -> tuple[Tensor, Tensor]:
@@ -87,8 +135,9 @@ def _gate_and_up(h: Tensor, blocks: int) -> tuple[Tensor, Tensor]:
 class _GatedActivation(torch.autograd.Function):
     """``activation(gate) * up``, keeping only its input for backward and computing ``activation(gate)``
     again there, as Megatron's fused SwiGLU does: autograd would keep ``activation(gate)`` too, one more
-    ``[..., ffn]`` a layer from forward to backward. The gradients are autograd's, to the bit (the same
-    operators on the same values)."""
+    ``[..., ffn]`` a layer from forward to backward. The backward writes both halves' gradients straight
+    into the input's gradient, which is all it allocates. The gradients are autograd's, to the bit (the
+    same operators on the same values)."""
 
     @staticmethod
     def forward(ctx, h: Tensor, activation, blocks: int) -> Tensor:
@@ -100,17 +149,15 @@ class _GatedActivation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         (h,) = ctx.saved_tensors
+        forward_into, backward_in_place = _activation_operators(ctx.activation)
         gate, up = _gate_and_up(h, ctx.blocks)
         dy = dy.unflatten(-1, (ctx.blocks, -1))
-        dh = torch.empty_like(h)  # [gate | up] gradients, written in place
+        dh = torch.empty_like(h)
         d_gate, d_up = _gate_and_up(dh, ctx.blocks)
-        with torch.enable_grad():
-            gate = gate.detach().requires_grad_()
-            act = ctx.activation(gate)
-        torch.mul(dy, act.detach(), out=d_up)
-        torch.mul(dy, up, out=d_gate)  # the activation's output gradient, in the place of its input's
-        (d_act,) = torch.autograd.grad(act, gate, d_gate)
-        d_gate.copy_(d_act)
+        forward_into(gate, d_up)
+        d_up.mul_(dy)
+        torch.mul(dy, up, out=d_gate)  # the activation's output gradient, then its input's in its place
+        backward_in_place(d_gate, gate)
         return dh, None, None
 
 

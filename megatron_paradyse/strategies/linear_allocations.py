@@ -268,16 +268,11 @@ def activation_backward(
     m: Allocations, d: Dims, rows: int, units: int, *, d_act: str | None, fc1_out: str | None
 ) -> str:
     """The activation's backward: releases, unless None (the caller holds them), ``d_act`` and
-    ``fc1_out``; leaves ``d_fc1_out``. Gated: the ``[rows, b, 2 units]`` gradient, written in place, the
-    gate's activation again and its input's gradient, which die once copied in."""
-    nbytes = rows * d.b * units * d.e
-    release = tuple(name for name in (d_act, fc1_out) if name)
-    if not d.shape.gated_mlp:
-        m.alloc(d_fc1_out=nbytes)
-    else:
-        m.alloc(d_fc1_out=2 * nbytes, act_again=nbytes, d_gate=nbytes)
-        m.free("act_again", "d_gate")
-    m.free(*release)
+    ``fc1_out``; leaves ``d_fc1_out``, ``[rows, b, g units]`` (gated: both halves' gradients written into
+    it, nothing else allocated)."""
+    gates = 2 if d.shape.gated_mlp else 1
+    m.alloc(d_fc1_out=gates * rows * d.b * units * d.e)
+    m.free(*(name for name in (d_act, fc1_out) if name))
     return "d_fc1_out"
 
 

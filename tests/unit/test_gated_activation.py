@@ -1,4 +1,5 @@
-"""The gated MLP activation (``strategies.common.activate``): autograd's gradients to the bit, one tensor kept.
+"""The gated MLP activation (``strategies.common.activate``): autograd's gradients to the bit, one tensor kept,
+only the input's gradient allocated in backward; another activation refused.
 
 Its memory against the storage tracker, every MLP strategy on gloo ranks: tests/ranks/test_memory_scripts.py.
 """
@@ -11,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_paradyse.core.memory import PeakMemory
 from megatron_paradyse.strategies import ModelShape
-from megatron_paradyse.strategies.common import activate
+from megatron_paradyse.strategies.common import activate, gated_activation_problem
 
 SHAPE = ModelShape(
     hidden_size=16, num_attention_heads=2, num_query_groups=2, kv_channels=8, ffn_hidden_size=24, gated_mlp=True
@@ -50,3 +52,25 @@ def test_the_gated_activation_keeps_only_its_input_for_backward():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
         activate(h * 1, SHAPE, F.silu, blocks=1)  # h * 1: the input is a tensor of the graph, as fc1's output
     assert [t.shape for t in kept] == [h.shape]  # autograd alone would keep activation(gate), up and gate too
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gated_activations_backward_allocates_only_the_inputs_gradient(dtype):
+    h = torch.randn(64, 1, 2 * 32).to(dtype).requires_grad_()
+    fc1_out = h * 1
+    y = activate(fc1_out, SHAPE, F.silu, blocks=2)
+    dy = torch.ones_like(y)
+    with PeakMemory() as memory:
+        (dh,) = torch.autograd.grad(y, fc1_out, dy)
+    assert memory.peak_bytes == dh.numel() * dh.element_size()
+
+
+def test_another_gated_activation_is_refused():
+    problem = (
+        "a gated MLP with activation 'relu': the gated MLPs run torch's silu (SwiGLU) or gelu, exact or tanh "
+        "(GEGLU), whose gradient they compute in place"
+    )
+    assert gated_activation_problem(F.relu) == problem
+    assert gated_activation_problem(functools.partial(F.gelu, approximate="tanh")) is None
+    with pytest.raises(ValueError, match=r"^a gated MLP with activation 'relu'"):
+        activate(torch.randn(2, 1, 16), SHAPE, F.relu, blocks=1)

@@ -123,7 +123,9 @@ def test_the_planner_tiles_only_where_memory_needs_it():
         # stop at a plan a hair slower (at 524288 tokens, 0.25%: ulysses/lean+rc for ulysses/zero3+rc)
         assert tiled.predicted_time_s <= untiled.predicted_time_s * 1.005
     longest = offloading.max_feasible_length(8, causal=True)
-    assert tiling.max_feasible_length(8, causal=True) > 1.2 * longest
+    # at the longest lengths the MLPs' working set is what tiles shrink: 1.16x as long (its gated activation
+    # keeps only its input; 1.2x when it kept the gate's activation too)
+    assert tiling.max_feasible_length(8, causal=True) > 1.15 * longest
     plan = tiling.decide(SequenceLayout.build(int(1.1 * longest) // 16 * 16, 8, causal=True)).plan
     assert any(option.mlp_tile_tokens == 65536 for option in plan)
     assert plan.predicted_peak_bytes <= tiling.budget_bytes
