@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
 from megatron_paradyse.attention import get_kernel
 from megatron_paradyse.core.micro_batch import MicroBatch, active_micro_batch, current_micro_batch, micro_batch_scope
@@ -33,6 +32,7 @@ from megatron_paradyse.mcore.compat import drop_unavailable_gradient_accumulatio
 from megatron_paradyse.mcore.drop_in import implicit_micro_batch
 from megatron_paradyse.mcore.model_shape import model_shape, stage_chunk_layers
 from megatron_paradyse.mcore.norm import fused_input_norm, sequence_parallel_norm
+from megatron_paradyse.mcore.rotary import rotate
 from megatron_paradyse.strategies import (
     AttentionContext,
     AttentionWeights,
@@ -49,7 +49,6 @@ from megatron_paradyse.strategies.common import gated_activation_problem
 from megatron_paradyse.strategies.recompute import recompute
 from megatron_paradyse.strategies.tiling import over_row_tiles
 
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -84,6 +83,8 @@ def config_problems(config: TransformerConfig) -> list[str]:
         )
     if config.attention_dropout:
         problems.append(f"attention_dropout={config.attention_dropout}: the attention kernels have no dropout; set 0")
+    if config.rotary_interleaved:
+        problems.append("rotary_interleaved=True is not supported: the layers rotate the halves of each head")
     if config.gated_linear_unit and not config.bias_activation_fusion:
         if (problem := gated_activation_problem(config.activation_func)) is not None:
             problems.append(f"activation_func: {problem}")
@@ -244,15 +245,14 @@ class ParadyseTransformerLayer(TransformerLayer):
 
 @dataclasses.dataclass(frozen=True)
 class _QKTransform:
-    """Megatron's q/k layernorm, then RoPE at each token's position in its document."""
+    """Megatron's q/k layernorm, then RoPE at each token's position in its document (:func:`rotate`:
+    Megatron's unfused RoPE, keeping nothing for backward)."""
 
-    config: TransformerConfig
     q_norm: Callable[[Tensor], Tensor] | None
     k_norm: Callable[[Tensor], Tensor] | None
     freqs: tuple[Tensor, Tensor] | None
     """GPTModel's rotary tables for queries and keys, ``[S, 1, 1, rot_dim]`` indexed by position."""
     mscale: float
-    cp_group: ProcessGroup
 
     def __call__(self, q: Tensor, k: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         if self.q_norm is not None:
@@ -260,11 +260,8 @@ class _QKTransform:
         if self.k_norm is not None:
             k = self.k_norm(k)
         if self.freqs is not None:
-            q_freqs, k_freqs = (f.index_select(0, position_ids) for f in self.freqs)  # [s, 1, 1, rot]
-            rope = functools.partial(
-                apply_rotary_pos_emb, config=self.config, mscale=self.mscale, cp_group=self.cp_group
-            )
-            q, k = rope(q, q_freqs), rope(k, k_freqs)
+            q_table, k_table = self.freqs
+            q, k = rotate(q, q_table, position_ids, self.mscale), rotate(k, k_table, position_ids, self.mscale)
         return q, k
 
 
@@ -357,12 +354,10 @@ class ParadyseSelfAttention(SelfAttention):
         if rotary_pos_emb is None and self.q_layernorm is None and self.k_layernorm is None:
             return None
         return _QKTransform(
-            config=self.config,
             q_norm=self.q_layernorm,
             k_norm=self.k_layernorm,
             freqs=rotary_pos_emb,
             mscale=self._yarn_concentration_factor,
-            cp_group=self.pg_collection.cp,
         )
 
 

@@ -193,7 +193,7 @@ def qk_forward(m: Allocations, d: Dims, rows: int, heads: int, kv_heads: int, qk
     ``qkv`` ``[rows, b, ...]`` (alive) into q ``[rows, b, heads, hn]`` and k ``[rows, b, kv_heads,
     hn]``: q is copied out where several groups' query heads are gathered (k, v are views); the q
     then the k norm (``shape.qk_norm``: each a new tensor, keeping its input and statistics); RoPE
-    (:func:`_rope_forward`). ``grad``: autograd records the transform (without, as in ``lean``'s
+    (:func:`_rotate`). ``grad``: autograd records the transform (without, as in ``lean``'s
     forward, nothing is kept). What the transform made and no longer needs dies when it returns: the
     caller holds q's copy until then, and the norms' outputs live until both rotations are done."""
     q = k = qkv
@@ -214,10 +214,8 @@ def qk_forward(m: Allocations, d: Dims, rows: int, heads: int, kv_heads: int, qk
         if grad and q != qkv:
             kept.append(q)
         q, k = "q_norm_out", "k_norm_out"
-    if d.rotary_dim:
-        q, k = _rope_forward(m, d, rows, heads, kv_heads, grad=grad)
-        if grad:
-            kept += ["rope_q_cos", "rope_q_sin", "rope_k_cos", "rope_k_sin"]
+    if d.rotary_dim:  # RoPE (mcore.rotary), which keeps nothing
+        q, k = _rotate(m, d, rows, heads, "rope_q"), _rotate(m, d, rows, kv_heads, "rope_k")
     m.free(*(name for name in made if name not in (q, k, *kept)))
     return QK(qkv, q, k, tuple(kept), norms_keep_qkv=grad and d.shape.qk_norm)
 
@@ -242,7 +240,7 @@ def qk_backward(
     grads = {"q": dq, "k": dk}
     if d.rotary_dim:
         for name, n in (("k", kv_heads), ("q", heads)):
-            grads[name] = _rope_backward(m, d, rows, n, name, grads[name])
+            grads[name] = _rotate(m, d, rows, n, f"d_{name}", release=(grads[name],) if grads[name] else ())
     if d.shape.qk_norm:
         q_input = "q_copy" if "q_copy" in qk.kept else qk.qkv
         for name, n, norm_input in (("k", kv_heads, qk.qkv), ("q", heads, q_input)):
@@ -254,73 +252,31 @@ def qk_backward(
     return grads["q"], grads["k"]
 
 
-def _rope_forward(
-    m: Allocations, d: Dims, rows: int, heads: int, kv_heads: int, *, grad: bool = True
-) -> tuple[str, str]:
-    """RoPE in the query/key transform of Megatron's layer, on q ``[rows, b, heads, hn]`` and k
-    ``[rows, b, kv_heads, hn]`` (alive): both tables' rows selected (fp32 ``[rows, 1, 1, rot]``), then
-    per tensor Megatron's unfused ``apply_rotary_pos_emb`` (:func:`_rotate`). With ``grad``, autograd
-    keeps each tensor's ``cos`` and ``sin`` in the activations' dtype for backward (``rope_q_cos``...);
-    without, they die with the rotation. The tables die when it returns. Returns the names of the
-    rotated q and k (new tensors)."""
-    table = rows * d.rotary_dim * 4
-    m.alloc(rope_q_table=table, rope_k_table=table)
-    rotated = tuple(_rotate(m, d, rows, n, name) for n, name in ((heads, "q"), (kv_heads, "k")))
-    m.free("rope_q_table", "rope_k_table")
-    if not grad:
-        m.free("rope_q_cos", "rope_q_sin", "rope_k_cos", "rope_k_sin")
-    return rotated
+def _rotate(m: Allocations, d: Dims, rows: int, heads: int, out: str, release: tuple[str, ...] = ()) -> str:
+    """RoPE's rotation (``mcore.rotary``) of a ``[rows, b, heads, hn]`` tensor, forward or backward: its
+    rows' ``cos`` and ``sin`` (:func:`_rope_cos_sin`), the result ``out`` and the cross terms ``[rows, b,
+    heads, rot]``, which die with ``cos`` and ``sin``; then ``release``. Returns ``out``."""
+    _rope_cos_sin(m, d, rows)
+    m.alloc(**{out: rows * d.b * heads * d.hn * d.e, "rope_crossed": rows * d.b * heads * d.rotary_dim * d.e})
+    m.free("rope_crossed", "rope_cos", "rope_sin", *release)
+    return out
 
 
-def _rotate(m: Allocations, d: Dims, rows: int, heads: int, name: str) -> str:
-    """``_apply_rotary_pos_emb_bshd`` of one ``[rows, b, heads, hn]`` tensor: ``cos`` and ``sin`` of the
-    angles (fp32), scaled by ``mscale`` (a new tensor even at 1) and cast to the activations' dtype
-    (kept: ``rope_{name}_cos/_sin``); ``t cos + rotate_half(t) sin`` over the rotated channels
-    (``rotate_half``: a negated half and a concatenation), and the result concatenated with the
-    channels it leaves (a copy: ``rope_{name}``)."""
+def _rope_cos_sin(m: Allocations, d: Dims, rows: int) -> None:
+    """The table's rows (fp32 ``[rows, 1, 1, rot]``), then ``cos`` and ``sin`` of them, each computed in
+    fp32, scaled by ``mscale`` (a new tensor even at 1) and cast to the activations' dtype (``rope_cos``,
+    ``rope_sin``); the rows die."""
     angles = rows * d.rotary_dim * 4
+    m.alloc(rope_freqs=angles)
     for fn in ("cos", "sin"):
-        kept = f"rope_{name}_{fn}"
         m.alloc(rope_angles=angles, rope_scaled=angles)
         m.free("rope_angles")
         if d.half:
-            m.alloc(**{kept: rows * d.rotary_dim * d.e})
+            m.alloc(**{f"rope_{fn}": rows * d.rotary_dim * d.e})
             m.free("rope_scaled")
         else:
-            m.rename(rope_scaled=kept)
-    rot = rows * d.b * heads * d.rotary_dim * d.e
-    m.alloc(rope_t_cos=rot, rope_neg=rot // 2, rope_half_rotated=rot)
-    m.free("rope_neg")
-    m.alloc(rope_rotated_sin=rot)
-    m.free("rope_half_rotated")
-    m.alloc(rope_sum=rot)
-    m.free("rope_t_cos", "rope_rotated_sin")
-    m.alloc(**{f"rope_{name}": rows * d.b * heads * d.hn * d.e})
-    m.free("rope_sum")
-    return f"rope_{name}"
-
-
-def _rope_backward(m: Allocations, d: Dims, rows: int, heads: int, name: str, grad: str | None) -> str:
-    """The backward of :func:`_rotate` for tensor ``name`` from ``grad`` (the rotated tensor's, which
-    dies; None: the caller holds it): the gradient through ``rotate_half`` (a product, a negated
-    half, the halves concatenated) and through ``t cos`` (a product), summed, put back beside the
-    unrotated channels (a ``slice_backward`` and a sum); ``cos`` and ``sin`` die as their products'
-    backwards end. Returns the input's gradient ``d_{name}``."""
-    rot = rows * d.b * heads * d.rotary_dim * d.e
-    full = rows * d.b * heads * d.hn * d.e
-    m.alloc(rope_grad_sin=rot)
-    m.free(f"rope_{name}_sin")
-    m.alloc(rope_grad_neg=rot // 2, rope_grad_halves=rot)
-    m.free("rope_grad_sin", "rope_grad_neg")
-    m.alloc(rope_grad_cos=rot)
-    m.free(f"rope_{name}_cos")
-    m.alloc(rope_grad_rot=rot)
-    m.free("rope_grad_halves", "rope_grad_cos")
-    m.alloc(rope_grad_slice=full)
-    m.free(*((grad,) if grad else ()))
-    m.alloc(**{f"d_{name}": full})
-    m.free("rope_grad_slice", "rope_grad_rot")
-    return f"d_{name}"
+            m.rename(rope_scaled=f"rope_{fn}")
+    m.free("rope_freqs")
 
 
 def full_attention_forward(
