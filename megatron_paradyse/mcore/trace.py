@@ -286,6 +286,8 @@ class RankTracer:
             raise ValueError(f"the layout is for p={layout.p}, this rank's group has {self.p} ranks")
         cuda = self.device.type == "cuda" and self._mode is None
         with self._tensors():
+            if self._mode is not None:  # index tensors of the mode's own, made here: a real one would
+                layout = SequenceLayout(*layout.value)  # become a fake inside the window, counted there
             layout.indices(self.device)  # on the device before the layer runs, as the entry point does
             if self.p > 1:  # Megatron's sequence-parallel gather buffer, held outside the layer
                 reserve_gather_buffer(
