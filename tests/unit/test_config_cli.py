@@ -156,9 +156,10 @@ def test_a_config_whose_job_would_stop_at_start_up_is_refused_with_the_jobs_own_
         "per evaluation, N > 0), or leave --eval-interval out\n"
     )
     # the Paradyse layers'
-    assert refused("--", "--ffn-hidden-size", "11004", "--attention-dropout", "0.1") == (
+    assert refused("--", "--ffn-hidden-size", "11004", "--attention-dropout", "0.1", "--rotary-interleaved") == (
         "the Paradyse layers cannot run this model:\n"
         "  - attention_dropout=0.1: the attention kernels have no dropout; set 0\n"
+        "  - rotary_interleaved=True is not supported: the layers rotate the halves of each head\n"
         "  - no strategy can split this model over tensor_model_parallel_size=8: ffn_hidden_size=11004 is not "
         "divisible by p=8\n"
     )
