@@ -10,7 +10,7 @@ collectives under the name this torch release has (every call in the project goe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -228,12 +228,24 @@ class _Zero3Linear(torch.autograd.Function):
 
     The weight gradients are summed over ranks in the accumulation dtype (fp32 for half-precision
     weights) and rounded to the shard's dtype once, after the sum.
+
+    With ``input_from = (source, rebuild)``, ``x == rebuild(source)``: ``source`` is saved instead of
+    ``x`` and ``x`` rebuilt from it in backward, for the weight gradient's GEMM only.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, w_shard: Tensor, b_shard: Tensor | None, gathers: Zero3Gathers, index: int) -> Tensor:
+    def forward(
+        ctx,
+        x: Tensor,
+        w_shard: Tensor,
+        b_shard: Tensor | None,
+        gathers: Zero3Gathers,
+        index: int,
+        input_from: tuple[Tensor, Callable[[Tensor], Tensor]] | None,
+    ) -> Tensor:
         ctx.gathers, ctx.index, ctx.has_bias = gathers, index, b_shard is not None
-        ctx.save_for_backward(x, w_shard)
+        ctx.rebuild = None if input_from is None else input_from[1]
+        ctx.save_for_backward(x if input_from is None else input_from[0], w_shard)
         b = None if b_shard is None else _all_gather_dim0(b_shard, gathers.group)
         w = gathers.take(index)
         if gathers.chained:
@@ -243,6 +255,8 @@ class _Zero3Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, w_shard = ctx.saved_tensors
+        if ctx.rebuild is not None:
+            x = ctx.rebuild(x)
         gathers, index = ctx.gathers, ctx.index
         group, dim = gathers.group, gathers.shards[index][1]
         dy_2d, x_2d = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
@@ -258,7 +272,7 @@ class _Zero3Linear(torch.autograd.Function):
         db_shard = None
         if ctx.has_bias:
             db_shard = _reduce_scatter_dim0(dy_2d.sum(dim=0, dtype=acc), group).to(w_shard.dtype)
-        return dx, dw_shard, db_shard, None, None
+        return dx, dw_shard, db_shard, None, None, None
 
 
 def zero3_linear(
@@ -270,10 +284,14 @@ def zero3_linear(
     *,
     gathers: Zero3Gathers | None = None,
     index: int = 0,
+    input_from: tuple[Tensor, Callable[[Tensor], Tensor]] | None = None,
 ) -> Tensor:
     """``x W^T + b`` for Megatron TP shards split along ``dim`` (0: column-, 1: row-parallel; a
     row-parallel bias is replicated, pass it to :func:`~torch.add` instead); with ``gathers``, the
     ``index``-th of its linears (``w_shard`` and ``dim`` as it lists them), its weight gathered ahead.
+    ``input_from``: ``(source, rebuild)`` with ``x == rebuild(source)``, where ``source`` is kept for
+    backward anyway (an MLP's pre-activation, for the activation's backward): ``x`` is not kept but
+    rebuilt there (at ``p = 1``, a plain linear, ``x`` is kept).
 
     forward: AG weight + GEMM; backward: AG weight + GEMMs, RS weight (and bias) gradient.
     """
@@ -286,7 +304,7 @@ def zero3_linear(
     if group.size() == 1:
         return torch.nn.functional.linear(x, w_shard, b_shard)
     gathers = gathers if gathers is not None else Zero3Gathers([(w_shard, dim)], group)
-    return _Zero3Linear.apply(x, w_shard, b_shard, gathers, index)
+    return _Zero3Linear.apply(x, w_shard, b_shard, gathers, index, input_from)
 
 
 class RingComm:

@@ -6,11 +6,15 @@ gradients are reduce-scattered back. No activation crosses the wire. fc2's weigh
 fc1's GEMM runs (:class:`~megatron_paradyse.core.comm.Zero3Gathers`), fc1's during the attention where
 the attention strategy starts it (``ulysses``, ``ring``: ``Strategy.starts_mlp_gather``); in backward
 each weight is gathered behind its gradient's GEMM and that gradient reduce-scattered behind the input
-gradient's.
+gradient's. Kept for backward: fc1's input and output, and fc2's input, the activation's output; but
+under ``zero3_actrc`` (activation recompute) fc2's input is recomputed from fc1's output there, one
+elementwise pass more for one ``[s/p, b, ffn]`` less, which the planner weighs per layer.
 The transient cost is up to both gathered weights in forward, one and its full gradient in backward.
 """
 
 from __future__ import annotations
+
+import functools
 
 from torch import Tensor
 from torch.distributed import ProcessGroup
@@ -46,16 +50,20 @@ def weight_gathers(w: MLPWeights, group: ProcessGroup) -> Zero3Gathers:
     return Zero3Gathers([(w.fc1, 0), (w.fc2, 1)], group)
 
 
-def mlp(x_local: Tensor, w: MLPWeights, ctx: MLPContext) -> Tensor:
+def mlp(x_local: Tensor, w: MLPWeights, ctx: MLPContext, *, recompute_activation: bool) -> Tensor:
     group = ctx.group
     gathers = ctx.gathers if ctx.gathers is not None else weight_gathers(w, group)
     h = zero3_linear(x_local, w.fc1, w.fc1_bias, group, dim=0, gathers=gathers, index=0)
-    h = activate(h, ctx.shape, ctx.activation, blocks=group.size())  # [s/p, b, ffn], rank order
-    return add_bias(zero3_linear(h, w.fc2, None, group, dim=1, gathers=gathers, index=1), w.fc2_bias)
+    act = functools.partial(activate, shape=ctx.shape, activation=ctx.activation, blocks=group.size())
+    # recompute_activation: fc2's input ([s/p, b, ffn], rank order) is recomputed in backward from fc1's
+    # output, which the activation keeps anyway
+    input_from = (h, act) if recompute_activation else None
+    y = zero3_linear(act(h), w.fc2, None, group, dim=1, gathers=gathers, index=1, input_from=input_from)
+    return add_bias(y, w.fc2_bias)
 
 
 # -- what it costs: time terms (priced by cost.analytic) and memory (composed by cost.layer_memory) --
-def mlp_terms(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
+def mlp_terms(d: Dims, layout: SequenceLayout, rank: int, *, recompute_activation: bool) -> SublayerTerms:
     """fc2's weight gathered while fc1 computes (``Zero3Gathers``): that gather streams beside the forward
     pass, the backward's gathers and reduce-scatters beside the backward's GEMMs; fc1's forward gather
     is waited for, unless the attention ran it (:attr:`Dims.mlp_weight_ahead`)."""
@@ -67,11 +75,18 @@ def mlp_terms(d: Dims, layout: SequenceLayout, rank: int) -> SublayerTerms:
         fwd_comm=() if d.mlp_weight_ahead else (fc1_gather,),
         fwd_streamed=(fc2_gather,),
         bwd_streamed=(*fc2_bwd, *fc1_bwd),
-        elementwise_bytes=3 * t * b * d.f1 * e,
+        # the activation, forward and backward; recomputed (p > 1), fc1's output read and fc2's input written
+        elementwise_bytes=3 * t * b * d.f1 * e
+        + (t * b * (d.f1 + d.f) * e if _recomputes(d, recompute_activation) else 0),
     )
 
 
-def mlp_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
+def _recomputes(d: Dims, recompute_activation: bool) -> bool:
+    """fc2's input is recomputed in backward (at ``p = 1`` ``zero3_linear`` is a plain linear: kept)."""
+    return recompute_activation and d.p > 1
+
+
+def mlp_memory(d: Dims, layout: SequenceLayout, rank: int, *, recompute_activation: bool) -> SublayerMemory:
     t, b, e = d.t, d.b, d.e
     w1, w2, b1 = d.f1 * d.h * e, d.h * d.f * e, d.f1 * e if d.bias else 0.0
 
@@ -82,10 +97,13 @@ def mlp_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
     activation_forward(fwd, d, t, d.f)
     zero3_forward(fwd, d, "fc2", "fc2_out", d.x, w2, row=True, gathered=True)
     add_bias_memory(fwd, d, "fc2_out")
-    saved = fwd.returns("y_local", "x_local", "fc1_out", "act_out")
+    recomputed = _recomputes(d, recompute_activation)
+    saved = fwd.returns("y_local", "x_local", "fc1_out", *(() if recomputed else ("act_out",)))
 
     bwd = Allocations(d, dy_local=0.0, **saved)
     bias_grad(bwd, d, d.bias)
+    if recomputed:
+        activation_forward(bwd, d, t, d.f)
     zero3_backward(
         bwd, d, "fc2", "d_act", t * b * d.f * e, w2, row=True, release=("act_out",), uses_output_gradient=True
     )
@@ -94,14 +112,16 @@ def mlp_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
     return sublayer_memory_of(fwd.peak, bwd, saved)
 
 
-register(
-    Strategy(
-        name="zero3",
-        sublayer="mlp",
-        forward=mlp,
-        terms=mlp_terms,
-        memory=mlp_memory,
-        weight_gathers=weight_gathers,
-        summary="ZeRO-3: token-local on s/p tokens; fc1/fc2 gathered, gradients reduce-scattered",
+for name, recompute_activation, kept in (("zero3", False, "keeps"), ("zero3_actrc", True, "recomputes")):
+    register(
+        Strategy(
+            name=name,
+            sublayer="mlp",
+            forward=functools.partial(mlp, recompute_activation=recompute_activation),
+            terms=functools.partial(mlp_terms, recompute_activation=recompute_activation),
+            memory=functools.partial(mlp_memory, recompute_activation=recompute_activation),
+            weight_gathers=weight_gathers,
+            summary=f"ZeRO-3: token-local on s/p tokens; fc1/fc2 gathered, gradients reduce-scattered; {kept} "
+            "fc2's input",
+        )
     )
-)

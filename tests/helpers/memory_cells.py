@@ -124,15 +124,25 @@ def strategy_cells(p: int) -> list[Cell]:
         for name in ("tp_sp", "zero3", "lean"):
             out.append(Cell("mlp", name, shape, "one", True, dtype, bias))
     out += [Cell("mlp", "zero3", "wide", "one", True, dtype, bias=dtype == "fp32") for dtype in DTYPES]
+    # fc2's input recomputed in backward: GELU and SwiGLU in every dtype, with and without biases
+    for i, (shape, dtype) in enumerate(itertools.product(("mha", "gqa"), DTYPES)):
+        out.append(Cell("mlp", "zero3_actrc", shape, "one", True, dtype, bias=i % 2 == 0))
     for i, (name, dtype) in enumerate(itertools.product(("ulysses", "ring"), DTYPES) if p > 1 else ()):
         shape, docs = ("wide", "mha")[i % 2], ("one", "packed")[i // 3]
         out.append(Cell("attention", name, shape, docs, i % 2 == 0, dtype, bias=i % 3 == 0, mlp_ahead=True))
     if p > 1:  # one rank gathers nothing
         out += [Cell("mlp", "zero3", "wide", "one", True, dt, bias=dt != "fp32", mlp_ahead=True) for dt in DTYPES]
+        out.append(Cell("mlp", "zero3_actrc", "wide", "one", True, "bf16", bias=False, mlp_ahead=True))
     for options in (OPTIONS, KEPT_CORE_OPTIONS):
         for i, option in enumerate(options):
             dtype = ("fp32", "bf16", "fp16")[i % 3]
             out.append(Cell("layer", option, "gqa", "packed", True, dtype, bias=option.startswith(("tp_sp", "ring"))))
+    for option, dtype in (
+        ("ulysses/zero3_actrc", "bf16"),
+        ("ring/zero3_actrc+rc", "fp16"),
+        ("tp_sp/zero3_actrc", "fp32"),
+    ):
+        out.append(Cell("layer", option, "gqa", "packed", True, dtype, bias=option.startswith("tp_sp")))
     return out
 
 
@@ -154,7 +164,11 @@ def megatron_cells(p: int) -> list[Cell]:
     for option, norm in (("ring/zero3+rc+keepcore", "RMSNorm"), ("lean/tp_sp+rc+keepcore", "LayerNorm")):
         out.append(Cell("megatron", option, "gqa", "packed", True, "bf16", bias=False, norm=norm, qk_norm=True))
     # where the MLP's first weight, gathered during the attention, sets the layer's peak (and the rebuilt one)
-    for option, shape, docs in (("ulysses/zero3", "gqa", "packed"), ("ulysses/zero3+rc", "wide", "one")):
+    for option, shape, docs in (
+        ("ulysses/zero3", "gqa", "packed"),
+        ("ulysses/zero3+rc", "wide", "one"),
+        ("ulysses/zero3_actrc", "wide", "one"),
+    ):
         out.append(Cell("megatron", option, shape, docs, True, "fp32", bias=False, norm="RMSNorm"))
     # hidden dropout: every strategy's backward from a gradient only autograd holds, recomputed or not
     for i, option in enumerate(

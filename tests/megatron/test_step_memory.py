@@ -1,28 +1,27 @@
 """The whole step's memory against the cost model, measured on gloo ranks in fp32, bf16 and fp16.
 
 One micro-batch of a Megatron GPTModel built with the Paradyse layer spec (RoPE; GPT-style LayerNorm with
-biases and hidden dropout, or LLaMA-style RMSNorm, GQA and SwiGLU without either, with q/k norms as Qwen3
-has them; each tied to its embedding at one TP size and untied at the other) runs forward, Megatron's
-vocab-parallel loss and backward under :class:`PeakMemory`, after :func:`release_step_buffers`
-(Megatron's all-gather buffer and rotary tables are the step's own, as in the training entry point),
-until the smallest peak recurs (:func:`recurring_peak_bytes`: gloo's worker thread may free a buffer
-late, and anything a first step made lazily would put its peak above the next ones'). The step's inputs
-and the layout's index tensors exist before the window and are added to what it measures. The largest
-rank's measured peak must be the cost model's ``peak_bytes`` for the plan (static bytes 0: the gradients
-exist before, as Megatron's buffer) within :data:`TOLERANCE`: embedding, every layer, the final norm, the
-output layer, the cross-entropy and the backward's weight gradients included (host copies of offloaded
-layers' inputs are not device memory: left out; where every layer is offloaded the model may count one
-activation more, the stage's input, which it keeps beside the loss but the loss's backward no longer
-has). Plans: every strategy family with and without recompute at TP=2, and the recompute choices TP=1
-plans from; every layer offloaded, and one offloaded after one recomputed; recomputed layers that keep
-their attention core, one of them offloaded; MLPs in tiles (uneven: 256 gathered tokens of 500 and 1000
-rows); the output layer and loss in chunks (:mod:`megatron_paradyse.mcore.chunked_loss`) beside
-Megatron's whole-sequence buffer (``tp_sp``) and without it; one document and three packed; each plan in
-every dtype, the variants and documents covering every pair of factors (:func:`_runs`). At TP=1 the two
-ranks are data-parallel replicas, and the plans run again under Megatron's DDP (the distributed
-optimizer's gradient buffer in fp32, reduce-scatters of several buckets overlapped with backward,
-finished inside the window): the gradients then go to DDP's buffer, and the peak must still be the
-model's.
+biases and hidden dropout, or LLaMA-style RMSNorm, GQA and SwiGLU without either, with q/k norms as Qwen3 has
+them; each tied to its embedding at one TP size and untied at the other) runs forward, Megatron's
+vocab-parallel loss and backward under :class:`PeakMemory`, after :func:`release_step_buffers` (Megatron's
+all-gather buffer and rotary tables are the step's own, as in the training entry point), until the smallest
+peak recurs (:func:`recurring_peak_bytes`: gloo's worker thread may free a buffer late, and anything a first
+step made lazily would put its peak above the next ones'). The step's inputs and the layout's index tensors
+exist before the window and are added to what it measures. The largest rank's measured peak must be the cost
+model's ``peak_bytes`` for the plan (static bytes 0: the gradients exist before, as Megatron's buffer) within
+:data:`TOLERANCE`: embedding, every layer, the final norm, the output layer, the cross-entropy and the
+backward's weight gradients included (host copies of offloaded layers' inputs are not device memory: left out;
+where every layer is offloaded the model may count one activation more, the stage's input, which it keeps
+beside the loss but the loss's backward no longer has). Plans: every strategy family with and without
+recompute at TP=2 (``zero3_actrc`` too, with the loss in chunks), and the recompute choices TP=1 plans from;
+every layer offloaded, and one offloaded after one recomputed; recomputed layers that keep their attention
+core, one of them offloaded; MLPs in tiles (uneven: 256 gathered tokens of 500 and 1000 rows); the output
+layer and loss in chunks (:mod:`megatron_paradyse.mcore.chunked_loss`) beside Megatron's whole-sequence buffer
+(``tp_sp``) and without it; one document and three packed; each plan in every dtype, the variants and
+documents covering every pair of factors (:func:`_runs`). At TP=1 the two ranks are data-parallel replicas,
+and the plans run again under Megatron's DDP (the distributed optimizer's gradient buffer in fp32,
+reduce-scatters of several buckets overlapped with backward, finished inside the window): the gradients then
+go to DDP's buffer, and the peak must still be the model's.
 
 Pipeline stages: at PP=2 (TP=1) one micro-batch of the harness's GPT- and LLaMA-style models (the latter
 with q/k norms) runs through Megatron's 1F1B schedule, outputs deallocated once sent as Megatron's
@@ -55,7 +54,7 @@ PLANS = {
         "ring/zero3",
         "lean/lean+rc",
         "tp_sp/tp_sp" + CHUNKED,
-        "ring/zero3" + CHUNKED,
+        "ring/zero3_actrc" + CHUNKED,
         "ulysses/lean+rc+off",
         "tp_sp/zero3+rc, ring/lean+rc+off" + CHUNKED,
         "tp_sp/tp_sp+tile256",

@@ -11,11 +11,13 @@ compares them with the scripts for its rank, to the byte:
   packed GQA (its sizes are bf16's), and two samples per micro-batch on packed MHA: saved bytes, the
   forward's and the backward's high-water marks;
 - MLP: ``tp_sp``, ``zero3``, ``lean`` x GELU / SwiGLU x fp32 / bf16 / fp16 x with and without biases;
+  ``zero3_actrc`` (fc2's input recomputed in backward) x GELU / SwiGLU x fp32 / bf16 / fp16;
 - the MLP's first weight gathered during the attention (``ulysses``, ``ring`` then ``zero3``, p > 1):
   each sublayer on its own in every dtype, the weight the attention hands on counted too, and two
   Megatron layers where that weight sets the layer's peak (and the rebuilt one);
 - the whole layer (norms, residuals, recompute): every option, in fp32, bf16 and fp16 in turn, GQA,
-  packed documents; and every pair recomputed around its kept attention core (``+rc+keepcore``).
+  packed documents, with three options of ``zero3_actrc``; and every pair recomputed around its kept
+  attention core (``+rc+keepcore``).
 
 Megatron's own layer under the same scripts: ``tests/megatron/test_megatron_layer_memory.py``. The cells and
 their measurement: ``tests/helpers/memory_cells.py``.

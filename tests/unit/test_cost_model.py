@@ -104,6 +104,20 @@ def test_zero3_strategies_gather_weights_for_each_gemm_and_keep_none():
         "fc1_out": t * 2 * 1024 * 2,
         "act_out": t * 2 * 512 * 2,  # not the gate's activation: computed again in backward
     }
+    # zero3_actrc recomputes fc2's input from fc1's output in backward: the same traffic, one pass more
+    lower = sublayer_terms("mlp", "zero3_actrc", d, layout)
+    assert dict(sublayer_memory("mlp", "zero3_actrc", d, layout).saved) == {
+        "x_local": t * 2 * 256 * 2,
+        "fc1_out": t * 2 * 1024 * 2,
+    }
+    assert (lower.gemms, lower.fwd_comm, lower.fwd_streamed, lower.bwd_comm, lower.bwd_streamed) == (
+        mlp.gemms,
+        mlp.fwd_comm,
+        mlp.fwd_streamed,
+        mlp.bwd_comm,
+        mlp.bwd_streamed,
+    )
+    assert lower.elementwise_bytes == mlp.elementwise_bytes + t * 2 * (1024 + 512) * 2
 
 
 @pytest.mark.parametrize("attention", ["tp_sp", "ulysses", "ring", "lean"])
@@ -160,6 +174,11 @@ def test_zero3_mlp_peaks_match_hand_counts():
     # backward, linear_fc2's input gradient: itself (the activation's), the weight laid out as [h, ffn],
     # and beside it the reduce-scatter of the weight gradient's transposed copy into the shard's
     assert mlp.bwd_peak == hidden + 2 * w2 + w2 / 4
+    # zero3_actrc keeps the activation's output from forward to backward no longer, but recomputes it at
+    # the start of linear_fc2's backward, beside that gradient
+    lower = sublayer_memory("mlp", "zero3_actrc", Dims(MHA, 4, 2048, 1, 4), layout)
+    assert lower.saved_bytes == mlp.saved_bytes - hidden
+    assert (lower.fwd_peak, lower.bwd_peak) == (mlp.fwd_peak, mlp.bwd_peak + hidden)
 
 
 def test_lean_terms_match_hand_counts():

@@ -634,12 +634,12 @@ def test_a_resumed_planner_keeps_the_chunked_loss_of_its_previous_plan():
     checkpointed state carries the loss option, so a resumed run keeps it too."""
     layout = lambda tokens: SequenceLayout.build(tokens, 8, causal=True)  # noqa: E731
     planner = llama3_8b_head_planner(8192)
-    assert planner.decide(layout(80_000)).plan.loss_chunk_tokens == 8192
+    assert planner.decide(layout(94_000)).plan.loss_chunk_tokens == 8192
     state = planner.state_dict()
-    assert state["previous_stage"] == {"loss_chunk_tokens": 8192, "sequence_buffer": True}
-    kept = planner.decide(layout(76_000))
+    assert state["previous_stage"] == {"loss_chunk_tokens": 8192, "sequence_buffer": False}
+    kept = planner.decide(layout(88_000))
     assert kept.kept_previous and kept.plan.loss_chunk_tokens == 8192
-    assert llama3_8b_head_planner(8192).decide(layout(76_000)).plan.loss_chunk_tokens == 0
+    assert llama3_8b_head_planner(8192).decide(layout(88_000)).plan.loss_chunk_tokens == 0
     resumed = llama3_8b_head_planner(8192)
     resumed.load_state_dict(state)
-    assert resumed.decide(layout(76_000)).plan == kept.plan
+    assert resumed.decide(layout(88_000)).plan == kept.plan
