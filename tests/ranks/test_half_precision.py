@@ -23,7 +23,14 @@ from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShap
 
 P = 3
 SHAPE = ModelShape(hidden_size=48, num_attention_heads=6, num_query_groups=3, kv_channels=8, ffn_hidden_size=72)
-CASES = [("attention", "ulysses"), ("attention", "ring"), ("attention", "lean"), ("mlp", "zero3"), ("mlp", "lean")]
+CASES = [
+    ("attention", "ulysses"),
+    ("attention", "ring"),
+    ("attention", "lean"),
+    ("mlp", "zero3"),
+    ("mlp", "zero3_actrc"),
+    ("mlp", "lean"),
+]
 
 
 def _recorded_backward(rank: int, p: int, sublayer: str, name: str, dtype: torch.dtype) -> tuple[list, list]:
@@ -84,7 +91,7 @@ def test_weight_gradients_are_summed_in_fp32(results, case):
     sublayer, name = case
     for rank, per_rank in enumerate(results):
         calls, _, _ = per_rank[case]
-        if name in ("ulysses", "ring", "zero3"):  # reduce-scatters of two weights' and a bias's gradients
+        if name in ("ulysses", "ring", "zero3", "zero3_actrc"):  # two weights' and a bias's gradients reduce-scattered
             sums = [dtype for kind, dtype in calls if kind == "reduce_scatter"]
             assert len(sums) == 3, calls
         elif sublayer == "attention":  # lean: each head group's gradient reduced to its owner

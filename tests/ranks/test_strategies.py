@@ -1,7 +1,8 @@
 """Every strategy, and random per-layer mixes with and without recompute (and offload, and MLPs in tiles),
 equal a single-rank fp32 reference on p gloo ranks. A recompute that keeps the attention core runs no
 attention kernel forward in backward, and in bf16 gives the gradients of the layer not recomputed, bit
-for bit.
+for bit; an MLP recomputing its activation (``zero3_actrc``) gives ``zero3``'s output and gradients, bit
+for bit, in fp32, bf16 and fp16.
 
 One launch per p runs every case; each case is its own test. Every rank computes the reference
 itself and compares its own shards: loss, input gradient and every weight gradient, within 1e-5
@@ -219,8 +220,38 @@ def _kept_core_in_bf16(rank: int, p: int) -> dict[str, bool]:
     return equal
 
 
+def _recomputed_activation_changes_nothing(rank: int, p: int) -> dict[str, bool]:
+    """``zero3_actrc`` against ``zero3`` (GELU and SwiGLU, fp32, bf16 and fp16): whether the output and
+    every gradient are equal, bit for bit (fc2's input recomputed by the same operators from the same fc1
+    output)."""
+    layout = SequenceLayout.build(4 * p, p, causal=True)
+    equal = {}
+    for gqa, dtype in itertools.product((False, True), (torch.float32, torch.bfloat16, torch.float16)):
+        shape = model_shape(p, gqa=gqa)
+        params = make_layer_params(shape, p, rank, bias=not gqa, dtype=dtype, seed=11)
+        ctx = MLPContext(group=dist.group.WORLD, shape=shape, activation=F.silu if gqa else F.gelu)
+        x = torch.randn(layout.local_len, 1, shape.hidden_size, generator=torch.Generator().manual_seed(rank))
+        weights = [
+            t for t in (params.mlp.fc1, params.mlp.fc2, params.mlp.fc1_bias, params.mlp.fc2_bias) if t is not None
+        ]
+        results = []
+        for name in ("zero3", "zero3_actrc"):
+            x_local = x.to(dtype).requires_grad_()
+            for t in weights:
+                t.grad = None
+            y = run_mlp(name, x_local, params.mlp, ctx)
+            y.float().square().sum().backward()
+            results.append([y.detach(), x_local.grad, *(t.grad for t in weights)])
+        equal[f"{'swiglu' if gqa else 'gelu'} {dtype}"] = all(map(torch.equal, *results))
+    return equal
+
+
 def _all_cases(rank: int, p: int) -> dict:
-    return {**{case.id: run_case(case, rank, p) for case in build_cases(p)}, "bf16": _kept_core_in_bf16(rank, p)}
+    return {
+        **{case.id: run_case(case, rank, p) for case in build_cases(p)},
+        "bf16": _kept_core_in_bf16(rank, p),
+        "actrc": _recomputed_activation_changes_nothing(rank, p),
+    }
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda p: f"p{p}")
@@ -250,6 +281,12 @@ def test_a_kept_core_gives_the_gradients_of_the_layer_not_recomputed_in_bf16(lau
     p, per_rank = launch
     for rank, results in enumerate(per_rank):
         assert results["bf16"] and all(results["bf16"].values()), f"rank {rank}: {results['bf16']}"
+
+
+def test_an_mlp_recomputing_its_activation_gives_the_output_and_gradients_of_one_keeping_it(launch):
+    p, per_rank = launch
+    for rank, results in enumerate(per_rank):
+        assert len(results["actrc"]) == 6 and all(results["actrc"].values()), f"rank {rank}: {results['actrc']}"
 
 
 EMBEDDING_TOKENS = 64
