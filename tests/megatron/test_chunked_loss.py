@@ -3,7 +3,8 @@
 Megatron GPT models (GPT-style, tied output layer; LLaMA-style, untied) with the Paradyse layer spec,
 6 heads so that TP=3 shards them. At TP=1 and at TP=3 with sequence parallelism, every strategy family
 (uniform, with and without recompute) and mixed plans run with the loss in chunks of 1 row, of 4 rows
-(an uneven tail) and in one chunk; loss and every gradient must equal Megatron's stock TP=1 model
+(an uneven tail) and in one chunk, on one document or three packed (each pair of plan, chunk size and
+documents run); loss and every gradient must equal Megatron's stock TP=1 model
 (fp32, 1e-5). Forward leaves the weights untouched. In bf16 the chunked loss and gradients equal the
 unchunked ones within bf16 round-off. TP=2 and TP=4 run the chunked loss with mixed plans in
 ``tests/megatron/test_megatron_spec.py``.
@@ -82,19 +83,22 @@ def _cases(rank: int, p: int) -> dict:
             full_state, stock_runs = references[variant]
             config, model = _build(H, variant, tp, seed=1)
             model.load_state_dict(H.sharded_state_dict_from_full(model, full_state, rank, tp))
-            for name in PLANS:
-                for j, batch in enumerate(batches[tp]):
+            # every plan with every chunk size, the documents alternating: each pair of the three covered
+            for i, name in enumerate(PLANS):
+                for k, rows in enumerate((1, 4, None)):
+                    j = (i + k) % len(batches[tp])
+                    batch = batches[tp][j]
                     plan = _plan(name, config.num_layers, seed=10 * j + tp)
-                    for rows in (1, 4, batch.layout.padded_len):
-                        chunked = dataclasses.replace(plan, loss_chunk_tokens=rows * tp)
-                        before = [param.detach().clone() for param in model.parameters()]
-                        loss = H.paradyse_loss(model, batch, chunked)
-                        untouched = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-                        run = H.backward(model, loss)
-                        out[f"tp{tp}-{variant}-{name}-doc{j}-rows{rows}"] = {
-                            **H.compare(run, stock_runs[j], model, rank, tp, "stock TP=1"),
-                            "weights changed by forward": 0.0 if untouched else 1.0,
-                        }
+                    rows = rows or batch.layout.padded_len
+                    chunked = dataclasses.replace(plan, loss_chunk_tokens=rows * tp)
+                    before = [param.detach().clone() for param in model.parameters()]
+                    loss = H.paradyse_loss(model, batch, chunked)
+                    untouched = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+                    run = H.backward(model, loss)
+                    out[f"tp{tp}-{variant}-{name}-doc{j}-rows{rows}"] = {
+                        **H.compare(run, stock_runs[j], model, rank, tp, "stock TP=1"),
+                        "weights changed by forward": 0.0 if untouched else 1.0,
+                    }
             # bf16: the chunked loss against the unchunked one, same model and plan
             config, model = _build(H, variant, tp, seed=1, params_dtype=torch.bfloat16, bf16=True)
             state = {
