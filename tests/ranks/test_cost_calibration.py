@@ -23,7 +23,7 @@ from megatron_paradyse.core.plan import LayerOption
 from megatron_paradyse.cost.analytic import AnalyticCostModel
 from megatron_paradyse.cost.profile import load_profile
 from megatron_paradyse.cost.terms import layer_terms
-from megatron_paradyse.strategies import ModelShape
+from megatron_paradyse.strategies import ModelShape, strategy_names
 from megatron_paradyse.strategies.dims import Dims
 
 from helpers.cost_profiles import CALIBRATED_LAYER, TINY_GRID
@@ -72,7 +72,7 @@ def test_calibrate_writes_a_profile_the_model_reads(tmp_path, monkeypatch, capfd
     assert [nbytes for nbytes, _ in profile["samples"]["host_link"]["points"]] == [4 << 10, 256 << 10]
     link = profile["host_link"]
     assert link["overlap"] == 0.0 and link["latency_s"] + link["per_byte_s"] > 0
-    pairs = [f"{a}/{m}" for a in ("tp_sp", "ulysses", "ring", "lean") for m in ("tp_sp", "zero3", "lean")]
+    pairs = [f"{a}/{m}" for a in strategy_names("attention") for m in strategy_names("mlp")]
     assert profile["correction"]["fitted_on"] == [f"{option}@{s}" for s in (64, 128) for option in pairs]
 
     model = AnalyticCostModel.from_file(path, MHA, 2)

@@ -103,11 +103,13 @@ def test_a_strategy_registered_from_one_file_is_run_listed_validated_priced_and_
     from megatron_paradyse.strategies import strategy_names
 
     for found in run_on_ranks(_extra_strategy_on_rank, 2, timeout_s=300):
-        assert found["names"] == ["tp_sp", "zero3", "lean", NAME]
+        assert found["names"] == ["tp_sp", "zero3", "zero3_actrc", "lean", NAME]
         assert ["mlp", NAME] in found["listed"]
         errors = found["error_vs_zero3"]  # the same sums, in another order
         assert errors["fp32"] < 1e-6 and errors["bf16"] < 2e-2 and errors["fp16"] < 2e-3, errors
-        assert found["unknown"] == ("planner.mlp: unknown mlp strategy 'gatherd'; known: tp_sp, zero3, lean, gathered")
+        assert found["unknown"] == (
+            "planner.mlp: unknown mlp strategy 'gatherd'; known: tp_sp, zero3, zero3_actrc, lean, gathered"
+        )
         assert found["gated_excluded"] == {f"mlp {NAME}": "a gated MLP's shard is two blocks"}
         assert found["priced"]
         assert found["planned"] <= {f"ulysses/{NAME}", f"ulysses/{NAME}+rc"}, found["planned"]
