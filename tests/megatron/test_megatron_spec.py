@@ -4,7 +4,8 @@ Two launches, many cases each (Megatron's process groups are rebuilt inside a la
 
 - 2 ranks: TP=1 references (and the ready ``ModuleSpec`` at TP=1); TP=2 with sequence parallelism,
   the Paradyse model built as ``--spec megatron_paradyse.spec get_paradyse_layer_spec`` builds it:
-  every uniform plan and random mixed plans (these also with the loss in chunks), a new one every
+  each attention strategy in a uniform plan (the MLP strategies rotating, so that TP=2 and TP=4 with both
+  variants run every pair) and random mixed plans (these also with the loss in chunks), a new one every
   iteration of one model; two
   micro-batches run forward, forward, then backward in the other order under a third scope; state
   dicts and Megatron distributed checkpoints between stock and Paradyse models; three steps of
@@ -37,7 +38,7 @@ TOLERANCE = 1e-5
 MIXES = 4
 VARIANTS = ["gpt", "llama"]
 CASES = (
-    [f"uniform-{a}/{m}" for a in strategy_names("attention") for m in strategy_names("mlp")]
+    [f"uniform-{a}" for a in strategy_names("attention")]
     + [f"mix{i}" for i in range(MIXES)]
     + [f"mix{i}-chunked-loss" for i in range(MIXES)]
     + ["interleaved"]
@@ -61,15 +62,19 @@ def random_plan(rng: random.Random, shape, p: int, layers: int, recompute: bool 
     return Plan(tuple(options))
 
 
-def plans(shape, p: int, layers: int, seed: int) -> list[tuple[str, Plan]]:
-    """Every uniform plan the model can run, then random mixes (recompute on some layers, of which some
-    offloaded to host memory; MLPs in tiles on some)."""
+def plans(shape, p: int, layers: int, seed: int, rotation: int) -> list[tuple[str, Plan]]:
+    """Each attention strategy in a uniform plan, its MLP strategy the ``rotation``-th after it (rotations 0
+    to 3, one per TP size and variant, run every pair of the library), then random mixes (recompute on some
+    layers, of which some offloaded to host memory; MLPs in tiles on some)."""
     attention, _ = available_strategies("attention", shape, p)
     mlp, _ = available_strategies("mlp", shape, p)
+    assert len(mlp) <= 4, "four rotations no longer run every pair"
     rng = random.Random(seed)
-    return [(f"uniform-{a}/{m}", Plan.uniform(LayerOption(a, m), layers)) for a in attention for m in mlp] + [
-        (f"mix{i}", random_plan(rng, shape, p, layers)) for i in range(MIXES)
+    uniform = [
+        (f"uniform-{a}", Plan.uniform(LayerOption(a, mlp[(i + rotation) % len(mlp)]), layers))
+        for i, a in enumerate(attention)
     ]
+    return uniform + [(f"mix{i}", random_plan(rng, shape, p, layers)) for i in range(MIXES)]
 
 
 # -- rank code ----------------------------------------------------------------------------------------
@@ -125,7 +130,8 @@ def _tp_cases(rank: int, p: int, batches, refs) -> tuple[dict, dict]:
         model = H.build_gpt_from_spec_flag(config, "get_paradyse_layer_spec", seed=2)
         model.load_state_dict(stock.state_dict())  # strict: the same keys and shapes
         shape = model_shape(config)
-        for i, (case, plan) in enumerate(plans(shape, p, config.num_layers, seed=100 * p + len(variant))):
+        rotation = VARIANTS.index(variant) + 2 * (p > 2)
+        for i, (case, plan) in enumerate(plans(shape, p, config.num_layers, 100 * p + len(variant), rotation)):
             j = i % len(batches)
             run = H.backward(model, H.paradyse_loss(model, batches[j], plan))
             out[f"{variant}-{case}"] = {
