@@ -16,6 +16,8 @@ from megatron_paradyse.core.memory import PeakMemory
 from megatron_paradyse.strategies import ModelShape
 from megatron_paradyse.strategies.common import activate, gated_activation_problem
 
+from helpers.numerics import assert_same_output_and_gradient
+
 SHAPE = ModelShape(
     hidden_size=16, num_attention_heads=2, num_query_groups=2, kv_channels=8, ffn_hidden_size=24, gated_mlp=True
 )
@@ -35,15 +37,11 @@ def test_the_gated_activation_gives_autograds_output_and_gradient_to_the_bit(dty
     gen = torch.Generator().manual_seed(blocks)
     h = torch.randn(5, 2, blocks * 2 * 8, generator=gen).to(dtype)
     dy = torch.randn(5, 2, blocks * 8, generator=gen).to(dtype)
-    grads = []
-    for fn in (functools.partial(activate, shape=SHAPE), _autograds):
-        x = h.clone().requires_grad_()
-        y = fn(x, activation=ACTIVATIONS[activation], blocks=blocks)
-        y.backward(dy)
-        grads.append((y.detach(), x.grad))
-    (y, dx), (y_ref, dx_ref) = grads
-    assert torch.equal(y, y_ref)
-    assert torch.equal(dx, dx_ref)
+    fn, reference = (
+        functools.partial(f, activation=ACTIVATIONS[activation], blocks=blocks)
+        for f in (functools.partial(activate, shape=SHAPE), _autograds)
+    )
+    assert_same_output_and_gradient(fn, reference, h, dy)
 
 
 def test_the_gated_activation_keeps_only_its_input_for_backward():

@@ -14,6 +14,8 @@ from megatron_paradyse.mcore.rotary import rotate
 
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
+from helpers.numerics import assert_same_output_and_gradient
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rotary_dim", [16, 12])  # the whole head, or part of it
@@ -22,18 +24,12 @@ def test_rotate_gives_megatrons_rotation_and_gradient_to_the_bit(dtype, rotary_d
     table = 3 * torch.randn(50, 1, 1, rotary_dim, generator=gen)
     positions = torch.randint(0, 50, (20,), generator=gen)
     t, grad = (torch.randn(20, 2, 3, 16, generator=gen).to(dtype) for _ in range(2))
-    results = []
-    for fn in (
+    assert_same_output_and_gradient(
         lambda x: rotate(x, table, positions, 0.9),
         lambda x: _apply_rotary_pos_emb_bshd(x, table.index_select(0, positions), mscale=0.9),
-    ):
-        x = t.clone().requires_grad_()
-        y = fn(x)
-        y.backward(grad)
-        results.append((y.detach(), x.grad))
-    (y, dx), (y_megatron, dx_megatron) = results
-    assert torch.equal(y, y_megatron)
-    assert torch.equal(dx, dx_megatron)
+        t,
+        grad,
+    )
 
 
 def test_rotate_keeps_nothing_for_backward():
