@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import megatron_paradyse.mcore  # noqa: F401  (records the strategies' memory from their code)
+
 # Rank processes are forked from a server that imported these once (megatron_paradyse.core.multiprocess).
 # The server finds them on PYTHONPATH: Python 3.11's fork server does not take the caller's sys.path.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))

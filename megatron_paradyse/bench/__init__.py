@@ -2,3 +2,5 @@
 
 Each prints a table to stdout and, as its last line, its headline figures as ``key=value`` pairs.
 """
+
+import megatron_paradyse.mcore  # noqa: F401  (records the strategies' memory from their code)

@@ -83,7 +83,7 @@ class _StorageTracker(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.events: list[MemoryEvent] | None = [] if record else None
-        self._known: dict[int, weakref.ref] = {}  # storages counted, by id, until freed
+        self._known: dict[int, tuple[weakref.ref, int]] = {}  # storages counted, by id, until freed; creation
         self._ops = 0
         self._created = 0
 
@@ -118,8 +118,15 @@ class _StorageTracker(TorchDispatchMode):
             self._created += 1
             if self.events is not None:
                 self.events.append(MemoryEvent(str(func), nbytes, self.live, self._ops - 1, self._created))
-            self._known[key] = weakref.ref(storage, functools.partial(self._freed, key, nbytes, func, self._created))
+            freed = functools.partial(self._freed, key, nbytes, func, self._created)
+            self._known[key] = (weakref.ref(storage, freed), self._created)
         return out
+
+    def creation_of(self, tensor: torch.Tensor) -> int | None:
+        """The creation number of ``tensor``'s storage (:attr:`MemoryEvent.storage`), or None where it was
+        made before the window."""
+        known = self._known.get(id(tensor.untyped_storage()))
+        return known[1] if known else None
 
     def _freed(self, key: int, nbytes: int, func, storage: int, _: weakref.ref) -> None:
         del self._known[key]

@@ -13,6 +13,7 @@ from megatron_paradyse.strategies import Sublayer, get_strategy
 from megatron_paradyse.strategies.allocations import Allocations, Call, SublayerMemory
 from megatron_paradyse.strategies.attention_allocations import norm_backward, norm_forward
 from megatron_paradyse.strategies.dims import Dims
+from megatron_paradyse.strategies.recorded import recorded_memory
 
 __all__ = ["LayerMemory", "layer_memory", "norm_peak", "sublayer_memory", "tiled_mlp_memory"]
 
@@ -20,7 +21,10 @@ __all__ = ["LayerMemory", "layer_memory", "norm_peak", "sublayer_memory", "tiled
 def sublayer_memory(sublayer: Sublayer, name: str, d: Dims, layout: SequenceLayout, rank: int = 0) -> SublayerMemory:
     """The memory of strategy ``name`` running ``sublayer`` on ``rank`` for a micro-batch laid out as
     ``layout``."""
-    return get_strategy(sublayer, name).memory(d, layout, rank)
+    strategy = get_strategy(sublayer, name)
+    if strategy.memory is None:
+        return recorded_memory(d, rank if strategy.depends_on_rank else 0, sublayer=sublayer, name=name)
+    return strategy.memory(d, layout, rank)
 
 
 def tiled_mlp_memory(name: str, d: Dims, layout: SequenceLayout, tile_tokens: int) -> SublayerMemory:

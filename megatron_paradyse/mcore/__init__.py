@@ -13,3 +13,5 @@ megatron-core imports this package (or one of its modules) first, at module leve
 from megatron_paradyse.mcore import compat
 
 compat.install()
+
+from megatron_paradyse.mcore import memory_record  # noqa: E402, F401  (installs the strategies' memory recorder)

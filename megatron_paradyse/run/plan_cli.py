@@ -25,6 +25,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import megatron_paradyse.mcore  # noqa: F401  (records the strategies' memory from their code)
 from megatron_paradyse.config import load_config
 from megatron_paradyse.core.layout import SequenceLayout
 from megatron_paradyse.core.plan import LayerOption

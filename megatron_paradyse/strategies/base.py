@@ -265,12 +265,14 @@ class Strategy:
     terms: Callable[[Dims, SequenceLayout, int], SublayerTerms]
     """``(dims, layout, rank) ->`` what ``forward`` computes and sends on ``rank``
     (:mod:`~megatron_paradyse.strategies.terms`), which :mod:`~megatron_paradyse.cost.analytic` prices."""
-    memory: Callable[[Dims, SequenceLayout, int], SublayerMemory]
-    """``(dims, layout, rank) ->`` what ``forward`` and its backward keep and allocate on ``rank``
-    (:mod:`~megatron_paradyse.strategies.allocations`), checked to the byte against ``forward`` by
-    ``tests/ranks/test_memory_scripts.py``."""
     summary: str
     """One line: what it communicates and what it keeps in memory."""
+    memory: Callable[[Dims, SequenceLayout, int], SublayerMemory] | None = None
+    """``(dims, layout, rank) ->`` what ``forward`` and its backward keep and allocate on ``rank``, written
+    as a script (:mod:`~megatron_paradyse.strategies.allocations`) where the code's allocations depend on
+    the layout beyond its length; None: recorded from ``forward`` itself
+    (:mod:`~megatron_paradyse.strategies.recorded`). Either is checked to the byte against ``forward``
+    by ``tests/ranks/test_memory_scripts.py``."""
     unsupported: Callable[[ModelShape, int], str | None] = lambda shape, p: None
     """Why this strategy cannot run a model on ``p`` ranks beyond the shard layout itself, or None."""
     depends_on_rank: bool = False

@@ -53,8 +53,6 @@ from megatron_paradyse.strategies.base import AttentionContext, AttentionWeights
 from megatron_paradyse.strategies.common import activate, add_bias, heads_first, local_positions, split_qkv
 from megatron_paradyse.strategies.dims import Dims, ring_hops
 from megatron_paradyse.strategies.linear_allocations import (
-    activation_backward,
-    activation_forward,
     add_bias_memory,
     bias_grad,
 )
@@ -385,69 +383,6 @@ def _attention_backward_group_memory(d: Dims, ring_backward: Call, state: State,
     return Iteration(m.peak, m.state())
 
 
-def mlp_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
-    """The fc1/fc2 shards circulate (at hop ``i`` rank ``r`` holds shard ``r - i``, the next one
-    arriving): ``y += act(x fc1_j^T + b1_j) fc2_j^T``; backward circulates them again, recomputes the
-    intermediate, and each shard's gradient accumulator (accumulation dtype) travels with it back to
-    its owner."""
-    t, b, e, p = d.t, d.b, d.e, d.p
-    units = d.f // p
-    shard = (d.f1 // p * d.h + d.h * units + (d.f1 // p if d.bias else 0)) * e  # fc1 rows, fc2 columns, fc1 bias
-    grad_bytes = shard // e * d.acc
-    pre = t * b * d.f1 // p * e
-
-    fwd = Allocations(x_local=d.x)
-    fwd.alloc(y_sum=d.x, shard0=shard)
-    for hop in range(p):
-        if hop + 1 < p:
-            fwd.alloc(**{f"shard{hop + 1}": shard})
-        fwd.alloc(fc1_out=pre)
-        activation_forward(fwd, d, t, units)
-        fwd.free("fc1_out", "act_out")  # after y.addmm_
-        fwd.free(f"shard{hop}")
-    add_bias_memory(fwd, d, "y_sum")
-    saved = fwd.returns("y_local", "x_local")
-
-    bwd = Allocations(d, dy_local=0.0, **saved)
-    bias_grad(bwd, d, d.bias)
-    bwd.alloc(dx_local=d.x, shard0=shard)  # dx accumulates shard by shard
-    arrived = sent = None
-    for hop in range(p):
-        if hop + 1 < p:
-            bwd.alloc(**{f"shard{hop + 1}": shard})
-        grad = f"grad{hop}"
-        bwd.alloc(**{grad: grad_bytes, "fc1_out": pre})
-        activation_forward(bwd, d, t, units)  # recomputed
-        _add_matmul_memory(bwd, d, d.h * units * e)  # fc2's gradient
-        bwd.alloc(d_act=t * b * units * e)  # dy fc2_j: autograd.grad's argument, alive until it returns
-        d_fc1 = activation_backward(bwd, d, t, units, d_act=None, fc1_out=None)
-        bwd.free("d_act", "act_out")
-        _add_matmul_memory(bwd, d, d.f1 // p * d.h * e)  # fc1's gradient
-        if d.bias:
-            bwd.temporary(bias_sum=d.f1 // p * d.acc)
-        bwd.free("fc1_out", d_fc1)  # when ``hop`` returns
-        if sent is not None:  # the accumulator sent last hop: released once its send completed
-            bwd.free(sent)
-        if p > 1:
-            bwd.alloc(**{f"arrived{hop}": grad_bytes})
-            if arrived is not None:
-                bwd.free(arrived)
-            arrived, sent = f"arrived{hop}", grad
-            if hop + 1 < p:
-                bwd.free(f"shard{hop}")
-        else:
-            arrived = grad
-    bwd.free(*((sent,) if sent else ()))
-    if d.half:  # the complete gradient rounded to the shard's dtype
-        bwd.alloc(grad_cast=shard)
-        bwd.free(arrived)
-        arrived = "grad_cast"
-    bwd.free(f"shard{p - 1}", "x_local")
-    bwd.output_gradient_used()  # the function's backward, its one node, returns
-    bwd.to_autograd(arrived)
-    return sublayer_memory_of(fwd.peak, bwd, saved)
-
-
 register(
     Strategy(
         name="lean",
@@ -467,7 +402,6 @@ register(
         sublayer="mlp",
         forward=mlp,
         terms=mlp_terms,
-        memory=mlp_memory,
         summary="METP: fc1/fc2 shards circulate the ring (2 resident), [s/p,b,ffn/p] at a time; keeps only the input",
     )
 )

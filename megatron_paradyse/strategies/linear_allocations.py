@@ -1,5 +1,5 @@
 """Memory-script building blocks of the linear layers: Megatron's column- and row-parallel linears,
-ZeRO-3's gathered weights, the MLP's activation, a bias added (:mod:`~megatron_paradyse.strategies.allocations`).
+ZeRO-3's gathered weights, a bias added (:mod:`~megatron_paradyse.strategies.allocations`).
 """
 
 from __future__ import annotations
@@ -8,8 +8,6 @@ from megatron_paradyse.strategies.allocations import Allocations
 from megatron_paradyse.strategies.dims import Dims
 
 __all__ = [
-    "activation_backward",
-    "activation_forward",
     "add_bias_memory",
     "bias_grad",
     "column_backward",
@@ -251,29 +249,6 @@ def row_backward(m: Allocations, d: Dims, dx: str, dx_bytes: float, w: float, *,
     if not gathered:
         m.output_gradient_used()
     m.to_autograd("row_dw")
-
-
-def activation_forward(m: Allocations, d: Dims, rows: int, units: int) -> None:
-    """``activate`` on ``[rows, b, g units]`` (``fc1_out``, alive): its output ``act_out``; gated, the
-    gate's activation first, for the product only (``common._GatedActivation`` keeps its input alone)."""
-    nbytes = rows * d.b * units * d.e
-    if d.shape.gated_mlp:
-        m.alloc(act_gate=nbytes, act_out=nbytes)
-        m.free("act_gate")
-    else:
-        m.alloc(act_out=nbytes)
-
-
-def activation_backward(
-    m: Allocations, d: Dims, rows: int, units: int, *, d_act: str | None, fc1_out: str | None
-) -> str:
-    """The activation's backward: releases, unless None (the caller holds them), ``d_act`` and
-    ``fc1_out``; leaves ``d_fc1_out``, ``[rows, b, g units]`` (gated: both halves' gradients written into
-    it, nothing else allocated)."""
-    gates = 2 if d.shape.gated_mlp else 1
-    m.alloc(d_fc1_out=gates * rows * d.b * units * d.e)
-    m.free(*(name for name in (d_act, fc1_out) if name))
-    return "d_fc1_out"
 
 
 def add_bias_memory(m: Allocations, d: Dims, out: str) -> None:

@@ -36,8 +36,6 @@ from megatron_paradyse.strategies.base import (
 from megatron_paradyse.strategies.common import activate, add_bias, attend_full_sequence
 from megatron_paradyse.strategies.dims import Dims
 from megatron_paradyse.strategies.linear_allocations import (
-    activation_backward,
-    activation_forward,
     bias_grad,
     column_backward,
     column_forward,
@@ -140,27 +138,6 @@ def attention_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemo
     return sublayer_memory_of(fwd.peak, bwd, saved, prelude=gathered_gradient(d), kept_core=fwd.kept_bytes)
 
 
-def mlp_memory(d: Dims, layout: SequenceLayout, rank: int) -> SublayerMemory:
-    s, b, e, p = d.s, d.b, d.e, d.p
-    units = d.f // p
-
-    fwd = Allocations(x_local=d.x)
-    column_forward(fwd, d, "fc1_out", s * b * d.f1 // p * e, d.bias)
-    activation_forward(fwd, d, s, units)
-    row_forward(fwd, d, d.bias)
-    saved = fwd.returns("y_local", "x_local", "fc1_out", "act_out")
-
-    bwd = Allocations(d, dy_local=0.0, **saved)
-    bias_grad(bwd, d, d.bias)
-    row_backward(bwd, d, "d_act", s * b * units * e, d.h * units * e, release=("act_out",))
-    d_fc1 = activation_backward(bwd, d, s, units, d_act="d_act", fc1_out="fc1_out")
-    if d.bias:  # linear_fc1 returns its bias (skip_bias_add): its gradient is the addition's, summed first
-        bwd.alloc(fc1_bias_grad=d.f1 // p * e)
-        bwd.to_autograd("fc1_bias_grad")
-    column_backward(bwd, d, d_fc1, d.f1 // p * d.h * e, 0.0)
-    return sublayer_memory_of(fwd.peak, bwd, saved, prelude=gathered_gradient(d), kept_core=fwd.kept_bytes)
-
-
 register(
     Strategy(
         name="tp_sp",
@@ -178,7 +155,6 @@ register(
         sublayer="mlp",
         forward=mlp,
         terms=mlp_terms,
-        memory=mlp_memory,
         summary="Megatron TP+SP: AG + RS of [s,b,h]; local units over the whole sequence; weights in place",
         calls_linears=True,
     )

@@ -21,22 +21,9 @@ from torch.distributed import ProcessGroup
 
 from megatron_paradyse.core.comm import Zero3Gathers, zero3_linear
 from megatron_paradyse.core.layout import SequenceLayout
-from megatron_paradyse.strategies.allocations import (
-    Allocations,
-    SublayerMemory,
-    sublayer_memory_of,
-)
 from megatron_paradyse.strategies.base import MLPContext, MLPWeights, Strategy
 from megatron_paradyse.strategies.common import activate, add_bias
 from megatron_paradyse.strategies.dims import Dims
-from megatron_paradyse.strategies.linear_allocations import (
-    activation_backward,
-    activation_forward,
-    add_bias_memory,
-    bias_grad,
-    zero3_backward,
-    zero3_forward,
-)
 from megatron_paradyse.strategies.registry import register
 from megatron_paradyse.strategies.terms import (
     Gemm,
@@ -86,32 +73,6 @@ def _recomputes(d: Dims, recompute_activation: bool) -> bool:
     return recompute_activation and d.p > 1
 
 
-def mlp_memory(d: Dims, layout: SequenceLayout, rank: int, *, recompute_activation: bool) -> SublayerMemory:
-    t, b, e = d.t, d.b, d.e
-    w1, w2, b1 = d.f1 * d.h * e, d.h * d.f * e, d.f1 * e if d.bias else 0.0
-
-    # fc1's weight gathered during the attention (where the layer does), fc2's during fc1's GEMM (Zero3Gathers)
-    fwd = Allocations(x_local=d.x, **({"fc1_w": w1} if d.mlp_weight_ahead else {}))
-    ahead = d.mlp_weight_ahead
-    zero3_forward(fwd, d, "fc1", "fc1_out", t * b * d.f1 * e, w1, bias=b1, gathered=ahead, ahead=("fc2", w2))
-    activation_forward(fwd, d, t, d.f)
-    zero3_forward(fwd, d, "fc2", "fc2_out", d.x, w2, row=True, gathered=True)
-    add_bias_memory(fwd, d, "fc2_out")
-    recomputed = _recomputes(d, recompute_activation)
-    saved = fwd.returns("y_local", "x_local", "fc1_out", *(() if recomputed else ("act_out",)))
-
-    bwd = Allocations(d, dy_local=0.0, **saved)
-    bias_grad(bwd, d, d.bias)
-    if recomputed:
-        activation_forward(bwd, d, t, d.f)
-    zero3_backward(
-        bwd, d, "fc2", "d_act", t * b * d.f * e, w2, row=True, release=("act_out",), uses_output_gradient=True
-    )
-    d_fc1 = activation_backward(bwd, d, t, d.f, d_act="d_act", fc1_out="fc1_out")
-    zero3_backward(bwd, d, "fc1", "dx_local", d.x, w1, bias=b1, release=(d_fc1, "x_local"))
-    return sublayer_memory_of(fwd.peak, bwd, saved)
-
-
 for name, recompute_activation, kept in (("zero3", False, "keeps"), ("zero3_actrc", True, "recomputes")):
     register(
         Strategy(
@@ -119,7 +80,6 @@ for name, recompute_activation, kept in (("zero3", False, "keeps"), ("zero3_actr
             sublayer="mlp",
             forward=functools.partial(mlp, recompute_activation=recompute_activation),
             terms=functools.partial(mlp_terms, recompute_activation=recompute_activation),
-            memory=functools.partial(mlp_memory, recompute_activation=recompute_activation),
             weight_gathers=weight_gathers,
             summary=f"ZeRO-3: token-local on s/p tokens; fc1/fc2 gathered, gradients reduce-scattered; {kept} "
             "fc2's input",

@@ -4,8 +4,9 @@ without a change anywhere else.
 The extra strategy is registered inside the rank processes only (the test process's library stays as
 shipped): ``gathered``, an MLP that all-gathers the sequence, applies this rank's TP shards of fc1 and
 fc2 with ``torch.nn.functional.linear`` and reduce-scatters the result (what ``tp_sp`` does through
-Megatron's modules). It borrows ``tp_sp``'s terms and memory, which describe the same collectives and
-tensors, and refuses gated MLPs to show that its own precondition is honoured.
+Megatron's modules). It borrows ``tp_sp``'s time terms, which describe the same collectives and GEMMs,
+writes no memory (recorded from its own code: it keeps the gathered input where ``tp_sp`` gathers it
+again), and refuses gated MLPs to show that its own precondition is honoured.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ def _register() -> None:
             sublayer="mlp",
             forward=_gathered_mlp,
             terms=tp_sp.mlp_terms,
-            memory=tp_sp.mlp_memory,
             unsupported=lambda shape, p: "a gated MLP's shard is two blocks" if shape.gated_mlp else None,
             summary="all-gather + reduce-scatter of [s,b,h] around this rank's shards",
         )
@@ -90,13 +90,44 @@ def _extra_strategy_on_rank(rank: int, p: int) -> dict:
 
     model = AnalyticCostModel(synthetic_profile(), MHA, p)
     layout = SequenceLayout.build(4096, p, causal=True)
-    found["priced"] = model.layer_cost(LayerOption("ulysses", NAME), layout, 1) == model.layer_cost(
-        LayerOption("ulysses", "tp_sp"), layout, 1
-    )
+    ours, borrowed = (model.layer_cost(LayerOption("ulysses", mlp), layout, 1) for mlp in (NAME, "tp_sp"))
+    found["priced"] = ours.time_s == borrowed.time_s, ours.saved_bytes - borrowed.saved_bytes
+    found["memory"] = _saved_by_code(ctx, weights, shape, p), _saved_recorded(shape, p)
     config = PlannerConfig(attention=["ulysses"], mlp=[NAME])
     planner = Planner.for_model(config, model, shape=MHA, p=p, num_layers=4, budget_bytes=64 * 2**30)
     found["planned"] = {str(option) for option in planner.decide(layout).plan}
     return found
+
+
+def _saved_by_code(ctx, weights, shape, p: int) -> dict[str, int]:
+    """What the extra strategy's forward keeps for backward on this rank, per dtype, counted for real."""
+    from megatron_paradyse.core.memory import _StorageTracker
+    from megatron_paradyse.strategies import run_mlp
+
+    saved = {}
+    for name, dtype in DTYPES.items():  # trained weights: autograd keeps what their gradients need
+        cast = {f: getattr(weights, f).to(dtype).requires_grad_() for f in ("fc1", "fc2", "fc1_bias", "fc2_bias")}
+        cast = dataclasses.replace(weights, **cast)
+        x0 = torch.randn(16, 1, shape.hidden_size, dtype=dtype, requires_grad=True)
+        with _StorageTracker() as tracker:
+            x = x0.clone()
+            y = run_mlp(NAME, x, cast, ctx)
+            del x
+            saved[name] = tracker.live - y.numel() * y.element_size()
+            del y
+    return saved
+
+
+def _saved_recorded(shape, p: int) -> dict[str, float]:
+    from megatron_paradyse.core.layout import SequenceLayout
+    from megatron_paradyse.cost.layer_memory import sublayer_memory
+    from megatron_paradyse.strategies.dims import Dims
+
+    layout = SequenceLayout.build(16 * p, p, causal=True)
+    return {
+        name: sublayer_memory("mlp", NAME, Dims(shape, p, layout.padded_len, 1, dtype.itemsize), layout).saved_bytes
+        for name, dtype in DTYPES.items()
+    }
 
 
 def test_a_strategy_registered_from_one_file_is_run_listed_validated_priced_and_planned():
@@ -111,6 +142,10 @@ def test_a_strategy_registered_from_one_file_is_run_listed_validated_priced_and_
             "planner.mlp: unknown mlp strategy 'gatherd'; known: tp_sp, zero3, zero3_actrc, lean, gathered"
         )
         assert found["gated_excluded"] == {f"mlp {NAME}": "a gated MLP's shard is two blocks"}
-        assert found["priced"]
+        same_time, more_saved = found["priced"]
+        assert same_time
+        assert more_saved > 0  # its own memory, not tp_sp's: it keeps the gathered input
+        measured, recorded = found["memory"]
+        assert measured == recorded, found["memory"]
         assert found["planned"] <= {f"ulysses/{NAME}", f"ulysses/{NAME}+rc"}, found["planned"]
     assert NAME not in strategy_names("mlp")  # registered in the ranks only
