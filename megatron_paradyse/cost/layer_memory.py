@@ -22,6 +22,11 @@ def sublayer_memory(sublayer: Sublayer, name: str, d: Dims, layout: SequenceLayo
     """The memory of strategy ``name`` running ``sublayer`` on ``rank`` for a micro-batch laid out as
     ``layout``."""
     strategy = get_strategy(sublayer, name)
+    if d.weight_ranks != d.p and strategy.memory is not None:
+        raise ValueError(
+            f"the memory of {sublayer} strategy {name!r} on a sub-group of the shards' ranks is not modelled: "
+            "only a strategy recorded from its code (every MLP strategy) is priced there"
+        )
     if strategy.memory is None:
         return recorded_memory(d, rank if strategy.depends_on_rank else 0, sublayer=sublayer, name=name)
     return strategy.memory(d, layout, rank)

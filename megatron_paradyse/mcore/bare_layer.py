@@ -100,7 +100,7 @@ def run_layer(
     ln1_w, ln1_b, ln2_w, ln2_b = params.norms
 
     def layer(x: Tensor) -> Tensor:
-        gathers = mlp_gathers_ahead(option, params.mlp, mctx.group)  # this run's (a rerun makes its own)
+        gathers = mlp_gathers_ahead(option, params.mlp, mctx.weights_over)  # this run's (a rerun makes its own)
         attention_ctx = dataclasses.replace(actx, mlp_gathers=gathers)
         x = x + run_attention(option.attention, F.layer_norm(x, (h,), ln1_w, ln1_b), params.attention, attention_ctx)
         mlp_input = F.layer_norm(x, (h,), ln2_w, ln2_b)

@@ -46,7 +46,7 @@ from megatron_paradyse.strategies.recorded import Event, Recording, RecordingKey
 
 from megatron.core import parallel_state
 
-__all__ = ["LENGTHS", "cached_record", "fake_group", "record"]
+__all__ = ["LENGTHS", "cached_record", "fake_groups", "record"]
 
 LENGTHS = (16, 24, 40)
 """Tokens a rank the code runs at: each size is fitted on the first two and checked at the third."""
@@ -82,20 +82,30 @@ def _what(key: RecordingKey) -> str:
 
 
 @contextlib.contextmanager
-def fake_group(rank: int, p: int) -> Iterator[ProcessGroup]:
-    """Rank ``rank`` of a fake ``p``-rank process group, made in this process whatever group it is in:
-    known to ``torch.distributed`` (for point-to-point ranks) inside the block only. A process in no
-    group is made rank ``rank`` of a fake world (:func:`~megatron_paradyse.mcore.trace.fake_world`) for
-    the block: Megatron's linears take their group only where ``torch.distributed`` is initialised."""
-    if not dist.is_initialized():
-        with fake_world(rank, p):
-            yield dist.group.WORLD
-        return
-    group = ProcessGroup(rank, p)
-    backend = FakeProcessGroup._create_internal(rank, p, FakeProcessGroup.Options())
+def fake_groups(rank: int, p: int, shards: int) -> Iterator[tuple[ProcessGroup, ProcessGroup]]:
+    """(the micro-batch's group, the weights' group): rank ``rank`` of a fake process group of ``shards``
+    ranks holding the weights, and the sub-group of ``p`` of them it runs a micro-batch on (the same
+    group where ``p == shards``), made in this process whatever group it is in. A process in no group
+    is made rank ``rank`` of a fake world (:func:`~megatron_paradyse.mcore.trace.fake_world`) for the
+    block: Megatron's linears take their group only where ``torch.distributed`` is initialised."""
+    with contextlib.ExitStack() as stack:
+        if dist.is_initialized():
+            weights = stack.enter_context(_side_group(rank, shards))
+        else:
+            stack.enter_context(fake_world(rank, shards))
+            weights = dist.group.WORLD
+        yield (weights if p == shards else stack.enter_context(_side_group(rank % p, p))), weights
+
+
+@contextlib.contextmanager
+def _side_group(rank: int, size: int) -> Iterator[ProcessGroup]:
+    """Rank ``rank`` of a fake group of ``size`` ranks beside the process's own, known to
+    ``torch.distributed`` (for point-to-point ranks) inside the block only."""
+    group = ProcessGroup(rank, size)
+    backend = FakeProcessGroup._create_internal(rank, size, FakeProcessGroup.Options())
     group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.CUSTOM, backend)
     group._set_default_backend(ProcessGroup.BackendType.CUSTOM)
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(p)}
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(size)}
     try:
         yield group
     finally:
@@ -118,11 +128,14 @@ def _run(key: RecordingKey, t: int) -> tuple[tuple[Event, ...], tuple[Event, ...
     """One run at ``t`` tokens a rank: (inputs, events, x's, dy's and dx's storage), sizes as constants."""
     dtype = torch.float32 if key.e == 4 else torch.bfloat16
     shape, p = key.shape, key.p
-    with fake_group(key.rank, p) as group, _private_gather_buffer(), FakeTensorMode(allow_non_fake_inputs=True):
-        params = make_layer_params(shape, p, key.rank, group=group, bias=key.bias, dtype=dtype)
+    groups = fake_groups(key.rank, p, key.shards)
+    with groups as (group, shards), _private_gather_buffer(), FakeTensorMode(allow_non_fake_inputs=True):
+        params = make_layer_params(shape, key.shards, key.rank, group=shards, bias=key.bias, dtype=dtype)
         strategy = get_strategy(key.sublayer, key.name)
-        gathers = get_strategy("mlp", "zero3").weight_gathers(params.mlp, group) if key.mlp_weight_ahead else None
-        ctx = MLPContext(group=group, shape=shape, activation=F.silu if shape.gated_mlp else F.gelu, gathers=gathers)
+        gathers = get_strategy("mlp", "zero3").weight_gathers(params.mlp, shards) if key.mlp_weight_ahead else None
+        activation = F.silu if shape.gated_mlp else F.gelu
+        weight_group = None if shards is group else shards
+        ctx = MLPContext(group=group, shape=shape, activation=activation, gathers=gathers, weight_group=weight_group)
         x0 = torch.empty(t, key.b, shape.hidden_size, dtype=dtype, requires_grad=True)
         dy = torch.empty(t, key.b, shape.hidden_size, dtype=dtype)
         if p > 1:  # Megatron's sequence-parallel gather buffer, held outside the sublayer

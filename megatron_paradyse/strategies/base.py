@@ -234,6 +234,15 @@ class AttentionContext:
     (:func:`~megatron_paradyse.strategies.registry.mlp_gathers_ahead`): a strategy that
     ``starts_mlp_gather`` starts it (:meth:`start_mlp_gather`) where compute follows to hide it."""
 
+    weight_group: ProcessGroup | None = None
+    """The ranks whose Megatron TP shards hold the weights, where ``group`` is a sub-group of them (a
+    micro-batch of its own on ``group``: :attr:`Strategy.runs_on_subgroup`); None: ``group``."""
+
+    @property
+    def weights_over(self) -> ProcessGroup:
+        """The ranks the weights are sharded over: gathered from, gradients reduce-scattered to."""
+        return self.group if self.weight_group is None else self.weight_group
+
     def start_mlp_gather(self) -> None:
         """Start gathering the MLP's first weight, if the layer gathers it during the attention."""
         if self.mlp_gathers is not None:
@@ -251,6 +260,13 @@ class MLPContext:
     gathers: Zero3Gathers | None = None
     """The strategy's own ZeRO-3 weight gathers (its ``weight_gathers``), the first started during the
     attention (:attr:`AttentionContext.mlp_gathers`); None: it makes its own."""
+    weight_group: ProcessGroup | None = None
+    """As :attr:`AttentionContext.weight_group`."""
+
+    @property
+    def weights_over(self) -> ProcessGroup:
+        """The ranks the weights are sharded over: gathered from, gradients reduce-scattered to."""
+        return self.group if self.weight_group is None else self.weight_group
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -295,3 +311,8 @@ class Strategy:
     weight_gathers: Callable[[MLPWeights, ProcessGroup], Zero3Gathers] | None = None
     """An MLP strategy whose weights are ZeRO-3 gathered: its :class:`Zero3Gathers`, whose first weight
     an attention strategy that ``starts_mlp_gather`` gathers ahead."""
+    runs_on_subgroup: bool = False
+    """It gathers every weight whole from the TP shards (ZeRO-3) and needs nothing else of the shards'
+    ranks, so it can run a micro-batch on a sub-group of them while the others run theirs
+    (:attr:`AttentionContext.weight_group`): the weights gathered over all the shards' ranks, the
+    gradients reduce-scattered back to them, the sequence's collectives within the sub-group."""

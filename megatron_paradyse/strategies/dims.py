@@ -53,12 +53,23 @@ class Dims:
     (``+rc+keepcore``, :mod:`megatron_paradyse.attention.kept`) runs no attention kernel, and they count
     from its start (:meth:`~megatron_paradyse.strategies.allocations.Allocations.kept`)."""
 
+    shards: int = 0
+    """The ranks holding the weights' TP shards, where the micro-batch runs on a sub-group of ``p`` of them
+    (:attr:`~megatron_paradyse.strategies.base.Strategy.runs_on_subgroup`); 0: the ``p`` ranks themselves."""
+
     def __post_init__(self) -> None:
-        if self.mlp_weight_ahead and self.p == 1:
+        if self.shards and self.shards % self.p:
+            raise ValueError(f"Dims(shards={self.shards}): a sub-group of p={self.p} ranks must divide it")
+        if self.mlp_weight_ahead and self.weight_ranks == 1:
             raise ValueError(
                 "Dims(mlp_weight_ahead=True) needs p > 1: one rank gathers no weight, ahead or not "
                 "(strategies.gathers_mlp_weight_ahead says where a layer gathers it)"
             )
+
+    @property
+    def weight_ranks(self) -> int:
+        """The ranks the weights are sharded over: gathered from, gradients reduce-scattered to."""
+        return self.shards or self.p
 
     @property
     def acc(self) -> int:

@@ -50,6 +50,9 @@ class RecordingKey:
     name: str
     shape: ModelShape
     p: int
+    """The ranks sharing the micro-batch."""
+    shards: int
+    """The ranks holding the weights' TP shards (``p``, or more where ``p`` is a sub-group of them)."""
     e: int
     """Bytes per element: 4 (fp32) or 2 (bf16; fp16 allocates alike)."""
     b: int
@@ -101,7 +104,8 @@ def _recording(key: RecordingKey) -> Recording:
 def recorded_memory(d: Dims, rank: int, *, sublayer: Sublayer, name: str) -> SublayerMemory:
     """Strategy ``name``'s memory on ``rank``, recorded from its code (once per :class:`RecordingKey`);
     memoised: a planner decision asks for the same sublayer under several options."""
-    key = RecordingKey(sublayer, name, d.shape, d.p, 4 if d.e == 4 else 2, d.b, d.bias, d.mlp_weight_ahead, rank)
+    e = 4 if d.e == 4 else 2
+    key = RecordingKey(sublayer, name, d.shape, d.p, d.weight_ranks, e, d.b, d.bias, d.mlp_weight_ahead, rank)
     return replay(_recording(key), d)
 
 

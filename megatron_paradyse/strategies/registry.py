@@ -72,9 +72,10 @@ def gathers_mlp_weight_ahead(option: LayerOption, p: int) -> bool:
 
 
 def mlp_gathers_ahead(option: LayerOption, weights: MLPWeights, group: ProcessGroup) -> Zero3Gathers | None:
-    """For one run of a layer under ``option``: the MLP's weight gathers, which its attention starts
-    (:attr:`AttentionContext.mlp_gathers`, :attr:`MLPContext.gathers`), or None where it does not
-    (:func:`gathers_mlp_weight_ahead`). One per run: a recomputed forward needs its own."""
+    """For one run of a layer under ``option``: the MLP's weight gathers over ``group`` (the ranks
+    holding its shards), which its attention starts (:attr:`AttentionContext.mlp_gathers`,
+    :attr:`MLPContext.gathers`), or None where it does not (:func:`gathers_mlp_weight_ahead`). One per
+    run: a recomputed forward needs its own."""
     if not gathers_mlp_weight_ahead(option, group.size()):
         return None
     return get_strategy("mlp", option.mlp).weight_gathers(weights, group)
@@ -92,11 +93,21 @@ def available_strategies(sublayer: Sublayer, shape: ModelShape, p: int) -> tuple
     return usable, excluded
 
 
-def _checked(sublayer: Sublayer, name: str, shape: ModelShape, p: int) -> Strategy:
+def _checked(sublayer: Sublayer, name: str, ctx: AttentionContext | MLPContext) -> Strategy:
+    """The strategy, if it can run the model on ``ctx``'s ranks (on a sub-group of the shards' ranks:
+    sharded over both, and :attr:`Strategy.runs_on_subgroup`)."""
     strategy = get_strategy(sublayer, name)
-    reason = unsupported_reason(sublayer, name, shape, p)
-    if reason is not None:
-        raise ValueError(f"{sublayer} strategy {name!r} cannot run this model on p={p} ranks: {reason}")
+    p, shards = ctx.group.size(), ctx.weights_over.size()
+    if p != shards and not strategy.runs_on_subgroup:
+        able = [n for n in strategy_names(sublayer) if get_strategy(sublayer, n).runs_on_subgroup]
+        raise ValueError(
+            f"{sublayer} strategy {name!r} cannot run a micro-batch on {p} of the {shards} ranks holding the "
+            f"weights' TP shards; the strategies that gather their weights whole can: {', '.join(able)}"
+        )
+    for ranks in dict.fromkeys((p, shards)):
+        reason = unsupported_reason(sublayer, name, ctx.shape, ranks)
+        if reason is not None:
+            raise ValueError(f"{sublayer} strategy {name!r} cannot run this model on p={ranks} ranks: {reason}")
     return strategy
 
 
@@ -105,17 +116,17 @@ def run_attention(name: str, x_local: Tensor, weights: AttentionWeights, ctx: At
     p = ctx.group.size()
     if ctx.layout.p != p:
         raise ValueError(f"the sequence layout is for p={ctx.layout.p} ranks, but the group has {p}")
-    strategy = _checked("attention", name, ctx.shape, p)
+    strategy = _checked("attention", name, ctx)
     ctx.layout.check_local(x_local)
-    weights.check(ctx.shape, p)
+    weights.check(ctx.shape, ctx.weights_over.size())
     return strategy.forward(x_local, weights, ctx)
 
 
 def run_mlp(name: str, x_local: Tensor, weights: MLPWeights, ctx: MLPContext) -> Tensor:
     """Run MLP strategy ``name`` after checking that it fits the model."""
     p = ctx.group.size()
-    strategy = _checked("mlp", name, ctx.shape, p)
-    weights.check(ctx.shape, p)
+    strategy = _checked("mlp", name, ctx)
+    weights.check(ctx.shape, ctx.weights_over.size())
     if x_local.shape[0] * p % (2 * p):
         raise ValueError(
             f"x_local has {x_local.shape[0]} tokens; the padded sequence ({x_local.shape[0] * p}) must be a "

@@ -164,10 +164,10 @@ def ring_attention(
 
 
 def attention(x_local: Tensor, w: AttentionWeights, ctx: AttentionContext) -> Tensor:
-    group, layout = ctx.group, ctx.layout
+    group, shards, layout = ctx.group, ctx.weights_over, ctx.layout
     s_local, b, _ = x_local.shape
-    gathers = Zero3Gathers([(w.qkv, 0), (w.proj, 1)], group, chained=False)
-    qkv = zero3_linear(x_local, w.qkv, w.qkv_bias, group, dim=0, gathers=gathers, index=0)
+    gathers = Zero3Gathers([(w.qkv, 0), (w.proj, 1)], shards, chained=False)
+    qkv = zero3_linear(x_local, w.qkv, w.qkv_bias, shards, dim=0, gathers=gathers, index=0)
     q, k, v = split_qkv(qkv, ctx.shape)  # all heads, local tokens
     if ctx.qk_transform is not None:
         q, k = ctx.qk_transform(q, k, local_positions(ctx, q.device))
@@ -176,7 +176,7 @@ def attention(x_local: Tensor, w: AttentionWeights, ctx: AttentionContext) -> Te
     out = ring_attention(heads_first(q), heads_first(k), heads_first(v), layout, group, ctx.kernel, ctx.softmax_scale)
     gathers.start_when_gradient_reaches(out, 0)  # backward: the QKV weight travels while the ring runs
     core = out.permute(2, 0, 1, 3).reshape(s_local, b, -1)  # [s/p, b, np*hn]
-    return add_bias(zero3_linear(core, w.proj, None, group, dim=1, gathers=gathers, index=1), w.proj_bias)
+    return add_bias(zero3_linear(core, w.proj, None, shards, dim=1, gathers=gathers, index=1), w.proj_bias)
 
 
 # -- what it costs: time terms (priced by cost.analytic) and memory (composed by cost.layer_memory) --
@@ -259,6 +259,7 @@ register(
         terms=attention_terms,
         memory=attention_memory,
         starts_mlp_gather=True,
+        runs_on_subgroup=True,
         summary="ring CP + ZeRO-3: p-1 K/V hops overlapped with compute; all heads on s/p tokens; weights gathered",
     )
 )

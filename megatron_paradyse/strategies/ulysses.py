@@ -49,16 +49,16 @@ from megatron_paradyse.strategies.terms import (
 
 
 def attention(x_local: Tensor, w: AttentionWeights, ctx: AttentionContext) -> Tensor:
-    group = ctx.group
-    gathers = Zero3Gathers([(w.qkv, 0), (w.proj, 1)], group, chained=False)
-    qkv_local = zero3_linear(x_local, w.qkv, w.qkv_bias, group, dim=0, gathers=gathers, index=0)
+    group, shards = ctx.group, ctx.weights_over
+    gathers = Zero3Gathers([(w.qkv, 0), (w.proj, 1)], shards, chained=False)
+    qkv_local = zero3_linear(x_local, w.qkv, w.qkv_bias, shards, dim=0, gathers=gathers, index=0)
     qkv_full = all_to_all_seq_to_heads(qkv_local, group)  # [s, b, ng/p*(np/ng+2)*hn]
     gathers.start(1)  # after the all-to-all, which would otherwise queue behind it
     ctx.start_mlp_gather()  # and the MLP's first weight (where the layer gathers it ahead)
     core = attend_full_sequence(qkv_full, ctx)  # [s, b, np/p*hn]
     gathers.start_when_gradient_reaches(core, 0)  # backward: the QKV weight travels while the core's runs
     core_local = all_to_all_heads_to_seq(core, group)  # [s/p, b, np*hn]
-    return add_bias(zero3_linear(core_local, w.proj, None, group, dim=1, gathers=gathers, index=1), w.proj_bias)
+    return add_bias(zero3_linear(core_local, w.proj, None, shards, dim=1, gathers=gathers, index=1), w.proj_bias)
 
 
 # -- what it costs: time terms (priced by cost.analytic) and memory (composed by cost.layer_memory) --
@@ -136,6 +136,7 @@ register(
         terms=attention_terms,
         memory=attention_memory,
         starts_mlp_gather=True,
+        runs_on_subgroup=True,
         summary="Ulysses + ZeRO-3: 2 A2A of [s/p,b,*]; local heads over the whole sequence; weights gathered",
     )
 )

@@ -38,7 +38,7 @@ def weight_gathers(w: MLPWeights, group: ProcessGroup) -> Zero3Gathers:
 
 
 def mlp(x_local: Tensor, w: MLPWeights, ctx: MLPContext, *, recompute_activation: bool) -> Tensor:
-    group = ctx.group
+    group = ctx.weights_over
     gathers = ctx.gathers if ctx.gathers is not None else weight_gathers(w, group)
     h = zero3_linear(x_local, w.fc1, w.fc1_bias, group, dim=0, gathers=gathers, index=0)
     act = functools.partial(activate, shape=ctx.shape, activation=ctx.activation, blocks=group.size())
@@ -81,6 +81,7 @@ for name, recompute_activation, kept in (("zero3", False, "keeps"), ("zero3_actr
             forward=functools.partial(mlp, recompute_activation=recompute_activation),
             terms=functools.partial(mlp_terms, recompute_activation=recompute_activation),
             weight_gathers=weight_gathers,
+            runs_on_subgroup=True,
             summary=f"ZeRO-3: token-local on s/p tokens; fc1/fc2 gathered, gradients reduce-scattered; {kept} "
             "fc2's input",
         )

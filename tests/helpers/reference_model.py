@@ -31,13 +31,14 @@ class StackConfig:
 
 
 def rope(t: Tensor, positions: Tensor) -> Tensor:
-    """Rotary embedding (rotate-half) of ``t [s, b, n, d]`` at ``positions [s]``."""
+    """Rotary embedding (rotate-half) of ``t [s, b, n, d]`` at ``positions [s]``, computed in fp32 and
+    returned in ``t``'s dtype."""
     d = t.shape[-1]
     inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     angles = positions.float()[:, None] * inv_freq[None, :]  # [s, d/2]
     cos, sin = angles.cos()[:, None, None, :], angles.sin()[:, None, None, :]
     x1, x2 = t[..., : d // 2], t[..., d // 2 :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(t.dtype)
 
 
 def rope_transform(q: Tensor, k: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:

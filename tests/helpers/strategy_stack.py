@@ -59,10 +59,11 @@ def qk_transform(replicated: dict[str, torch.Tensor]):
     return lambda q, k, positions: rope_transform(q * q_scale, k * k_scale, positions)
 
 
-def run_stack(x_local, attn_weights, mlp_weights, norms, plan, layout, cfg, group):
+def run_stack(x_local, attn_weights, mlp_weights, norms, plan, layout, cfg, group, weight_group=None):
     """Pre-norm layers (``cfg``: a reference ``StackConfig``) on this rank's ``[s/p, b, h]`` shard, each
     layer under its plan entry (recomputed, keeping its attention core, offloaded, its MLP in tiles as the
-    entry says)."""
+    entry says). ``weight_group``: the ranks holding the weights' TP shards, where ``group`` (the
+    micro-batch's) is a sub-group of them."""
     h = cfg.shape.hidden_size
     actx = AttentionContext(
         group=group,
@@ -71,8 +72,9 @@ def run_stack(x_local, attn_weights, mlp_weights, norms, plan, layout, cfg, grou
         kernel=get_kernel("torch", torch.device("cpu"), torch.float32),
         softmax_scale=cfg.shape.kv_channels**-0.5,
         qk_transform=rope_transform,
+        weight_group=weight_group,
     )
-    mctx = MLPContext(group=group, shape=cfg.shape, activation=cfg.activation)
+    mctx = MLPContext(group=group, shape=cfg.shape, activation=cfg.activation, weight_group=weight_group)
 
     def layer(x_local, option, aw, mw, ln):
         layer_actx = dataclasses.replace(actx, qk_transform=qk_transform(ln))

@@ -2,8 +2,8 @@
 
 The cost model's memory (:mod:`megatron_paradyse.cost.layer_memory`) is recorded from the MLP strategies'
 code under fake tensors (:mod:`megatron_paradyse.strategies.recorded`) and written by hand for the attention
-strategies; this is the check that fails when either diverges from what the code allocates for real. One launch per group size
-``p`` in 1..4; every rank runs every cell for real, counts its own allocations with the storage
+strategies; this is the check that fails when either diverges from what the code allocates for real. One
+launch per group size ``p`` in 1..4; every rank runs every cell for real, counts its own allocations with the storage
 tracker (:mod:`megatron_paradyse.core.memory`: every storage an operator creates, until it is freed) and
 compares them with the scripts for its rank, to the byte:
 

@@ -24,7 +24,7 @@ SHAPE = ModelShape(
 
 
 def _key(name: str, p: int = 2, e: int = 2, bias: bool = True, ahead: bool = False) -> RecordingKey:
-    return RecordingKey("mlp", name, SHAPE, p, e, 1, bias, ahead, 0)
+    return RecordingKey("mlp", name, SHAPE, p, p, e, 1, bias, ahead, 0)
 
 
 @pytest.mark.parametrize("name", strategy_names("mlp"))
