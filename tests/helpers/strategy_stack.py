@@ -18,7 +18,8 @@ from megatron_paradyse.strategies import AttentionContext, MLPContext, ModelShap
 from megatron_paradyse.strategies.recompute import recompute
 from megatron_paradyse.strategies.tiling import over_row_tiles
 
-from helpers.reference_model import rope_transform
+from helpers.numerics import rel_err
+from helpers.reference_model import rope_transform, shard_layer
 
 
 def model_shape(p: int, gqa: bool) -> ModelShape:
@@ -49,6 +50,24 @@ def held_by_megatron_linears(shards, shape: ModelShape, group):
                 with torch.no_grad():
                     dst.copy_(src)
     return held
+
+
+def gradient_errors(ref_layers, shards, norms, shape: ModelShape, p: int, rank: int) -> dict[str, float]:
+    """The relative error of every weight gradient of this rank (its TP shards of each layer, the norms) against
+    the reference layers' gradients, sharded as Megatron shards them for ``p`` ranks."""
+    errors = {}
+    for i, (ref_layer, (aw, mw), norm) in enumerate(zip(ref_layers, shards, norms)):
+        ref_grads = {k: None if v is None else v.grad for k, v in ref_layer.items()}
+        ref_aw, ref_mw = shard_layer(ref_grads, shape, p, rank)
+        pairs = [
+            *zip(("qkv", "proj", "qkv_bias", "proj_bias"), fields(aw), fields(ref_aw)),
+            *zip(("fc1", "fc2", "fc1_bias", "fc2_bias"), fields(mw), fields(ref_mw)),
+            *((k, norm[k], ref_grads[k]) for k in norm),
+        ]
+        for name, param, want in pairs:
+            if param is not None:
+                errors[f"layer{i}.{name}"] = rel_err(param.grad.float(), want)
+    return errors
 
 
 def qk_transform(replicated: dict[str, torch.Tensor]):

@@ -38,7 +38,7 @@ from megatron_paradyse.strategies import (
 
 from helpers.numerics import rel_err
 from helpers.reference_model import StackConfig, make_params, reference_forward, shard_layer
-from helpers.strategy_stack import fields, held_by_megatron_linears, model_shape, run_stack
+from helpers.strategy_stack import fields, gradient_errors, held_by_megatron_linears, model_shape, run_stack
 
 TOLERANCE = 1e-5
 REPLICATED = ("ln1_w", "ln1_b", "ln2_w", "ln2_b", "q_scale", "k_scale")
@@ -165,18 +165,8 @@ def run_case(case: Case, rank: int, p: int) -> dict:
     errors = {
         "loss": rel_err(loss, loss_ref.detach()),
         "dx": rel_err(x_local.grad, layout.to_canonical(x_ref.grad)[local]),
+        **gradient_errors(ref_layers, shards, norms, cfg.shape, p, rank),
     }
-    for i, (ref_layer, (aw, mw), norm) in enumerate(zip(ref_layers, shards, norms)):
-        ref_grads = {k: None if v is None else v.grad for k, v in ref_layer.items()}
-        ref_aw, ref_mw = shard_layer(ref_grads, cfg.shape, p, rank)
-        pairs = [
-            *zip(("qkv", "proj", "qkv_bias", "proj_bias"), fields(aw), fields(ref_aw)),
-            *zip(("fc1", "fc2", "fc1_bias", "fc2_bias"), fields(mw), fields(ref_mw)),
-            *((k, norm[k], ref_grads[k]) for k in norm),
-        ]
-        for name, param, want in pairs:
-            if param is not None:
-                errors[f"layer{i}.{name}"] = rel_err(param.grad, want)
     worst = max(errors, key=errors.get)
     return {
         "max_err": errors[worst],

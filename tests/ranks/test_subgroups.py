@@ -34,7 +34,7 @@ from megatron_paradyse.strategies.dims import Dims
 from helpers.memory_cells import _least_recurring
 from helpers.numerics import rel_err
 from helpers.reference_model import StackConfig, make_params, reference_forward, shard_layer
-from helpers.strategy_stack import fields, model_shape, run_stack
+from helpers.strategy_stack import gradient_errors, model_shape, run_stack
 
 REPLICATED = ("ln1_w", "ln1_b", "ln2_w", "ln2_b")
 TOLERANCE = {"fp32": 1e-5, "bf16": 6e-2}
@@ -124,22 +124,11 @@ def run_case(case: Case, rank: int, p: int, subgroups: dict[int, list[dist.Proce
     ]:  # replicated: each rank's own tokens' share, all-reduced over the shards' ranks as Megatron does
         dist.all_reduce(grad)
 
-    errors = {
+    return {
         "loss": rel_err(loss, ref_loss),
         "dx": rel_err(x_local.grad.float(), layout.to_canonical(ref_x.grad)[local]),
+        **gradient_errors(ref_layers, shards, norms, cfg.shape, p, rank),
     }
-    for i, (ref_layer, (aw, mw), norm) in enumerate(zip(ref_layers, shards, norms)):
-        ref_grads = {k: None if v is None else v.grad for k, v in ref_layer.items()}
-        ref_aw, ref_mw = shard_layer(ref_grads, cfg.shape, p, rank)
-        pairs = [
-            *zip(("qkv", "proj", "qkv_bias", "proj_bias"), fields(aw), fields(ref_aw)),
-            *zip(("fc1", "fc2", "fc1_bias", "fc2_bias"), fields(mw), fields(ref_mw)),
-            *((k, norm[k], ref_grads[k]) for k in norm),
-        ]
-        for name, param, want in pairs:
-            if param is not None:
-                errors[f"layer{i}.{name}"] = rel_err(param.grad.float(), want)
-    return errors
 
 
 def _cast(weights, dtype: torch.dtype):
