@@ -26,6 +26,7 @@ import functools
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
@@ -36,17 +37,21 @@ import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 from torch._C._distributed_c10d import FakeProcessGroup, ProcessGroup
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 from megatron_paradyse.core.memory import GradientRoot, _StorageTracker
 from megatron_paradyse.mcore.bare_layer import make_layer_params
 from megatron_paradyse.mcore.linears import reserve_gather_buffer
-from megatron_paradyse.mcore.trace import fake_world
 from megatron_paradyse.strategies import MLPContext, get_strategy, run_mlp
 from megatron_paradyse.strategies.recorded import Event, Recording, RecordingKey, install_recorder
 
 from megatron.core import parallel_state
 
-__all__ = ["LENGTHS", "cached_record", "fake_groups", "record"]
+__all__ = ["FAKE_GROUP_DESC", "LENGTHS", "cached_record", "fake_groups", "record"]
+
+FAKE_GROUP_DESC = "fake: a strategy's memory recorded"
+"""The description of the fake groups a recording runs on (``ProcessGroup.group_desc``): they connect to
+no one and hold no memory."""
 
 LENGTHS = (16, 24, 40)
 """Tokens a rank the code runs at: each size is fitted on the first two and checked at the third."""
@@ -54,8 +59,12 @@ LENGTHS = (16, 24, 40)
 
 def record(key: RecordingKey) -> Recording:
     """``key``'s sublayer strategy, recorded at :data:`LENGTHS` and fitted (every size linear in the
-    tokens, checked)."""
-    (inputs_1, events_1, *ids), (inputs_2, events_2, *_), (inputs_3, events_3, *_) = (_run(key, t) for t in LENGTHS)
+    tokens, checked). What the code warns about as it runs (Megatron's advice on CUDA's connections,
+    torch's deprecations) is about the code, not the recording: left unsaid here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runs = [_run(key, t) for t in LENGTHS]
+    (inputs_1, events_1, *ids), (inputs_2, events_2, *_), (inputs_3, events_3, *_) = runs
     t1, t2, t3 = LENGTHS
 
     def fitted(one: tuple[Event, ...], two: tuple[Event, ...], three: tuple[Event, ...]) -> tuple[Event, ...]:
@@ -86,13 +95,15 @@ def fake_groups(rank: int, p: int, shards: int) -> Iterator[tuple[ProcessGroup, 
     """(the micro-batch's group, the weights' group): rank ``rank`` of a fake process group of ``shards``
     ranks holding the weights, and the sub-group of ``p`` of them it runs a micro-batch on (the same
     group where ``p == shards``), made in this process whatever group it is in. A process in no group
-    is made rank ``rank`` of a fake world (:func:`~megatron_paradyse.mcore.trace.fake_world`) for the
-    block: Megatron's linears take their group only where ``torch.distributed`` is initialised."""
+    is made rank ``rank`` of a fake world for the block (Megatron's linears take their group only where
+    ``torch.distributed`` is initialised), on the fake backend alone: torch warns when it destroys a
+    world with a backend per device."""
     with contextlib.ExitStack() as stack:
         if dist.is_initialized():
             weights = stack.enter_context(_side_group(rank, shards))
         else:
-            stack.enter_context(fake_world(rank, shards))
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=shards)
+            stack.callback(dist.destroy_process_group)
             weights = dist.group.WORLD
         yield (weights if p == shards else stack.enter_context(_side_group(rank % p, p))), weights
 
@@ -105,6 +116,8 @@ def _side_group(rank: int, size: int) -> Iterator[ProcessGroup]:
     backend = FakeProcessGroup._create_internal(rank, size, FakeProcessGroup.Options())
     group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.CUSTOM, backend)
     group._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+    group._set_group_name(f"paradyse_memory_record_{size}")  # what tools that watch collectives print
+    group._set_group_desc(FAKE_GROUP_DESC)
     c10d._world.pg_group_ranks[group] = {i: i for i in range(size)}
     try:
         yield group

@@ -1,7 +1,8 @@
 """The analytic cost model's predictions, pinned, so that a faster model must predict exactly what the
 plain one did, and a change to the model shows every prediction it moves (git history keeps why each
-pinned value last changed). Memory: the allocation scripts as checked against the strategies' code
-(every rank's allocations traced, ``tests/ranks/test_memory_scripts.py``); time: the terms.
+pinned value last changed). Memory: the MLPs' recorded from their code and the attention's scripts, as
+checked against the strategies' code (every rank's allocations traced, ``tests/ranks/test_memory_scripts.py``);
+time: the terms.
 
 Two models: an H100 node's published figures with the benchmark's LLaMA-3-8B-sized layer (p=8, bf16,
 RoPE, no biases, on CUDA), and the unit tests' synthetic CPU profile with a correction (p=4, fp32,

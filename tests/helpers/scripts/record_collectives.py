@@ -5,7 +5,8 @@ Every ``torch.distributed`` communication call (not those it makes inside anothe
 collective, the peer's global rank for a point-to-point transfer (an all-to-all: one record per other
 rank); ``phase``: ``"warming"`` inside :func:`~megatron_paradyse.core.comm.warm_communicators`,
 ``"start-up"`` before the memory budget is measured, ``"step"`` after. Each rank writes its records to
-``$RECORD_DIR/rank<N>.json`` when it exits.
+``$RECORD_DIR/rank<N>.json`` when it exits. The fake groups a strategy's memory is recorded on
+(``mcore/memory_record.py``) communicate with no one and are left out.
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ depth = [0]
 
 
 def _record(group, peers) -> None:
+    from megatron_paradyse.mcore.memory_record import FAKE_GROUP_DESC  # after the wrapping: megatron binds then
+
     group = group if group is not None else dist.group.WORLD
+    if group.group_desc == FAKE_GROUP_DESC:  # a memory recording's: it connects to no one
+        return
     size = dist.get_world_size(group)
     for peer in peers:
         records.append([phase[0], f"{group.group_name} {group.group_desc}", size, peer])
