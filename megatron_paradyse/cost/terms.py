@@ -17,6 +17,11 @@ __all__ = ["LayerTerms", "layer_terms", "sublayer_terms"]
 
 def sublayer_terms(sublayer: Sublayer, name: str, d: Dims, layout: SequenceLayout, rank: int = 0) -> SublayerTerms:
     """The terms of strategy ``name`` running ``sublayer`` on ``rank`` for a micro-batch laid out as ``layout``."""
+    if d.weight_ranks != d.p:
+        raise ValueError(
+            f"the time of {sublayer} strategy {name!r} on a sub-group of {d.p} of the {d.weight_ranks} ranks "
+            "holding its shards is not modelled: its collectives' prices need the sub-group's rates"
+        )
     return get_strategy(sublayer, name).terms(d, layout, rank)
 
 

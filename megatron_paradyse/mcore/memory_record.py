@@ -145,7 +145,7 @@ def _run(key: RecordingKey, t: int) -> tuple[tuple[Event, ...], tuple[Event, ...
     with groups as (group, shards), _private_gather_buffer(), FakeTensorMode(allow_non_fake_inputs=True):
         params = make_layer_params(shape, key.shards, key.rank, group=shards, bias=key.bias, dtype=dtype)
         strategy = get_strategy(key.sublayer, key.name)
-        gathers = get_strategy("mlp", "zero3").weight_gathers(params.mlp, shards) if key.mlp_weight_ahead else None
+        gathers = strategy.weight_gathers(params.mlp, shards) if key.mlp_weight_ahead else None
         activation = F.silu if shape.gated_mlp else F.gelu
         weight_group = None if shards is group else shards
         ctx = MLPContext(group=group, shape=shape, activation=activation, gathers=gathers, weight_group=weight_group)
@@ -229,17 +229,19 @@ def cached_record(key: RecordingKey) -> Recording:
     path = folder / f"{hashlib.sha256(f'{key!r} {_code_digest()}'.encode()).hexdigest()[:32]}.json"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / "recording.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if path.exists():
-                return _from_json(json.loads(path.read_text()))
-            recording = record(key)
+        lock = open(folder / "recording.lock", "w")  # noqa: SIM115  (held by the block below)
+    except OSError:
+        return record(key)
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return _from_json(json.loads(path.read_text()))
+        recording = record(key)
+        with contextlib.suppress(OSError):  # kept for the next process where the folder takes it
             written = path.with_suffix(f".{os.getpid()}.tmp")
             written.write_text(json.dumps(dataclasses.asdict(recording)))
             written.replace(path)
-            return recording
-    except OSError:
-        return record(key)
+        return recording
 
 
 @functools.cache

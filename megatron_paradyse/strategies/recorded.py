@@ -125,7 +125,9 @@ def replay(recording: Recording, d: Dims) -> SublayerMemory:
             break
         _apply(fwd, ev, named, t)
     handed_on = 0.0  # what the forward leaves beside its output for the next sublayer: it dies here
-    for ev in iter(lambda: next(events), Event("backward")):
+    for ev in events:
+        if ev.kind == "backward":
+            break
         handed_on += fwd.sizes[named(ev.storage)] if ev.storage != output else 0.0
         fwd.free(named(ev.storage))
     saved = dict(fwd.sizes)

@@ -34,6 +34,11 @@ _LIBRARY: dict[tuple[Sublayer, str], Strategy] = {}
 
 def register(strategy: Strategy) -> Strategy:
     key = (strategy.sublayer, strategy.name)
+    if strategy.memory is None and strategy.sublayer != "mlp":
+        raise ValueError(
+            f"{strategy.sublayer} strategy {strategy.name!r} gives no memory script: only an MLP strategy's memory "
+            "is recorded from its code (strategies/recorded.py); write one from attention_allocations.py"
+        )
     if key in _LIBRARY:
         raise ValueError(f"{strategy.sublayer} strategy {strategy.name!r} is already registered")
     _LIBRARY[key] = strategy
@@ -98,6 +103,11 @@ def _checked(sublayer: Sublayer, name: str, ctx: AttentionContext | MLPContext) 
     sharded over both, and :attr:`Strategy.runs_on_subgroup`)."""
     strategy = get_strategy(sublayer, name)
     p, shards = ctx.group.size(), ctx.weights_over.size()
+    if shards % p:
+        raise ValueError(
+            f"a micro-batch on {p} ranks cannot be a sub-group of the {shards} holding the weights' TP shards: "
+            f"its size must divide {shards}"
+        )
     if p != shards and not strategy.runs_on_subgroup:
         able = [n for n in strategy_names(sublayer) if get_strategy(sublayer, n).runs_on_subgroup]
         raise ValueError(
