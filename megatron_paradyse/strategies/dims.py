@@ -62,8 +62,7 @@ class Dims:
             raise ValueError(f"Dims(shards={self.shards}): a sub-group of p={self.p} ranks must divide it")
         if self.mlp_weight_ahead and self.weight_ranks == 1:
             raise ValueError(
-                "Dims(mlp_weight_ahead=True) needs weights sharded over more than one rank: one rank gathers no "
-                "weight, ahead or not "
+                "Dims(mlp_weight_ahead=True) needs p > 1: one rank gathers no weight, ahead or not "
                 "(strategies.gathers_mlp_weight_ahead says where a layer gathers it)"
             )
 

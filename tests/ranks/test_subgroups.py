@@ -3,13 +3,13 @@ sub-groups of ``d`` ranks, each running its own micro-batch under strategies tha
 whole (``Strategy.runs_on_subgroup``), the gradients reduce-scattered back to the shards over all of them.
 
 At p = 2 and 4, d in {1, 2, p}, fp32 and bf16 (one document and packed documents) and fp16 (packed): every
-sub-group runs a different micro-batch (its own length and documents) through a stack of layers; the loss
-summed over the ranks and every rank's gradients (input, TP shards, the replicated parameters all-reduced as
-Megatron all-reduces them) equal a single-rank run of all the micro-batches with the full weights (fp32
-within 1e-5; bf16 and fp16 within their round-off). The memory of the MLP strategies on a sub-group,
-recorded from their code (``strategies/recorded.py``), equals what each rank allocates in every dtype, to
-the byte. A strategy that reads the shards as they are (``tp_sp``, ``lean``) refuses a sub-group with a
-message naming those that can run on one.
+sub-group runs a different micro-batch (its own length and documents) through a stack of layers, the shards
+left as they were; the loss summed over the ranks and every rank's gradients (input, TP shards, the
+replicated parameters all-reduced as Megatron all-reduces them) equal a single-rank run of all the
+micro-batches with the full weights (fp32 within 1e-5; bf16 and fp16 within their round-off). The memory of
+the MLP strategies on a sub-group, recorded from their code (``strategies/recorded.py``), equals what each
+rank allocates in every dtype, to the byte. A strategy that reads the shards as they are (``tp_sp``,
+``lean``) refuses a sub-group with a message naming those that can run on one.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from megatron_paradyse.strategies.dims import Dims
 from helpers.memory_cells import _least_recurring
 from helpers.numerics import rel_err
 from helpers.reference_model import StackConfig, make_params, reference_forward, shard_layer
-from helpers.strategy_stack import gradient_errors, model_shape, run_stack
+from helpers.strategy_stack import fields, gradient_errors, model_shape, run_stack
 
 REPLICATED = ("ln1_w", "ln1_b", "ln2_w", "ln2_b")
 TOLERANCE = {"fp32": 1e-5, "bf16": 6e-2, "fp16": 1e-2}
@@ -115,6 +115,8 @@ def run_case(case: Case, rank: int, p: int, subgroups: dict[int, list[dist.Proce
     shards = [tuple(_cast(w, dtype) for w in pair) for pair in shards]
     norms = [{k: layer[k].to(dtype).requires_grad_() for k in REPLICATED} for layer in layers]
     group = subgroups[d][mine]
+    params = [t for pair in shards for w in pair for t in fields(w) if t is not None]
+    before = [t.detach().clone() for t in params]
     y_local = run_stack(x_local, *zip(*shards), norms, PLAN, layout, cfg, group, weight_group=dist.group.WORLD)
     loss = (y_local.float().square() * g_local).sum()
     loss.backward()
@@ -130,6 +132,7 @@ def run_case(case: Case, rank: int, p: int, subgroups: dict[int, list[dist.Proce
         "loss": rel_err(loss, ref_loss),
         "dx": rel_err(x_local.grad.float(), layout.to_canonical(ref_x.grad)[local]),
         **gradient_errors(ref_layers, shards, norms, cfg.shape, p, rank),
+        "weights changed": float(not all(torch.equal(a, b.detach()) for a, b in zip(before, params))),
     }
 
 
